@@ -1,0 +1,149 @@
+"""The MPI side of the control plane: agreement on errors, timing, and the failure signal.
+
+Every stage ends in :meth:`Cluster.conclude`, one small allgather that carries each rank's
+elapsed time, counters and error (if any). All ranks then either go on together or raise
+the same typed error, so a failure on one rank never leaves the others waiting in a
+collective, and the stage time reported is the slowest rank's.
+
+Ranks that are busy for a long time on their own (downloading) also watch for a
+:class:`FailureSignal`, so one rank's failure stops the others promptly.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from azcp_cluster.errors import ERROR_CLASSES, AzcpError, InternalError
+
+_FAIL_TAG = 7071
+
+
+class PeerFailed(Exception):
+    """Raised inside a rank's stage work when another rank has already failed."""
+
+
+@dataclass
+class StageOutcome:
+    """What one rank brings to the end of a stage."""
+
+    error: AzcpError | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    notified: bool = False  # this rank sent a FailureSignal
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What every rank knows after a stage: the slowest time and everyone's counters."""
+
+    seconds: float
+    stats: list[dict[str, Any]]
+
+    def total(self, key: str) -> int:
+        """Sum of one counter over all ranks."""
+        return sum(int(s.get(key, 0)) for s in self.stats)
+
+
+def error_payload(error: AzcpError) -> tuple[str, str, str | None, int | None]:
+    """Serializable form of an error, for the agreement allgather."""
+    return (type(error).__name__, error.message, error.path, error.rank)
+
+
+def error_from_payload(payload: tuple[str, str, str | None, int | None]) -> AzcpError:
+    """Rebuild the typed error on every rank from :func:`error_payload`."""
+    name, message, path, rank = payload
+    cls = ERROR_CLASSES.get(name, InternalError)
+    return cls(message, path=path, rank=rank)
+
+
+def as_azcp_error(exc: BaseException, rank: int) -> AzcpError:
+    """Wrap anything a stage raised into the project's tree, tagged with the rank."""
+    if isinstance(exc, AzcpError):
+        if exc.rank is None:
+            exc.rank = rank
+        return exc
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    loc = f" at {where[0].filename.rsplit('/', 1)[-1]}:{where[0].lineno}" if where else ""
+    return InternalError(f"unexpected {type(exc).__name__}: {exc}{loc}", rank=rank)
+
+
+class Cluster:
+    """The ranks of one run, over an mpi4py communicator (passed in, never created here)."""
+
+    def __init__(self, comm: Any, clock: Callable[[], float]) -> None:
+        self.comm = comm
+        self.rank: int = comm.Get_rank()
+        self.size: int = comm.Get_size()
+        self.clock = clock
+        # A private duplicate so our tags and collectives never mix with the caller's.
+        self._signal_comm = comm.Dup()
+
+    def close(self) -> None:
+        """Release the communicator duplicated for signals."""
+        self._signal_comm.Free()
+
+    # -- agreement ------------------------------------------------------------------------
+
+    @contextmanager
+    def stage(self, outcome: StageOutcome) -> Iterator[StageOutcome]:
+        """Run a rank's stage work, capturing any error into ``outcome`` instead of raising."""
+        try:
+            yield outcome
+        except PeerFailed:
+            pass  # the failed rank reports; this one just stops
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt | SystemExit) and not isinstance(exc, AzcpError):
+                outcome.error = InternalError(f"interrupted ({type(exc).__name__})", rank=self.rank)
+            else:
+                outcome.error = as_azcp_error(exc, self.rank)
+
+    def conclude(self, started: float, outcome: StageOutcome) -> StageResult:
+        """End a stage on every rank: raise the agreed error, or return times and counters."""
+        elapsed = self.clock() - started
+        payload = error_payload(outcome.error) if outcome.error is not None else None
+        gathered = self.comm.allgather((elapsed, payload, outcome.stats, outcome.notified))
+        self._drain_signals([g[3] for g in gathered])
+        errors = [g[1] for g in gathered if g[1] is not None]
+        if errors:
+            raise error_from_payload(errors[0])
+        return StageResult(seconds=max(g[0] for g in gathered), stats=[g[2] for g in gathered])
+
+    # -- failure signal -------------------------------------------------------------------
+
+    def signal_failure(self, outcome: StageOutcome) -> None:
+        """Tell every other rank, without blocking, that this rank has failed."""
+        if outcome.notified or self.size == 1:
+            return
+        outcome.notified = True
+        reqs = [self._signal_comm.isend(self.rank, dest=r, tag=_FAIL_TAG) for r in range(self.size) if r != self.rank]
+        self._pending = getattr(self, "_pending", []) + reqs
+
+    def peer_failed(self) -> bool:
+        """Whether some other rank has signalled a failure (non-blocking)."""
+        return bool(self._signal_comm.iprobe(tag=_FAIL_TAG))
+
+    def _drain_signals(self, notified: list[bool]) -> None:
+        # Receive exactly the signals that were sent, so none is left in flight.
+        for sender, sent in enumerate(notified):
+            if sent and sender != self.rank:
+                self._signal_comm.recv(source=sender, tag=_FAIL_TAG)
+        for req in getattr(self, "_pending", []):
+            req.wait()
+        self._pending = []
+
+    # -- small collectives ----------------------------------------------------------------
+
+    def bcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Broadcast a small Python object."""
+        return self.comm.bcast(obj, root=root)
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Gather a small Python object from every rank onto every rank."""
+        return list(self.comm.allgather(obj))
+
+    def any_true(self, flag: bool) -> bool:
+        """Logical OR of a flag over all ranks."""
+        return bool(self.comm.allreduce(1 if flag else 0) > 0)

@@ -1,0 +1,110 @@
+"""The one configuration object, and the parsing of human-readable sizes.
+
+Pure code: no I/O. The CLI and the Python API both build a :class:`Config`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from azcp_cluster.errors import UsageError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+TiB = 1024 * GiB
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": KiB,
+    "kb": KiB,
+    "kib": KiB,
+    "m": MiB,
+    "mb": MiB,
+    "mib": MiB,
+    "g": GiB,
+    "gb": GiB,
+    "gib": GiB,
+    "t": TiB,
+    "tb": TiB,
+    "tib": TiB,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+COMPARE_MODES = ("none", "size")
+
+
+def parse_size(text: str) -> int:
+    """Parse ``64MiB``, ``1GiB``, ``512M``, ``4k`` or plain bytes into a byte count.
+
+    Units are binary (``M`` = ``MiB`` = 2**20), as in the reference tool. Raises
+    :class:`UsageError` on anything else, including zero-free negatives.
+    """
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise UsageError(f"invalid size {text!r} (expected e.g. 64MiB, 1GiB, 512M or a byte count)")
+    number, unit = match.groups()
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise UsageError(f"invalid size unit in {text!r} (use B, KiB, MiB, GiB, TiB)")
+    value = float(number) * factor
+    if value != int(value):
+        raise UsageError(f"size {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """Render a byte count for people, e.g. ``1.50 GiB``."""
+    for unit, factor in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= factor:
+            return f"{n / factor:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything one run needs to know; the same object on every rank."""
+
+    source: str
+    dest: str
+    compare: str = "size"
+    concurrency: int = 64
+    block_size: int = 16 * MiB
+    bcast_chunk: int = 64 * MiB
+    shard_size: int = 1 * GiB
+    max_retries: int = 5
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    dry_run: bool = False
+    json_path: str | None = None
+    progress: bool = True
+    # Seconds before a request that sends no bytes is abandoned and retried.
+    read_timeout: float = 60.0
+    connect_timeout: float = 30.0
+
+    def validate(self) -> Config:
+        """Check ranges and combinations; raise :class:`UsageError` naming the option."""
+        if self.compare not in COMPARE_MODES:
+            raise UsageError(f"--compare must be one of {', '.join(COMPARE_MODES)}, not {self.compare!r}")
+        positive = {
+            "--concurrency": self.concurrency,
+            "--block-size": self.block_size,
+            "--bcast-chunk": self.bcast_chunk,
+            "--shard-size": self.shard_size,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise UsageError(f"{name} must be greater than zero (got {value})")
+        if self.max_retries < 0:
+            raise UsageError(f"--max-retries must be zero or more (got {self.max_retries})")
+        if self.concurrency > 4096:
+            raise UsageError(f"--concurrency {self.concurrency} is beyond the supported 4096")
+        if self.read_timeout <= 0 or self.connect_timeout <= 0:
+            raise UsageError("timeouts must be greater than zero")
+        if not self.source:
+            raise UsageError("SOURCE is empty")
+        if not self.dest:
+            raise UsageError("DEST is empty")
+        return self

@@ -1,0 +1,131 @@
+"""The one exception tree of the project, and the one place that maps it to exit codes.
+
+Every failure the tool reports is an :class:`AzcpError`. Its class decides the exit
+code (``EXIT_CODES`` below is the documented table); its message is a single line
+that names the rank, the file and the cause where they are known.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+
+
+class AzcpError(Exception):
+    """Base of every error the tool reports to its user."""
+
+    exit_code = 1
+    stage = "internal"
+
+    def __init__(self, message: str, *, path: str | None = None, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.rank = rank
+
+    def one_line(self) -> str:
+        """The single line shown to the user: rank, file and cause."""
+        parts = []
+        if self.rank is not None:
+            parts.append(f"rank {self.rank}")
+        if self.path is not None:
+            parts.append(f"'{self.path}'")
+        parts.append(" ".join(self.message.split()))
+        return f"azcp-cluster: error [{self.stage}]: " + ": ".join(parts)
+
+
+class InternalError(AzcpError):
+    """A bug or an unexpected condition (exit 1)."""
+
+    exit_code = 1
+    stage = "internal"
+
+
+class UsageError(AzcpError):
+    """Bad arguments or options (exit 2)."""
+
+    exit_code = 2
+    stage = "arguments"
+
+
+class TopologyError(AzcpError):
+    """Ranks laid out in a way the tool refuses, e.g. two writers of one directory (exit 2)."""
+
+    exit_code = 2
+    stage = "topology"
+
+
+class ListError(AzcpError):
+    """The source could not be listed, or its listing is unusable (exit 3)."""
+
+    exit_code = 3
+    stage = "list"
+
+
+class DiffError(AzcpError):
+    """The local copies could not be compared with the listing (exit 4)."""
+
+    exit_code = 4
+    stage = "diff"
+
+
+class DownloadError(AzcpError):
+    """A download failed for good (exit 5)."""
+
+    exit_code = 5
+    stage = "download"
+
+
+class BroadcastError(AzcpError):
+    """The broadcast stage failed (exit 6)."""
+
+    exit_code = 6
+    stage = "bcast"
+
+
+class VerifyError(AzcpError):
+    """Copies differ from each other or from the source (exit 7)."""
+
+    exit_code = 7
+    stage = "verify"
+
+
+class LocalFSError(AzcpError):
+    """The destination filesystem refused an operation (exit 8)."""
+
+    exit_code = 8
+    stage = "local"
+
+
+ERROR_CLASSES: dict[str, type[AzcpError]] = {
+    cls.__name__: cls
+    for cls in (
+        InternalError,
+        UsageError,
+        TopologyError,
+        ListError,
+        DiffError,
+        DownloadError,
+        BroadcastError,
+        VerifyError,
+        LocalFSError,
+    )
+}
+
+EXIT_CODES: dict[int, str] = {
+    0: "success (also when nothing needed copying)",
+    1: "internal error",
+    2: "bad arguments or topology",
+    3: "listing the source failed",
+    4: "comparing local copies failed",
+    5: "download failed",
+    6: "broadcast failed",
+    7: "verification failed",
+    8: "local filesystem error (mkdir, write, rename, space)",
+}
+
+
+def exit_code_for(error: BaseException) -> int:
+    """Map any exception to the documented exit code (1 for anything unexpected)."""
+    if isinstance(error, AzcpError):
+        return error.exit_code
+    return InternalError.exit_code

@@ -1,0 +1,85 @@
+"""List a blob container prefix (rank 0 only) with azure-storage-blob."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from azcp_cluster.config import Config
+from azcp_cluster.credentials import Authorizer
+from azcp_cluster.errors import ListError
+from azcp_cluster.model import Listing
+from azcp_cluster.naming import RawEntry, directory_prefix, select
+from azcp_cluster.source import BlobSource
+
+
+def _raw(props: Any) -> RawEntry:
+    md5 = props.content_settings.content_md5 if props.content_settings else None
+    metadata = props.metadata or {}
+    return RawEntry(
+        name=props.name,
+        size=int(props.size or 0),
+        etag=str(props.etag or ""),
+        content_md5=base64.b64encode(bytes(md5)).decode("ascii") if md5 else "",
+        last_modified=props.last_modified.timestamp() if props.last_modified else 0.0,
+        is_folder=str(metadata.get("hdi_isfolder", "")).lower() == "true",
+    )
+
+
+def _explain(exc: Exception, source: BlobSource) -> ListError:
+    """A one-line cause for a listing failure; never echoes URLs (they may carry a SAS)."""
+    from azure.core.exceptions import (
+        ClientAuthenticationError,
+        HttpResponseError,
+        ResourceNotFoundError,
+        ServiceRequestError,
+        ServiceResponseError,
+    )
+
+    where = source.redacted()
+    if isinstance(exc, ResourceNotFoundError):
+        code = getattr(exc, "error_code", None) or "NotFound"
+        if str(code) == "ContainerNotFound":
+            return ListError(f"container '{source.container}' not found at {source.endpoint}")
+        return ListError(f"{where}: not found ({code})")
+    if isinstance(exc, ClientAuthenticationError):
+        code = getattr(exc, "error_code", None) or "AuthenticationFailed"
+        return ListError(f"{where}: access denied (HTTP {exc.status_code}, {code}); check the credentials")
+    if isinstance(exc, HttpResponseError):
+        code = getattr(exc, "error_code", None) or exc.reason
+        return ListError(f"{where}: listing failed (HTTP {exc.status_code}, {code})")
+    if isinstance(exc, ServiceRequestError | ServiceResponseError):
+        return ListError(f"cannot reach {source.endpoint}: {type(exc).__name__}")
+    return ListError(f"{where}: listing failed ({type(exc).__name__})")
+
+
+def list_source(source: BlobSource, auth: Authorizer, cfg: Config) -> Listing:
+    """Return the files under ``source`` after the prefix, marker, filter and safety rules."""
+    from azure.core.exceptions import AzureError, ResourceNotFoundError
+    from azure.storage.blob import ContainerClient
+
+    client = ContainerClient(
+        account_url=source.endpoint,
+        container_name=source.container,
+        credential=auth.sdk_credential(),
+        retry_total=cfg.max_retries,
+        connection_timeout=cfg.connect_timeout,
+        read_timeout=cfg.read_timeout,
+    )
+    try:
+        with client:
+            exact = None
+            if source.prefix and not source.prefix.endswith("/"):
+                try:
+                    exact = _raw(client.get_blob_client(source.prefix).get_blob_properties())
+                except ResourceNotFoundError as exc:
+                    if str(getattr(exc, "error_code", "")) == "ContainerNotFound":
+                        raise
+                if exact is not None and not exact.is_folder:
+                    return select(source.prefix, exact, (), cfg.include, cfg.exclude)
+            listed = client.list_blobs(name_starts_with=directory_prefix(source.prefix) or None, include=["metadata"])
+            return select(source.prefix, None, (_raw(b) for b in listed), cfg.include, cfg.exclude)
+    except ListError:
+        raise
+    except AzureError as exc:
+        raise _explain(exc, source) from None

@@ -1,0 +1,143 @@
+"""The destination tree: temporary names, preallocation, fsync and rename, presence checks.
+
+A file is written under a temporary name next to its final one, fsynced, then renamed,
+so a file under its final name is always complete. The temporary name is fixed for a
+given path, so a rerun after a crash reuses (and truncates) it instead of piling up.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Iterable
+
+from azcp_cluster.errors import LocalFSError
+
+TEMP_SUFFIX = ".azcp-part"
+
+
+def expand_dest(template: str, rank: int, host: str) -> str:
+    """Expand ``{rank}`` and ``{host}`` in DEST; other text is kept as written."""
+    return template.replace("{rank}", str(rank)).replace("{host}", host)
+
+
+def final_path(dest: str, rel: str) -> str:
+    """Where file ``rel`` lives under ``dest``."""
+    return os.path.join(dest, *rel.split("/"))
+
+
+def temp_path(dest: str, rel: str) -> str:
+    """The temporary name file ``rel`` is written under before its rename."""
+    head, _, base = rel.rpartition("/")
+    name = f".{base}{TEMP_SUFFIX}"
+    return os.path.join(dest, *head.split("/"), name) if head else os.path.join(dest, name)
+
+
+def fs_error(exc: OSError, path: str, action: str) -> LocalFSError:
+    """Turn an OSError into the project's error, with the cause in words."""
+    cause = exc.strerror or str(exc)
+    if exc.errno == errno.ENOSPC:
+        cause = "no space left on device"
+    return LocalFSError(f"cannot {action}: {cause}", path=path)
+
+
+def ensure_dest(dest: str, create: bool = True) -> None:
+    """Make sure DEST is a writable directory (created with parents when ``create``)."""
+    try:
+        st = os.stat(dest)
+    except FileNotFoundError:
+        if not create:
+            return
+        try:
+            os.makedirs(dest, exist_ok=True)
+        except OSError as exc:
+            raise fs_error(exc, dest, "create DEST") from None
+        return
+    except OSError as exc:
+        raise fs_error(exc, dest, "inspect DEST") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise LocalFSError("DEST exists and is not a directory", path=dest)
+    if create and not os.access(dest, os.W_OK | os.X_OK):
+        raise LocalFSError("DEST is not writable", path=dest)
+
+
+def is_present(dest: str, rel: str, size: int) -> bool:
+    """Whether ``rel`` already stands in ``dest`` as a regular file of ``size`` bytes."""
+    try:
+        st = os.stat(final_path(dest, rel))
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == size
+
+
+def prepare(dest: str, rel: str, size: int) -> None:
+    """Create (or truncate) the temporary file for ``rel`` at its full size."""
+    path = temp_path(dest, rel)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            if size:
+                os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise fs_error(exc, path, "create temporary file") from None
+
+
+def open_temp(dest: str, rel: str, flags: int = os.O_RDWR) -> int:
+    """Open the temporary file of ``rel`` (created by :func:`prepare`)."""
+    path = temp_path(dest, rel)
+    try:
+        return os.open(path, flags | os.O_CLOEXEC)
+    except OSError as exc:
+        raise fs_error(exc, path, "open temporary file") from None
+
+
+def pwritev_all(fd: int, buffers: list[memoryview] | list[bytes], offset: int) -> int:
+    """Write every byte of ``buffers`` at ``offset``, looping over short writes."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    total = 0
+    while views:
+        written = os.pwritev(fd, views, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "write returned no progress")
+        total += written
+        offset += written
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+    return total
+
+
+def finalize(dest: str, rel: str) -> None:
+    """fsync the temporary file of ``rel`` and rename it to its final name."""
+    tmp = temp_path(dest, rel)
+    final = final_path(dest, rel)
+    try:
+        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except OSError as exc:
+        raise fs_error(exc, final, "finish file") from None
+
+
+def sync_dirs(dirs: Iterable[str]) -> None:
+    """fsync directories so the renames in them survive a crash."""
+    for directory in dirs:
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise fs_error(exc, directory, "open directory") from None
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise fs_error(exc, directory, "sync directory") from None
+        finally:
+            os.close(fd)

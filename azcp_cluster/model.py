@@ -1,0 +1,77 @@
+"""The data every stage shares: the listed files, and their compact wire form. Pure code."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file to stage: where it comes from, where it goes, and what it must be."""
+
+    name: str  # name in the source (blob name, or path below a local source root)
+    path: str  # relative destination path, '/'-separated, already checked to stay inside DEST
+    size: int
+    etag: str = ""
+    content_md5: str = ""  # base64 as Azure reports it; "" when the blob has none
+    last_modified: float = 0.0  # seconds since the epoch
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What rank 0 found: the files to consider and the directory markers it skipped."""
+
+    files: tuple[FileEntry, ...]
+    markers_skipped: int = 0
+    filtered_out: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the listed file sizes."""
+        return sum(f.size for f in self.files)
+
+
+def encode_listing(listing: Listing) -> bytes:
+    """Encode a listing column-wise and compress it, for one broadcast to every rank.
+
+    Column-wise JSON compresses well (names share prefixes, ETags share a format) and
+    stays portable across ranks that run different Python builds.
+    """
+    files = listing.files
+    doc = {
+        "v": 1,
+        "markers": listing.markers_skipped,
+        "filtered": listing.filtered_out,
+        "name": [f.name for f in files],
+        # Paths equal names below the prefix in most listings; store only differences.
+        "path": [None if f.path == f.name else f.path for f in files],
+        "size": [f.size for f in files],
+        "etag": [f.etag for f in files],
+        "md5": [f.content_md5 for f in files],
+        "mtime": [f.last_modified for f in files],
+    }
+    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return zlib.compress(raw, 6)
+
+
+def decode_listing(blob: bytes) -> Listing:
+    """Inverse of :func:`encode_listing`."""
+    doc = json.loads(zlib.decompress(blob).decode("utf-8"))
+    if doc.get("v") != 1:
+        raise ValueError(f"unknown listing encoding version {doc.get('v')!r}")
+    files = tuple(
+        FileEntry(
+            name=name,
+            path=name if path is None else path,
+            size=size,
+            etag=etag,
+            content_md5=md5,
+            last_modified=mtime,
+        )
+        for name, path, size, etag, md5, mtime in zip(
+            doc["name"], doc["path"], doc["size"], doc["etag"], doc["md5"], doc["mtime"], strict=True
+        )
+    )
+    return Listing(files=files, markers_skipped=doc["markers"], filtered_out=doc["filtered"])

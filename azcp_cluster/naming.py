@@ -1,0 +1,133 @@
+"""From raw listed names to safe destination paths: prefix rules, filters, safety. Pure code.
+
+The rules:
+
+* ``.../ckpt`` names the virtual directory ``ckpt/``: blobs under ``ckpt/`` are copied to
+  their path below it, never ``ckpt-other/...``. If a blob named exactly ``ckpt`` exists,
+  that one blob is copied (to ``DEST/ckpt``'s basename) and nothing else.
+* Directory markers (names ending in ``/``, or ADLS Gen2 folder blobs) are skipped and counted.
+* ``--include``/``--exclude`` globs match the path below the prefix (``*`` crosses ``/``);
+  a file is kept if it matches some include (or there is none) and no exclude.
+* A name that would land outside DEST (``..``, ``.``, absolute, empty segments, NUL) is
+  refused, and so are two names where one is a file and the other needs it as a directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from azcp_cluster.errors import ListError
+from azcp_cluster.model import FileEntry, Listing
+
+
+@dataclass(frozen=True)
+class RawEntry:
+    """One object as the source lists it, before any of our rules."""
+
+    name: str
+    size: int
+    etag: str = ""
+    content_md5: str = ""
+    last_modified: float = 0.0
+    is_folder: bool = False  # ADLS Gen2 hdi_isfolder metadata
+
+
+def directory_prefix(prefix: str) -> str:
+    """The listing prefix for the virtual directory a PREFIX names ("" for the whole container)."""
+    if not prefix:
+        return ""
+    return prefix if prefix.endswith("/") else prefix + "/"
+
+
+def is_marker(entry: RawEntry) -> bool:
+    """Whether a listed object is a directory marker rather than a file."""
+    return entry.is_folder or entry.name.endswith("/")
+
+
+def check_relative_path(path: str, name: str) -> str:
+    """Return ``path`` if it is a safe relative destination path, else raise :class:`ListError`."""
+    if not path:
+        raise ListError("empty destination path", path=name)
+    if "\x00" in path:
+        raise ListError("name contains a NUL byte", path=name)
+    segments = path.split("/")
+    if path.startswith("/"):
+        raise ListError("name is absolute and would land outside DEST", path=name)
+    for segment in segments:
+        if segment in ("", ".", ".."):
+            reason = "an empty segment" if segment == "" else f"a {segment!r} segment"
+            raise ListError(f"name has {reason} and would land outside DEST or alias another file", path=name)
+    return path
+
+
+def matches_filters(path: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
+    """Whether ``path`` passes ``--include``/``--exclude``."""
+    if include and not any(fnmatchcase(path, pattern) for pattern in include):
+        return False
+    return not any(fnmatchcase(path, pattern) for pattern in exclude)
+
+
+def check_collisions(files: Sequence[FileEntry]) -> None:
+    """Refuse listings where one file's path is a directory of another's (``a`` and ``a/b``)."""
+    paths = {f.path for f in files}
+    for f in files:
+        parts = f.path.split("/")
+        for depth in range(1, len(parts)):
+            parent = "/".join(parts[:depth])
+            if parent in paths:
+                raise ListError(
+                    f"'{parent}' is both a file and the directory of '{f.path}'; they cannot both be copied",
+                    path=parent,
+                )
+
+
+def select(
+    prefix: str,
+    exact: RawEntry | None,
+    children: Iterable[RawEntry],
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+) -> Listing:
+    """Apply the prefix, marker, filter and safety rules; return the files in name order.
+
+    ``exact`` is the blob named exactly ``prefix`` if there is one; ``children`` are the
+    objects listed under :func:`directory_prefix`.
+    """
+    if exact is not None and not is_marker(exact) and not prefix.endswith("/"):
+        base = exact.name.rsplit("/", 1)[-1]
+        entry = _to_file(exact, check_relative_path(base, exact.name))
+        keep = matches_filters(entry.path, include, exclude)
+        return Listing(files=(entry,) if keep else (), filtered_out=0 if keep else 1)
+    dir_prefix = directory_prefix(prefix)
+    files: list[FileEntry] = []
+    markers = 0
+    filtered = 0
+    for raw in children:
+        if not raw.name.startswith(dir_prefix):
+            continue  # defensive: a listing must never widen the prefix
+        if is_marker(raw):
+            markers += 1
+            continue
+        rel = check_relative_path(raw.name[len(dir_prefix) :], raw.name)
+        if not matches_filters(rel, include, exclude):
+            filtered += 1
+            continue
+        files.append(_to_file(raw, rel))
+    files.sort(key=lambda f: f.name)
+    check_collisions(files)
+    return Listing(files=tuple(files), markers_skipped=markers, filtered_out=filtered)
+
+
+def _to_file(raw: RawEntry, path: str) -> FileEntry:
+    if raw.size < 0:
+        raise ListError(f"listed with a negative size ({raw.size})", path=raw.name)
+    return FileEntry(
+        name=raw.name,
+        path=path,
+        size=raw.size,
+        etag=raw.etag,
+        content_md5=raw.content_md5,
+        last_modified=raw.last_modified,
+    )

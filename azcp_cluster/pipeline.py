@@ -1,0 +1,287 @@
+"""The engine: the stages in order, each ending in an agreement of all ranks.
+
+setup -> topology -> list -> diff -> plan -> download -> bcast (+ finalize) -> report.
+Each stage's rank-local work is thin glue around the pure core (naming, plan, schedule)
+and one I/O module; this file owns only the order and the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TextIO
+
+import numpy as np
+
+from azcp_cluster.broadcast import Broadcaster
+from azcp_cluster.cluster import Cluster, StageOutcome, error_from_payload, error_payload
+from azcp_cluster.config import Config, format_bytes
+from azcp_cluster.credentials import Authorizer, resolve_credential
+from azcp_cluster.download import Downloader, blocks_for
+from azcp_cluster.errors import AzcpError, TopologyError, UsageError
+from azcp_cluster.listing import list_source
+from azcp_cluster.localfs import ensure_dest, expand_dest, final_path, finalize, is_present, prepare, sync_dirs
+from azcp_cluster.model import Listing, decode_listing, encode_listing
+from azcp_cluster.plan import Plan, make_plan
+from azcp_cluster.progress import Progress, wants_progress
+from azcp_cluster.report import Report, StageFigures, report_lines
+from azcp_cluster.schedule import bcast_schedule
+from azcp_cluster.source import BlobSource, is_url, parse_blob_url
+
+
+def _attach(error: AzcpError, report: Report) -> AzcpError:
+    error.report = report  # type: ignore[attr-defined]
+    report.exit_code = error.exit_code
+    report.error = error.one_line()
+    return error
+
+
+def check_topology(places: list[tuple[str, str]]) -> None:
+    """Refuse two ranks on one host writing the same DEST (one writer per directory)."""
+    seen: dict[tuple[str, str], int] = {}
+    for rank, place in enumerate(places):
+        if place in seen:
+            host, dest = place
+            raise TopologyError(
+                f"ranks {seen[place]} and {rank} on host '{host}' would both write {dest}; run one rank per node "
+                "or put {rank} or {host} in DEST"
+            )
+        seen[place] = rank
+
+
+def run(
+    cfg: Config,
+    comm: Any,
+    *,
+    env: Mapping[str, str] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    wall: Callable[[], float] = time.time,
+    out: TextIO | None = None,
+    host: str | None = None,
+) -> Report:
+    """Run every stage on this rank (collectively with the others in ``comm``).
+
+    Returns the report on every rank; raises the same typed :class:`AzcpError` on every
+    rank if any rank fails (the error carries the partial report as ``.report``).
+    """
+    env = os.environ if env is None else env
+    out = sys.stdout if out is None else out
+    cluster = Cluster(comm, clock)
+    report = Report(ranks=cluster.size, dry_run=cfg.dry_run)
+    started = clock()
+    try:
+        _Run(cfg, cluster, report, env, wall, out, host or socket.gethostname(), started).execute()
+    except AzcpError as exc:
+        report.stages["total"].seconds = clock() - started
+        cluster.close()
+        raise _attach(exc, report) from None
+    cluster.close()
+    return report
+
+
+class _Run:
+    """One run's state, stage by stage."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        cluster: Cluster,
+        report: Report,
+        env: Mapping[str, str],
+        wall: Callable[[], float],
+        out: TextIO,
+        host: str,
+        started: float,
+    ) -> None:
+        self.started = started
+        self.cfg = cfg
+        self.cluster = cluster
+        self.report = report
+        self.env = env
+        self.wall = wall
+        self.out = out
+        self.host = host
+        self.rank = cluster.rank
+        self.dest = os.path.abspath(expand_dest(cfg.dest, self.rank, host))
+        self.show_progress = wants_progress(cfg.progress, self.rank)
+
+    def execute(self) -> None:
+        source, auth = self.setup()
+        listing = self.list_stage(source, auth)
+        transfer = self.diff(listing)
+        plan = make_plan([f.size for f in listing.files], transfer, self.cluster.size, self.cfg.shard_size)
+        self.report.plan_loads = plan.loads()
+        self.report.plan_spread = plan.spread()
+        self.report.broadcast_shards = len(plan.shards)
+        if self.cfg.dry_run:
+            self.print_plan(listing, transfer, plan)
+            self.print_report()
+            return
+        self.download(listing, transfer, plan, auth)
+        self.bcast(listing, transfer, plan)
+        self.print_report()
+
+    # -- stages ---------------------------------------------------------------------------
+
+    def setup(self) -> tuple[BlobSource, Authorizer]:
+        cluster = self.cluster
+        outcome = StageOutcome()
+        t0 = cluster.clock()
+        source: BlobSource | None = None
+        auth: Authorizer | None = None
+        with cluster.stage(outcome):
+            self.cfg.validate()
+            if not is_url(self.cfg.source):
+                raise UsageError(
+                    f"SOURCE {self.cfg.source!r} is not a blob URL (expected https://ACCOUNT.blob.core.windows.net/"
+                    "CONTAINER[/PREFIX] or http(s)://HOST:PORT/ACCOUNT/CONTAINER[/PREFIX])"
+                )
+            source = parse_blob_url(self.cfg.source)
+            auth = Authorizer(source, resolve_credential(source, self.env), self.wall)
+        cluster.conclude(t0, outcome)
+        assert source is not None and auth is not None
+        places = cluster.allgather((self.host, self.dest))
+        self.report.nodes = len({h for h, _ in places})
+        check_topology(places)
+        outcome = StageOutcome()
+        with cluster.stage(outcome):
+            ensure_dest(self.dest, create=not self.cfg.dry_run)
+        cluster.conclude(t0, outcome)
+        return source, auth
+
+    def list_stage(self, source: BlobSource, auth: Authorizer) -> Listing:
+        cluster = self.cluster
+        t0 = cluster.clock()
+        payload: bytes | None = None
+        outcome = StageOutcome()
+        if self.rank == 0:
+            with cluster.stage(outcome):
+                payload = encode_listing(list_source(source, auth, self.cfg))
+        payload, failure = cluster.bcast_object((payload, error_payload(outcome.error) if outcome.error else None))
+        if failure is not None:
+            raise error_from_payload(failure)
+        listing = decode_listing(payload)
+        self._list_seconds = cluster.clock() - t0
+        self.report.files = len(listing.files)
+        self.report.bytes = listing.total_bytes
+        self.report.markers_skipped = listing.markers_skipped
+        self.report.filtered_out = listing.filtered_out
+        self.report.stages["list"] = StageFigures(self._list_seconds, 0)
+        return listing
+
+    def diff(self, listing: Listing) -> list[int]:
+        cluster = self.cluster
+        t0 = cluster.clock()
+        outcome = StageOutcome()
+        files = listing.files
+        with cluster.stage(outcome):
+            if self.cfg.compare == "none":
+                present = np.zeros(len(files), dtype=bool)
+            else:
+                present = np.fromiter(
+                    (is_present(self.dest, f.path, f.size) for f in files), dtype=bool, count=len(files)
+                )
+            outcome.stats = {"present": np.packbits(present).tobytes(), "list_seconds": self._list_seconds}
+        result = cluster.conclude(t0, outcome)
+        everywhere = np.ones(len(files), dtype=bool)
+        for stats in result.stats:
+            bits = np.unpackbits(np.frombuffer(stats["present"], dtype=np.uint8), count=len(files)).astype(bool)
+            everywhere &= bits
+        transfer = [i for i in range(len(files)) if not everywhere[i]]
+        report = self.report
+        report.stages["list"].seconds = max(s["list_seconds"] for s in result.stats)
+        report.skipped_files = len(files) - len(transfer)
+        report.skipped_bytes = sum(files[i].size for i in range(len(files)) if everywhere[i])
+        report.transfer_files = len(transfer)
+        report.azure_files = len(transfer)
+        report.peer_files = 0
+        report.stages["diff"] = StageFigures(result.seconds, 0)
+        return transfer
+
+    def download(self, listing: Listing, transfer: list[int], plan: Plan, auth: Authorizer) -> None:
+        cluster = self.cluster
+        t0 = cluster.clock()
+        outcome = StageOutcome()
+        mine = plan.owned_by(self.rank)
+        progress = Progress("download", sum(s.length for s in mine), self.show_progress)
+        with cluster.stage(outcome):
+            for index in transfer:
+                entry = listing.files[index]
+                prepare(self.dest, entry.path, entry.size)
+            downloader = Downloader(
+                listing.files, self.dest, auth, self.cfg, peer_failed=cluster.peer_failed, on_bytes=progress.add
+            )
+            stats = downloader.run(blocks_for(mine, self.cfg.block_size))
+            outcome.stats = {"bytes": stats.bytes, "retries": stats.retries, "causes": dict(stats.retry_causes)}
+        progress.close()
+        if outcome.error is not None:
+            cluster.signal_failure(outcome)
+        result = cluster.conclude(t0, outcome)
+        causes: Counter[str] = Counter()
+        for stats_of_rank in result.stats:
+            causes.update(stats_of_rank.get("causes", {}))
+        self.report.downloaded_bytes = result.total("bytes")
+        self.report.retries = result.total("retries")
+        self.report.retry_causes = dict(causes)
+        self.report.stages["download"] = StageFigures(result.seconds, self.report.downloaded_bytes)
+
+    def bcast(self, listing: Listing, transfer: list[int], plan: Plan) -> None:
+        cluster = self.cluster
+        t0 = cluster.clock()
+        outcome = StageOutcome()
+        schedule = bcast_schedule(plan, self.cfg.bcast_chunk)
+        total = sum(c.length for c in schedule)
+        progress = Progress("bcast", total, self.show_progress)
+        with cluster.stage(outcome):
+            broadcaster = Broadcaster(
+                cluster.comm, listing.files, self.dest, self.cfg.bcast_chunk, on_bytes=progress.add
+            )
+            stats = broadcaster.run(schedule)
+            outcome.stats = {"received": stats.received_bytes, "sent": stats.sent_bytes}
+            self.finalize(listing, transfer)
+        progress.close()
+        result = cluster.conclude(t0, outcome)
+        self.report.broadcast_bytes = total
+        self.report.stages["bcast"] = StageFigures(result.seconds, total)
+
+    def finalize(self, listing: Listing, transfer: list[int]) -> None:
+        """fsync and rename every transferred file, several at once (fsync waits on the disk)."""
+        paths = [listing.files[i].path for i in transfer]
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="azcp-fin") as pool:
+            list(pool.map(lambda rel: finalize(self.dest, rel), paths))
+        dirs = {os.path.dirname(final_path(self.dest, rel)) for rel in paths}
+        sync_dirs(sorted(dirs))
+
+    # -- output ---------------------------------------------------------------------------
+
+    def print_plan(self, listing: Listing, transfer: list[int], plan: Plan) -> None:
+        if self.rank != 0:
+            return
+        counts = [0] * plan.nranks
+        files_of: list[set[int]] = [set() for _ in range(plan.nranks)]
+        for shard in plan.shards:
+            files_of[shard.owner].add(shard.file)
+        for rank in range(plan.nranks):
+            counts[rank] = len(files_of[rank])
+        loads = plan.loads()
+        print(f"[plan] {len(transfer)} files, {len(plan.shards)} shards over {plan.nranks} ranks", file=self.out)
+        for rank in range(plan.nranks):
+            print(
+                f"[plan] rank {rank}: {counts[rank]} files, {loads[rank]} bytes ({format_bytes(loads[rank])})",
+                file=self.out,
+            )
+        print(f"[plan] spread {plan.spread() * 100:.2f}% (busiest rank over the mean)", file=self.out)
+        self.out.flush()
+
+    def print_report(self) -> None:
+        self.report.stages["total"].seconds = self.cluster.clock() - self.started
+        if self.rank != 0:
+            return
+        for line in report_lines(self.report):
+            print(line, file=self.out)
+        self.out.flush()

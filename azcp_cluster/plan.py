@@ -1,0 +1,116 @@
+"""Deterministic LPT bin-packing of files and byte-range shards onto ranks. Pure code.
+
+Every rank calls :func:`make_plan` with the same inputs and gets the same plan, so the
+plan never has to be sent over the network. Files larger than ``shard_size`` are split into
+near-equal, aligned byte ranges; all pieces are then placed largest first on the
+least-loaded rank (ties to the lowest rank): the classic LPT rule, within 4/3 of optimal.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Shard boundaries fall on multiples of this, so O_DIRECT writers never straddle them.
+SHARD_ALIGN = 4096
+
+
+@dataclass(frozen=True, order=True)
+class Shard:
+    """A byte range ``[offset, offset + length)`` of file ``file`` that rank ``owner`` fetches."""
+
+    file: int  # index into the listing's files
+    offset: int
+    length: int
+    owner: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Who fetches what. ``shards`` are sorted by (file, offset): the broadcast order."""
+
+    shards: tuple[Shard, ...]
+    nranks: int
+
+    def loads(self) -> list[int]:
+        """Bytes assigned to each rank."""
+        loads = [0] * self.nranks
+        for shard in self.shards:
+            loads[shard.owner] += shard.length
+        return loads
+
+    def owned_by(self, rank: int) -> list[Shard]:
+        """The shards one rank fetches, in broadcast order."""
+        return [s for s in self.shards if s.owner == rank]
+
+    def spread(self, owners: Sequence[int] | None = None) -> float:
+        """Imbalance of the busiest rank over the mean, among ``owners`` (default all): 0.0 is perfect."""
+        loads = self.loads()
+        chosen = [loads[r] for r in (owners if owners is not None else range(self.nranks))]
+        total = sum(chosen)
+        if not chosen or total == 0:
+            return 0.0
+        mean = total / len(chosen)
+        return max(chosen) / mean - 1.0
+
+
+def round_up(value: int, align: int) -> int:
+    """Smallest multiple of ``align`` that is >= ``value``."""
+    return -(-value // align) * align
+
+
+def split_ranges(size: int, shard_size: int, align: int = SHARD_ALIGN) -> list[tuple[int, int]]:
+    """Split ``size`` bytes into near-equal ``(offset, length)`` ranges of at most ~``shard_size``.
+
+    Boundaries are multiples of ``align`` (when ``shard_size`` allows), every byte is in
+    exactly one range, and an empty file gives no range.
+    """
+    if size <= 0:
+        return []
+    if size <= shard_size:
+        return [(0, size)]
+    count = -(-size // shard_size)
+    piece = -(-size // count)
+    if piece >= align:
+        piece = round_up(piece, align)
+    ranges = []
+    offset = 0
+    while offset < size:
+        length = min(piece, size - offset)
+        ranges.append((offset, length))
+        offset += length
+    return ranges
+
+
+def make_plan(
+    sizes: Sequence[int],
+    files: Sequence[int],
+    nranks: int,
+    shard_size: int,
+    owners: Sequence[int] | None = None,
+) -> Plan:
+    """Assign every byte of ``files`` (indices into ``sizes``) to exactly one of ``owners``.
+
+    ``owners`` defaults to every rank; it lets a later mode restrict downloads to a subset.
+    """
+    if nranks <= 0:
+        raise ValueError("nranks must be positive")
+    candidates = sorted(set(owners)) if owners is not None else list(range(nranks))
+    if not candidates or candidates[0] < 0 or candidates[-1] >= nranks:
+        raise ValueError(f"owners must be a non-empty subset of 0..{nranks - 1}")
+    pieces: list[tuple[int, int, int]] = []  # (length, file, offset)
+    for index in files:
+        for offset, length in split_ranges(sizes[index], shard_size):
+            pieces.append((length, index, offset))
+    # Largest first; ties in a fixed order so every rank sorts identically.
+    pieces.sort(key=lambda p: (-p[0], p[1], p[2]))
+    heap = [(0, rank) for rank in candidates]
+    heapq.heapify(heap)
+    shards = []
+    for length, index, offset in pieces:
+        load, rank = heapq.heappop(heap)
+        shards.append(Shard(file=index, offset=offset, length=length, owner=rank))
+        heapq.heappush(heap, (load + length, rank))
+    shards.sort()
+    return Plan(shards=tuple(shards), nranks=nranks)

@@ -1,0 +1,87 @@
+"""The run's report: the stable text lines scripts parse, and the JSON document."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+STAGES = ("list", "diff", "download", "bcast", "total")
+
+
+@dataclass
+class StageFigures:
+    """Wall time of one stage (the slowest rank's) and the bytes it moved."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+@dataclass
+class Report:
+    """Everything the JSON report carries; also what the Python API returns."""
+
+    ranks: int = 0
+    nodes: int = 0
+    files: int = 0
+    bytes: int = 0
+    skipped_files: int = 0
+    skipped_bytes: int = 0
+    markers_skipped: int = 0
+    filtered_out: int = 0
+    transfer_files: int = 0
+    peer_files: int = 0
+    azure_files: int = 0
+    downloaded_bytes: int = 0
+    broadcast_bytes: int = 0
+    broadcast_shards: int = 0
+    retries: int = 0
+    retry_causes: dict[str, int] = field(default_factory=dict)
+    exit_code: int = 0
+    error: str | None = None
+    dry_run: bool = False
+    plan_loads: list[int] = field(default_factory=list)
+    plan_spread: float = 0.0
+    stages: dict[str, StageFigures] = field(default_factory=lambda: {s: StageFigures() for s in STAGES})
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document written by ``--json``."""
+        return asdict(self)
+
+    def write_json(self, path: str) -> None:
+        """Write the JSON report atomically (temporary name, then rename)."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(self.to_json(), fh, indent=2, sort_keys=True)
+            fh.write("\n")
+        os.replace(tmp, path)
+
+
+def gbps(nbytes: int, seconds: float) -> str:
+    """Bandwidth in the reference's ``x.xx Gb/s`` form."""
+    if seconds <= 0:
+        return "0.00 Gb/s"
+    return f"{nbytes * 8 / seconds / 1e9:.2f} Gb/s"
+
+
+def report_lines(report: Report) -> list[str]:
+    """The stable report lines (a contract: scripts parse them)."""
+    st = report.stages
+    lines = [
+        f"[list] {report.files} files, {report.bytes} bytes T={st['list'].seconds:.3f}s",
+        f"[diff] {report.transfer_files} to transfer ({report.peer_files} peer, {report.azure_files} azure), "
+        f"{report.skipped_files} skipped T={st['diff'].seconds:.3f}s",
+    ]
+    if not report.dry_run:
+        lines += [
+            f"[download] {report.downloaded_bytes} bytes T={st['download'].seconds:.3f}s "
+            f"BW={gbps(report.downloaded_bytes, st['download'].seconds)}",
+            f"[bcast] {report.broadcast_shards} shards {report.broadcast_bytes} bytes T={st['bcast'].seconds:.3f}s "
+            f"BW={gbps(report.broadcast_bytes, st['bcast'].seconds)}",
+        ]
+        if report.retries:
+            causes = ", ".join(f"{k}={v}" for k, v in sorted(report.retry_causes.items()))
+            lines.append(f"[cluster] retries: {report.retries} ({causes})")
+    lines.append(f"[total] T={st['total'].seconds:.3f}s")
+    return lines

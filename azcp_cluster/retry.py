@@ -1,0 +1,45 @@
+"""When to retry a request and how long to wait. Pure code (the random source is passed in)."""
+
+from __future__ import annotations
+
+import random
+from email.utils import parsedate_to_datetime
+
+# 408 timeout, 429 throttled, and the 5xx that Azure documents as transient.
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+BASE_DELAY = 0.5
+MAX_DELAY = 30.0
+
+
+def backoff_delay(
+    attempt: int,
+    retry_after: float | None,
+    rng: random.Random,
+    base: float = BASE_DELAY,
+    cap: float = MAX_DELAY,
+) -> float:
+    """Seconds to wait before retry number ``attempt`` (0 for the first retry).
+
+    Exponential backoff with full jitter, so that many clients hit by the same 503 do not
+    come back in lockstep; never shorter than the server's Retry-After.
+    """
+    ceiling = min(cap, base * (2**attempt))
+    delay = rng.uniform(ceiling / 2, ceiling)
+    if retry_after is not None:
+        delay = max(delay, min(retry_after, 5 * cap))
+    return delay
+
+
+def parse_retry_after(value: str | None, now: float) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date); None if absent or bad."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(0.0, when.timestamp() - now)
