@@ -1,0 +1,145 @@
+"""Start and stop the Azure Storage emulator (Azurite, pinned in package.json) on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+# The emulator's documented, well-known development account: not a secret.
+ACCOUNT = "devstoreaccount1"
+ACCOUNT_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Emulator:
+    """A running emulator: where it listens and how to reach its account."""
+
+    host: str
+    port: int
+    pid: int
+
+    @property
+    def endpoint(self) -> str:
+        """Path-style service URL of the development account."""
+        return f"http://{self.host}:{self.port}/{ACCOUNT}"
+
+    def url(self, container: str, prefix: str = "") -> str:
+        """SOURCE URL for a container and prefix."""
+        return f"{self.endpoint}/{container}" + (f"/{prefix}" if prefix else "")
+
+    @property
+    def connection_string(self) -> str:
+        """Connection string for the development account on this emulator."""
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={ACCOUNT_KEY};"
+            f"BlobEndpoint={self.endpoint};"
+        )
+
+    def key_env(self) -> dict[str, str]:
+        """Environment that authenticates with the account key (as a user would)."""
+        return {"AZURE_STORAGE_ACCOUNT": ACCOUNT, "AZURE_STORAGE_KEY": ACCOUNT_KEY}
+
+
+def find_binary(root: Path = REPO_ROOT) -> str:
+    """Path of ``azurite-blob`` from the project's node_modules (``npm ci`` installs it)."""
+    local = root / "node_modules" / ".bin" / "azurite-blob"
+    if local.exists():
+        return str(local)
+    found = shutil.which("azurite-blob")
+    if found:
+        return found
+    raise FileNotFoundError("azurite-blob not found: run `npm ci` in the repository root")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_listening(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"azurite exited early with status {proc.returncode}")
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"azurite did not listen on {host}:{port} within {timeout}s")
+
+
+@contextmanager
+def running(
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    extra_args: tuple[str, ...] = (),
+    env: Mapping[str, str] | None = None,
+) -> Iterator[Emulator]:
+    """Run an in-memory emulator for the duration of the block; stop it by PID afterwards."""
+    port = port or free_port(host)
+    args = [
+        find_binary(),
+        "--inMemoryPersistence",
+        "--blobHost",
+        host,
+        "--blobPort",
+        str(port),
+        "--skipApiVersionCheck",
+        "--loose",
+        "--disableTelemetry",
+        "--silent",
+        *extra_args,
+    ]
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=dict(os.environ if env is None else env),
+    )
+    try:
+        _wait_listening(host, port, proc, timeout=30)
+        yield Emulator(host=host, port=port, pid=proc.pid)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def container_client(emulator: Emulator, container: str, create: bool = True):  # type: ignore[no-untyped-def]
+    """An azure-storage-blob ContainerClient on the emulator (created if asked)."""
+    from azure.core.exceptions import ResourceExistsError
+    from azure.storage.blob import BlobServiceClient
+
+    service = BlobServiceClient.from_connection_string(emulator.connection_string)
+    client = service.get_container_client(container)
+    if create:
+        try:
+            client.create_container()
+        except ResourceExistsError:
+            pass
+    return client
+
+
+def upload(emulator: Emulator, container: str, blobs: Mapping[str, bytes]) -> None:
+    """Upload ``{name: data}`` into ``container`` (created if missing)."""
+    client = container_client(emulator, container)
+    for name, data in blobs.items():
+        client.upload_blob(name, data, overwrite=True, max_concurrency=4)

@@ -1,0 +1,87 @@
+"""Shared fixtures: a real Azurite emulator on loopback and a real `mpiexec -n N` runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from azcp_cluster.devtools import azurite
+
+REPO = Path(__file__).resolve().parents[1]
+MPI_TIMEOUT = 120
+
+
+def mpiexec_path() -> str:
+    """The mpiexec that belongs to this interpreter's environment (the `mpich` wheel)."""
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    found = shutil.which("mpiexec")
+    if not found:
+        pytest.fail("mpiexec not found: install the test extra (pip install -e '.[test]')")
+    return found
+
+
+@dataclass
+class Result:
+    """A finished CLI run."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    json: dict[str, Any] | None
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The test process environment without Azure credentials, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AZURE_")}
+    env.update(extra or {})
+    return env
+
+
+def run_cli(
+    args: list[str],
+    *,
+    n: int = 4,
+    env: Mapping[str, str] | None = None,
+    json_path: Path | None = None,
+    timeout: float = MPI_TIMEOUT,
+) -> Result:
+    """Run ``azcp-cluster ARGS`` under ``mpiexec -n N`` (n=0: without mpiexec)."""
+    cmd = [sys.executable, "-m", "azcp_cluster", *args]
+    if json_path is not None:
+        cmd += ["--json", str(json_path)]
+    if n:
+        cmd = [mpiexec_path(), "-n", str(n), *cmd]
+    proc = subprocess.run(cmd, env=clean_env(env), capture_output=True, text=True, timeout=timeout)
+    doc = None
+    if json_path is not None and json_path.exists():
+        doc = json.loads(json_path.read_text())
+    return Result(proc.returncode, proc.stdout, proc.stderr, doc)
+
+
+@pytest.fixture(scope="session")
+def emulator() -> Iterator[azurite.Emulator]:
+    """One in-memory Azurite for the whole session, on a free loopback port."""
+    with azurite.running() as emu:
+        yield emu
+
+
+def tree_of(root: Path) -> dict[str, bytes]:
+    """Every regular file below ``root``: relative path -> content."""
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }

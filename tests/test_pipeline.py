@@ -1,0 +1,253 @@
+"""The whole job on Azurite and `mpiexec -n 4`: copies, reruns, exit codes."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from azcp_cluster.config import MiB
+from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.datasets import tricky_tree, with_traps
+from tests.conftest import run_cli, tree_of
+
+RANKS = 4
+
+
+def _container() -> str:
+    return "t" + uuid.uuid4().hex[:20]
+
+
+@pytest.fixture(scope="module")
+def dataset(emulator: azurite.Emulator) -> tuple[str, dict[str, bytes]]:
+    """A container with the tricky tree under ckpt/ plus traps around it."""
+    container = _container()
+    tree = tricky_tree("ckpt", chunk=1 * MiB, block=4 * MiB)
+    azurite.upload(emulator, container, with_traps(tree, "ckpt"))
+    expected = {name[len("ckpt/") :]: data for name, data in tree.items()}
+    return container, expected
+
+
+def _assert_copies(tmp: Path, expected: dict[str, bytes], ranks: int = RANKS) -> None:
+    for rank in range(ranks):
+        got = tree_of(tmp / str(rank))
+        assert sorted(got) == sorted(expected), f"rank {rank} has a different file set"
+        for path, data in expected.items():
+            assert got[path] == data, f"rank {rank}: {path} differs"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        [],  # defaults: whole files
+        ["--shard-size", "1MiB", "--block-size", "256KiB", "--bcast-chunk", "384KiB", "--concurrency", "3"],
+    ],
+    ids=["defaults", "sharded-small-chunks"],
+)
+def test_copies_tree_to_every_rank_and_rerun_moves_nothing(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path, options: list[str]
+) -> None:
+    container, expected = dataset
+    dest = str(tmp_path / "{rank}")
+    report = tmp_path / "report.json"
+    first = run_cli([emulator.url(container, "ckpt"), dest, *options], env=emulator.key_env(), json_path=report)
+    assert first.returncode == 0, first.output
+    _assert_copies(tmp_path, expected)
+    doc = first.json
+    assert doc is not None
+    total = sum(len(d) for d in expected.values())
+    assert doc["files"] == len(expected)
+    assert doc["bytes"] == total
+    assert doc["ranks"] == RANKS
+    assert doc["downloaded_bytes"] == total
+    assert doc["broadcast_bytes"] == total
+    assert doc["markers_skipped"] == 1
+    assert doc["skipped_files"] == 0
+    assert doc["exit_code"] == 0
+    for stage in ("list", "diff", "download", "bcast", "total"):
+        assert doc["stages"][stage]["seconds"] >= 0
+    assert doc["stages"]["download"]["bytes"] == total
+    for line in ("[list]", "[diff]", "[download]", "[bcast]", "[total]"):
+        assert line in first.stdout
+    assert f"[list] {len(expected)} files, {total} bytes T=" in first.stdout
+
+    second = run_cli([emulator.url(container, "ckpt"), dest, *options], env=emulator.key_env(), json_path=report)
+    assert second.returncode == 0, second.output
+    again = second.json
+    assert again is not None
+    assert again["downloaded_bytes"] == 0
+    assert again["broadcast_bytes"] == 0
+    assert again["skipped_files"] == again["files"] == len(expected)
+    _assert_copies(tmp_path, expected)
+
+
+def test_no_temporary_files_remain(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    container, _ = dataset
+    result = run_cli([emulator.url(container, "ckpt/"), str(tmp_path / "{rank}")], env=emulator.key_env())
+    assert result.returncode == 0, result.output
+    leftovers = [p for p in tmp_path.rglob("*") if p.name.endswith(".azcp-part")]
+    assert leftovers == []
+
+
+def test_one_rank_missing_a_file_gets_it_back(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    container, expected = dataset
+    args = [emulator.url(container, "ckpt"), str(tmp_path / "{rank}")]
+    assert run_cli(args, env=emulator.key_env()).returncode == 0
+    (tmp_path / "2" / "chunk.bin").unlink()
+    (tmp_path / "1" / "page.bin").write_bytes(b"short")
+    result = run_cli(args, env=emulator.key_env(), json_path=tmp_path / "r.json")
+    assert result.returncode == 0, result.output
+    assert result.json is not None
+    assert result.json["skipped_files"] == len(expected) - 2
+    assert result.json["downloaded_bytes"] == len(expected["chunk.bin"]) + len(expected["page.bin"])
+    _assert_copies(tmp_path, expected)
+
+
+def test_compare_none_copies_everything_again(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    container, expected = dataset
+    args = [emulator.url(container, "ckpt"), str(tmp_path / "{rank}")]
+    assert run_cli(args, env=emulator.key_env()).returncode == 0
+    result = run_cli([*args, "--compare", "none"], env=emulator.key_env(), json_path=tmp_path / "r.json")
+    assert result.returncode == 0, result.output
+    assert result.json is not None
+    assert result.json["downloaded_bytes"] == sum(len(d) for d in expected.values())
+
+
+def test_include_and_exclude(emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    container, expected = dataset
+    result = run_cli(
+        [
+            emulator.url(container, "ckpt"),
+            str(tmp_path / "{rank}"),
+            "--include",
+            "small/*",
+            "--include",
+            "*.txt",
+            "--exclude",
+            "small/part-000*",
+        ],
+        env=emulator.key_env(),
+    )
+    assert result.returncode == 0, result.output
+    wanted = {
+        k: v
+        for k, v in expected.items()
+        if (k.startswith("small/") or k.endswith(".txt")) and not k.startswith("small/part-000")
+    }
+    assert wanted and len(wanted) < len(expected)
+    _assert_copies(tmp_path, wanted)
+
+
+def test_exact_blob_prefix_copies_that_blob(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    container = _container()
+    azurite.upload(emulator, container, {"model.bin": b"x" * 5000, "model.bin.idx": b"y", "model.bin/": b""})
+    result = run_cli([emulator.url(container, "model.bin"), str(tmp_path / "{rank}")], env=emulator.key_env())
+    assert result.returncode == 0, result.output
+    for rank in range(RANKS):
+        assert tree_of(tmp_path / str(rank)) == {"model.bin": b"x" * 5000}
+
+
+def test_whole_container_with_connection_string(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    container = _container()
+    blobs = {"a": b"1" * 10, "d/b": b"2" * 20000}
+    azurite.upload(emulator, container, blobs)
+    env = {"AZURE_STORAGE_CONNECTION_STRING": emulator.connection_string}
+    result = run_cli([emulator.url(container), str(tmp_path / "{rank}")], env=env, n=2)
+    assert result.returncode == 0, result.output
+    for rank in range(2):
+        assert tree_of(tmp_path / str(rank)) == blobs
+
+
+def test_dry_run_prints_plan_and_writes_nothing(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    container, expected = dataset
+    result = run_cli(
+        [emulator.url(container, "ckpt"), str(tmp_path / "d" / "{rank}"), "--dry-run"], env=emulator.key_env()
+    )
+    assert result.returncode == 0, result.output
+    for rank in range(RANKS):
+        assert f"[plan] rank {rank}:" in result.stdout
+    assert "[plan] spread" in result.stdout
+    assert f"[diff] {len(expected)} to transfer" in result.stdout
+    assert not (tmp_path / "d").exists()
+
+
+def test_same_dest_on_one_host_is_refused(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    container, _ = dataset
+    result = run_cli([emulator.url(container, "ckpt"), str(tmp_path / "shared")], env=emulator.key_env())
+    assert result.returncode == 2
+    assert "host" in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / "shared").exists()
+
+
+def test_missing_container_exits_3(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    result = run_cli([emulator.url("no-such-container"), str(tmp_path / "{rank}")], env=emulator.key_env())
+    assert result.returncode == 3, result.output
+    assert "no-such-container" in result.stderr
+    assert "not found" in result.stderr
+    assert "Traceback" not in result.output
+    assert result.stderr.count("azcp-cluster: error") == 1
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["ftp://host/acct/container", "http://127.0.0.1:1/", "http://[::1/x/y", "not a url at all", "https://x.blob.core.windows.net/"],
+)
+def test_bad_source_exits_2(source: str, tmp_path: Path) -> None:
+    result = run_cli([source, str(tmp_path / "{rank}")], n=2)
+    assert result.returncode == 2, result.output
+    assert "Traceback" not in result.output
+    assert result.stderr.count("azcp-cluster: error") == 1
+
+
+def test_dest_is_a_file_exits_8(emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    container, _ = dataset
+    for rank in range(2):
+        (tmp_path / f"f{rank}").write_text("I am a file")
+    result = run_cli([emulator.url(container, "ckpt"), str(tmp_path / "f{rank}")], env=emulator.key_env(), n=2)
+    assert result.returncode == 8, result.output
+    assert "not a directory" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_dest_not_writable_exits_8(emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+    container, _ = dataset
+    # Root ignores permission bits, so use a place no one can create directories in.
+    result = run_cli(
+        [emulator.url(container, "ckpt"), "/proc/azcp-cluster-test/{rank}"], env=emulator.key_env(), n=2
+    )
+    assert result.returncode == 8, result.output
+    assert "Traceback" not in result.output
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        result = run_cli([emulator.url(container, "ckpt"), str(ro / "{rank}")], env=emulator.key_env(), n=2)
+        assert result.returncode == 8, result.output
+
+
+def test_unsafe_blob_names_are_refused(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    container = _container()
+    azurite.upload(emulator, container, {"p/ok.bin": b"ok", "p/a//b.bin": b"bad"})
+    result = run_cli([emulator.url(container, "p"), str(tmp_path / "{rank}")], env=emulator.key_env(), n=2)
+    assert result.returncode == 3, result.output
+    assert "a//b.bin" in result.stderr
+    assert not list(tmp_path.rglob("*.bin"))
+
+
+def test_version_and_help() -> None:
+    version = run_cli(["--version"], n=0)
+    assert version.returncode == 0 and "azcp-cluster" in version.stdout
+    helped = run_cli(["--help"], n=0)
+    assert helped.returncode == 0 and "--bcast-chunk" in helped.stdout and "exit codes" in helped.stdout
