@@ -10,7 +10,6 @@ Errors never leave a rank behind in a collective: a rank that fails keeps taking
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,20 +18,15 @@ from typing import Any
 import numpy as np
 
 from azcp_cluster.cluster import PeerFailed
+from azcp_cluster.directio import DirectFile, aligned_buffer
 from azcp_cluster.errors import AzcpError, BroadcastError
-from azcp_cluster.localfs import fs_error, open_temp, pwritev_all, temp_path
+from azcp_cluster.localfs import fs_error, temp_path
 from azcp_cluster.model import FileEntry
 from azcp_cluster.schedule import Chunk, call_slices
 
 # Ranks compare error flags this often (in chunks): rare enough to cost nothing, often
 # enough that a failure stops the stage within a few chunks.
 CHECK_EVERY = 16
-
-
-def aligned_buffer(size: int) -> np.ndarray:
-    """A page-aligned, zero-copy byte buffer (anonymous mmap), usable with O_DIRECT."""
-    region = mmap.mmap(-1, max(size, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(region, dtype=np.uint8, count=size)
 
 
 @dataclass
@@ -55,12 +49,17 @@ class Broadcaster:
         chunk_size: int,
         *,
         on_bytes: Callable[[int], None] = lambda n: None,
+        direct: bool = True,
     ) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.files = files
         self.dest = dest
         self.buffer = aligned_buffer(chunk_size)
+        self.direct = direct
+        self._reader, self._reader_file = -1, -1
+        self._writer: DirectFile | None = None
+        self._writer_file = -1
         self.on_bytes = on_bytes
         self.stats = BroadcastStats()
 
@@ -69,22 +68,13 @@ class Broadcaster:
         from mpi4py import MPI
 
         error: AzcpError | None = None
-        fd = -1
-        fd_file = -1
         try:
             for chunk in schedule:
                 view = self.buffer[: chunk.length]
                 is_root = chunk.root == self.rank
-                if error is None:
+                if error is None and is_root:
                     try:
-                        if fd_file != chunk.file:
-                            if fd >= 0:
-                                os.close(fd)
-                                fd = -1
-                            fd = open_temp(self.dest, self.files[chunk.file].path)
-                            fd_file = chunk.file
-                        if is_root:
-                            self._read(fd, view, chunk)
+                        self._read(view, chunk)
                     except AzcpError as exc:
                         error = exc
                 for start, stop in call_slices(chunk.length):
@@ -94,37 +84,55 @@ class Broadcaster:
                         if is_root:
                             self.stats.sent_bytes += chunk.length
                         else:
-                            self._write(fd, view, chunk)
+                            self._write(view, chunk)
                             self.stats.received_bytes += chunk.length
                     except AzcpError as exc:
                         error = exc
                 self.stats.chunks += 1
                 self.on_bytes(chunk.length)
-                if chunk.last_of_file and fd >= 0:
-                    os.close(fd)
-                    fd, fd_file = -1, -1
+                if chunk.last_of_file:
+                    self._close()
                 if (chunk.seq + 1) % CHECK_EVERY == 0 and self.comm.allreduce(0 if error is None else 1) > 0:
                     if error is None:
                         raise PeerFailed()
                     break
         finally:
-            if fd >= 0:
-                os.close(fd)
+            self._close()
         if error is not None:
             raise error
         return self.stats
 
-    def _read(self, fd: int, view: np.ndarray, chunk: Chunk) -> None:
-        path = temp_path(self.dest, self.files[chunk.file].path)
+    def _path(self, chunk: Chunk) -> str:
+        return temp_path(self.dest, self.files[chunk.file].path)
+
+    def _read(self, view: np.ndarray, chunk: Chunk) -> None:
+        path = self._path(chunk)
         try:
-            got = os.preadv(fd, [memoryview(view)], chunk.offset)  # type: ignore[arg-type]
+            if self._reader_file != chunk.file:
+                self._close()
+                self._reader = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                self._reader_file = chunk.file
+            got = os.preadv(self._reader, [memoryview(view)], chunk.offset)  # type: ignore[arg-type]
         except OSError as exc:
             raise fs_error(exc, path, "read back") from None
         if got != chunk.length:
             raise BroadcastError(f"short read of own download ({got} of {chunk.length} bytes)", path=path)
 
-    def _write(self, fd: int, view: np.ndarray, chunk: Chunk) -> None:
+    def _write(self, view: np.ndarray, chunk: Chunk) -> None:
+        path = self._path(chunk)
         try:
-            pwritev_all(fd, [memoryview(view)], chunk.offset)  # type: ignore[arg-type]
+            if self._writer is None or self._writer_file != chunk.file:
+                self._close()
+                self._writer = DirectFile(path, direct=self.direct)
+                self._writer_file = chunk.file
+            self._writer.write_at(view, chunk.offset)
         except OSError as exc:
-            raise fs_error(exc, temp_path(self.dest, self.files[chunk.file].path), "write") from None
+            raise fs_error(exc, path, "write") from None
+
+    def _close(self) -> None:
+        if self._reader >= 0:
+            os.close(self._reader)
+        if self._writer is not None:
+            self._writer.close()
+        self._reader, self._reader_file = -1, -1
+        self._writer, self._writer_file = None, -1

@@ -82,6 +82,4 @@ def emulator() -> Iterator[azurite.Emulator]:
 
 def tree_of(root: Path) -> dict[str, bytes]:
     """Every regular file below ``root``: relative path -> content."""
-    return {
-        p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
-    }
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

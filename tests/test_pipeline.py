@@ -202,7 +202,13 @@ def test_missing_container_exits_3(emulator: azurite.Emulator, tmp_path: Path) -
 
 @pytest.mark.parametrize(
     "source",
-    ["ftp://host/acct/container", "http://127.0.0.1:1/", "http://[::1/x/y", "not a url at all", "https://x.blob.core.windows.net/"],
+    [
+        "ftp://host/acct/container",
+        "http://127.0.0.1:1/",
+        "http://[::1/x/y",
+        "not a url at all",
+        "https://x.blob.core.windows.net/",
+    ],
 )
 def test_bad_source_exits_2(source: str, tmp_path: Path) -> None:
     result = run_cli([source, str(tmp_path / "{rank}")], n=2)
@@ -211,7 +217,9 @@ def test_bad_source_exits_2(source: str, tmp_path: Path) -> None:
     assert result.stderr.count("azcp-cluster: error") == 1
 
 
-def test_dest_is_a_file_exits_8(emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+def test_dest_is_a_file_exits_8(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
     container, _ = dataset
     for rank in range(2):
         (tmp_path / f"f{rank}").write_text("I am a file")
@@ -221,12 +229,12 @@ def test_dest_is_a_file_exits_8(emulator: azurite.Emulator, dataset: tuple[str, 
     assert "Traceback" not in result.output
 
 
-def test_dest_not_writable_exits_8(emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path) -> None:
+def test_dest_not_writable_exits_8(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
     container, _ = dataset
     # Root ignores permission bits, so use a place no one can create directories in.
-    result = run_cli(
-        [emulator.url(container, "ckpt"), "/proc/azcp-cluster-test/{rank}"], env=emulator.key_env(), n=2
-    )
+    result = run_cli([emulator.url(container, "ckpt"), "/proc/azcp-cluster-test/{rank}"], env=emulator.key_env(), n=2)
     assert result.returncode == 8, result.output
     assert "Traceback" not in result.output
     if os.geteuid() != 0:

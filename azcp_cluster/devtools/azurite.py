@@ -9,7 +9,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,10 +131,8 @@ def container_client(emulator: Emulator, container: str, create: bool = True):  
     service = BlobServiceClient.from_connection_string(emulator.connection_string)
     client = service.get_container_client(container)
     if create:
-        try:
+        with suppress(ResourceExistsError):
             client.create_container()
-        except ResourceExistsError:
-            pass
     return client
 
 

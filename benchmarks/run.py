@@ -1,0 +1,150 @@
+"""Benchmarks: each stage of the tool against its ceiling measured in the same run.
+
+    python benchmarks/run.py --quick --json bench.json
+
+download: the tool's download stage (``mpiexec -n 1 azcp-cluster``, read from its JSON
+report) against a lean aiohttp loop of the same ranged GETs (same blobs, block size and
+concurrency, bodies read and dropped) on the same emulator. Runs alternate and the
+median of each is kept. Writes ``{"download": {"value", "ceiling", "ratio"}, ...}`` (MiB/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from azcp_cluster.config import MiB, parse_size  # noqa: E402
+from azcp_cluster.credentials import Authorizer, resolve_credential  # noqa: E402
+from azcp_cluster.devtools import azurite  # noqa: E402
+from azcp_cluster.devtools.datasets import pseudo_random  # noqa: E402
+from azcp_cluster.download import API_VERSION  # noqa: E402
+from azcp_cluster.source import parse_blob_url  # noqa: E402
+
+CONTAINER = "bench"
+
+
+def mpiexec() -> str:
+    """The mpiexec next to this interpreter, else the one on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+async def _raw_download(urls: list[str], size: int, block: int, concurrency: int) -> float:
+    """Seconds for a lean loop of ranged GETs over ``urls`` (bodies read, then dropped)."""
+    ranges = [(u, off, min(block, size - off)) for u in urls for off in range(0, size, block)]
+    queue: asyncio.Queue[tuple[str, int, int]] = asyncio.Queue()
+    for item in ranges:
+        queue.put_nowait(item)
+    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while not queue.empty():
+            url, off, length = queue.get_nowait()
+            headers = {"Range": f"bytes={off}-{off + length - 1}", "x-ms-version": API_VERSION}
+            async with session.get(URL(url, encoded=True), headers=headers) as resp:
+                resp.raise_for_status()
+                got = 0
+                while True:
+                    piece = await resp.content.readany()
+                    if not piece:
+                        break
+                    got += len(piece)
+                assert got == length
+
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(session) for _ in range(min(concurrency, len(ranges)))))
+        return time.perf_counter() - started
+
+
+def _tool_download(source: str, dest: Path, env: dict[str, str], ranks: int, extra: list[str]) -> dict[str, Any]:
+    report = dest.parent / "report.json"
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "azcp_cluster", source, str(dest),
+           "--compare", "none", "--no-progress", "--json", str(report), *extra]
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    doc: dict[str, Any] = json.loads(report.read_text())
+    return doc
+
+
+def bench_download(emu: azurite.Emulator, blob_size: int, blobs: int, repeats: int, block: int,
+                   concurrency: int) -> dict[str, Any]:
+    """Tool download stage vs the raw aiohttp ceiling, alternating runs, medians."""
+    names = {f"dl/blob-{i:03d}.bin": pseudo_random(blob_size, f"bench{i}") for i in range(blobs)}
+    azurite.upload(emu, CONTAINER, names)
+    total = blob_size * blobs
+    source = emu.url(CONTAINER, "dl")
+    parsed = parse_blob_url(source)
+    auth = Authorizer(parsed, resolve_credential(parsed, emu.key_env()), time.time)
+    urls = [auth.blob_url(n) for n in names]
+    env = {**os.environ, **emu.key_env()}
+    extra = ["--block-size", str(block), "--concurrency", str(concurrency), "--shard-size", "1TiB"]
+    tool, raw = [], []
+    work = Path(tempfile.mkdtemp(prefix="azcp-bench-"))
+    try:
+        for _ in range(repeats):
+            raw.append(total / MiB / asyncio.run(_raw_download(urls, blob_size, block, concurrency)))
+            doc = _tool_download(source, work / "dest", env, 1, extra)
+            assert doc["downloaded_bytes"] == total
+            tool.append(total / MiB / doc["stages"]["download"]["seconds"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    value, ceiling = statistics.median(tool), statistics.median(raw)
+    return {
+        "value": round(value, 1),
+        "ceiling": round(ceiling, 1),
+        "ratio": round(value / ceiling, 3),
+        "unit": "MiB/s",
+        "bytes": total,
+        "samples": {"tool": [round(x, 1) for x in tool], "ceiling": [round(x, 1) for x in raw]},
+        "settings": {"block_size": block, "concurrency": concurrency, "ranks": 1, "blobs": blobs},
+    }
+
+
+def machine() -> dict[str, Any]:
+    """Where the figures came from."""
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmarks and print (and optionally write) the figures."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small dataset, fewer repeats (a minute or two)")
+    parser.add_argument("--json", metavar="FILE", help="write the figures to FILE")
+    parser.add_argument("--block-size", default="16MiB")
+    parser.add_argument("--concurrency", type=int, default=16)
+    args = parser.parse_args(argv)
+    blob_size, blobs, repeats = (64 * MiB, 4, 3) if args.quick else (128 * MiB, 8, 5)
+    results: dict[str, Any] = {"machine": machine(), "quick": args.quick}
+    with azurite.running() as emu:
+        results["download"] = bench_download(
+            emu, blob_size, blobs, repeats, parse_size(args.block_size), args.concurrency
+        )
+    print(json.dumps(results, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
