@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", default="16MiB")
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args(argv)
-    blob_size, blobs, repeats = (64 * MiB, 4, 3) if args.quick else (128 * MiB, 8, 5)
+    blob_size, blobs, repeats = (64 * MiB, 8, 3) if args.quick else (128 * MiB, 8, 5)
     results: dict[str, Any] = {"machine": machine(), "quick": args.quick}
     with azurite.running() as emu:
         results["download"] = bench_download(
