@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 from azcp_cluster.errors import UsageError
 
@@ -49,8 +50,11 @@ def parse_size(text: str) -> int:
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise UsageError(f"invalid size unit in {text!r} (use B, KiB, MiB, GiB, TiB)")
-    value = float(number) * factor
-    if value != int(value):
+    try:
+        value = Fraction(number) * factor  # exact: a float loses bytes above 2**53 and overflows to inf
+    except ValueError:  # more digits than int() converts
+        raise UsageError(f"size {text!r} is too large") from None
+    if value.denominator != 1:
         raise UsageError(f"size {text!r} is not a whole number of bytes")
     return int(value)
 

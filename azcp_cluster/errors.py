@@ -28,7 +28,9 @@ class AzcpError(Exception):
         if self.rank is not None:
             parts.append(f"rank {self.rank}")
         if self.path is not None:
-            parts.append(f"'{self.path}'")
+            # Escape line breaks and other control characters: a path may hold any of them.
+            path = "".join(c if c.isprintable() else repr(c)[1:-1] for c in self.path)
+            parts.append(f"'{path}'")
         parts.append(" ".join(self.message.split()))
         return f"azcp-cluster: error [{self.stage}]: " + ": ".join(parts)
 

@@ -24,7 +24,7 @@ def backoff_delay(
     Exponential backoff with full jitter, so that many clients hit by the same 503 do not
     come back in lockstep; never shorter than the server's Retry-After.
     """
-    ceiling = min(cap, base * (2**attempt))
+    ceiling = min(cap, base * 2 ** min(attempt, 64))  # 2**1024 and up would not convert to float
     delay = rng.uniform(ceiling / 2, ceiling)
     if retry_after is not None:
         delay = max(delay, min(retry_after, 5 * cap))
@@ -36,7 +36,7 @@ def parse_retry_after(value: str | None, now: float) -> float | None:
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # not '²' or other Unicode digits float() refuses
         return float(value)
     try:
         when = parsedate_to_datetime(value)

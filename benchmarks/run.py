@@ -29,12 +29,12 @@ from yarl import URL
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from azcp_cluster.config import MiB, parse_size  # noqa: E402
-from azcp_cluster.credentials import Authorizer, resolve_credential  # noqa: E402
-from azcp_cluster.devtools import azurite  # noqa: E402
-from azcp_cluster.devtools.datasets import pseudo_random  # noqa: E402
-from azcp_cluster.download import API_VERSION  # noqa: E402
-from azcp_cluster.source import parse_blob_url  # noqa: E402
+from azcp_cluster.config import MiB, parse_size
+from azcp_cluster.credentials import Authorizer, resolve_credential
+from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.download import API_VERSION
+from azcp_cluster.source import parse_blob_url
 
 CONTAINER = "bench"
 

@@ -1,0 +1,230 @@
+"""Tests for the destination-tree helpers (azcp_cluster/localfs.py): pure path rules, then real files."""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from azcp_cluster import localfs
+from azcp_cluster.errors import LocalFSError, exit_code_for
+from azcp_cluster.localfs import (
+    TEMP_SUFFIX,
+    expand_dest,
+    final_path,
+    finalize,
+    is_present,
+    prepare,
+    pwritev_all,
+    temp_path,
+)
+
+# ---------------------------------------------------------------------------------------
+# expand_dest
+
+
+@pytest.mark.parametrize(
+    ("template", "rank", "host", "expected"),
+    [
+        ("/scratch/data", 3, "node1", "/scratch/data"),
+        ("/scratch/{rank}", 3, "node1", "/scratch/3"),
+        ("/scratch/{host}/r{rank}", 12, "gpu-7", "/scratch/gpu-7/r12"),
+        ("/{rank}/{rank}", 0, "h", "/0/0"),
+        ("/scratch/{other}/{RANK}/{ rank }", 1, "h", "/scratch/{other}/{RANK}/{ rank }"),
+        ("/d/{host}", 5, "weird{rank}host", "/d/weird{rank}host"),  # a host name is not expanded again
+    ],
+)
+def test_expand_dest(template: str, rank: int, host: str, expected: str) -> None:
+    assert expand_dest(template, rank, host) == expected
+
+
+@given(
+    st.lists(st.sampled_from(["/a", "{rank}", "{host}", "-", "{x}"]), max_size=8).map("".join),
+    st.integers(0, 4096),
+    st.text(st.sampled_from("abcxyz-.0123"), min_size=1, max_size=12),
+)
+@settings(max_examples=150)
+def test_expand_dest_replaces_every_placeholder(template: str, rank: int, host: str) -> None:
+    out = expand_dest(template, rank, host)
+    assert "{rank}" not in out and "{host}" not in out
+    expected = template.replace("{rank}", "\0R").replace("{host}", "\0H").replace("\0R", str(rank)).replace("\0H", host)
+    assert out == expected
+
+
+# ---------------------------------------------------------------------------------------
+# final_path / temp_path
+
+
+def test_paths_examples() -> None:
+    assert final_path("/d", "a/b/c.bin") == "/d/a/b/c.bin"
+    assert final_path("/d/", "c.bin") == "/d/c.bin"
+    assert temp_path("/d", "a/b/c.bin") == f"/d/a/b/.c.bin{TEMP_SUFFIX}"
+    assert temp_path("/d", "c.bin") == f"/d/.c.bin{TEMP_SUFFIX}"
+    assert temp_path("rel", "x") == f"rel/.x{TEMP_SUFFIX}"
+
+
+segments = st.text(st.sampled_from("abcxyz019_-. é模"), min_size=1, max_size=8).filter(lambda s: s not in (".", ".."))
+
+
+@given(st.sampled_from(["/dest", "/dest/", "rel/dir", "/"]), st.lists(segments, min_size=1, max_size=5))
+@settings(max_examples=200)
+def test_temp_sits_next_to_final(dest: str, parts: list[str]) -> None:
+    rel = "/".join(parts)
+    final = final_path(dest, rel)
+    temp = temp_path(dest, rel)
+    assert temp != final
+    assert os.path.dirname(temp) == os.path.dirname(final)  # same directory: the rename is atomic
+    assert os.path.basename(temp) == f".{parts[-1]}{TEMP_SUFFIX}"
+    assert os.path.basename(final) == parts[-1]
+    assert final.endswith(os.path.join(*parts))
+    assert os.path.normpath(final).startswith(os.path.normpath(dest))
+    assert temp_path(dest, rel) == temp  # fixed per path: a rerun reuses it
+
+
+# ---------------------------------------------------------------------------------------
+# prepare / finalize / is_present
+
+
+def test_prepare_finalize_is_present(tmp_path: Path) -> None:
+    dest = str(tmp_path)
+    rel = "deep/er/file.bin"
+    assert not is_present(dest, rel, 10)
+    prepare(dest, rel, 10)
+    temp = Path(temp_path(dest, rel))
+    assert temp.stat().st_size == 10
+    assert not is_present(dest, rel, 10)  # a temporary file never counts
+    fd = localfs.open_temp(dest, rel)
+    try:
+        assert pwritev_all(fd, [b"0123", b"456789"], 0) == 10
+    finally:
+        os.close(fd)
+    finalize(dest, rel)
+    assert not temp.exists()
+    assert Path(final_path(dest, rel)).read_bytes() == b"0123456789"
+    assert is_present(dest, rel, 10)
+    assert not is_present(dest, rel, 11)
+    assert not is_present(dest, "deep/er", 0)  # a directory is not a file
+
+
+def test_prepare_truncates_a_leftover_temp(tmp_path: Path) -> None:
+    dest = str(tmp_path)
+    temp = Path(temp_path(dest, "f"))
+    temp.write_bytes(b"x" * 100)
+    prepare(dest, "f", 3)
+    assert temp.read_bytes() == b"\0\0\0"
+    prepare(dest, "empty", 0)
+    assert Path(temp_path(dest, "empty")).stat().st_size == 0
+
+
+def test_finalize_replaces_an_old_copy(tmp_path: Path) -> None:
+    dest = str(tmp_path)
+    Path(final_path(dest, "f")).write_bytes(b"old!")
+    prepare(dest, "f", 2)
+    finalize(dest, "f")
+    assert Path(final_path(dest, "f")).read_bytes() == b"\0\0"
+
+
+def test_filesystem_errors_are_local_fs_errors(tmp_path: Path) -> None:
+    dest = str(tmp_path)
+    Path(tmp_path, "blocker").write_bytes(b"")
+    with pytest.raises(LocalFSError) as info:
+        prepare(dest, "blocker/child", 1)  # a file stands where a directory is needed
+    assert exit_code_for(info.value) == 8
+    with pytest.raises(LocalFSError):
+        finalize(dest, "never-prepared")
+    with pytest.raises(LocalFSError):
+        localfs.open_temp(dest, "never-prepared")
+
+
+def test_fs_error_names_the_cause() -> None:
+    err = localfs.fs_error(OSError(errno.ENOSPC, "No space left on device"), "/d/f", "write")
+    assert err.one_line() == "azcp-cluster: error [local]: '/d/f': cannot write: no space left on device"
+    assert localfs.fs_error(OSError(errno.EACCES, "Permission denied"), "/d", "create DEST").message == (
+        "cannot create DEST: Permission denied"
+    )
+
+
+def test_ensure_dest(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b"
+    localfs.ensure_dest(str(target))
+    assert target.is_dir()
+    localfs.ensure_dest(str(tmp_path / "missing"), create=False)
+    assert not (tmp_path / "missing").exists()
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(LocalFSError, match="not a directory"):
+        localfs.ensure_dest(str(tmp_path / "file"))
+
+
+# ---------------------------------------------------------------------------------------
+# pwritev_all
+
+
+def test_pwritev_all_at_an_offset(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"." * 12)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        views = [memoryview(b"ab"), memoryview(b"cde"), memoryview(b""), memoryview(bytearray(b"f"))]
+        assert pwritev_all(fd, views, 4) == 6
+        assert pwritev_all(fd, [], 0) == 0
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"....abcdef.."
+
+
+def test_pwritev_all_refuses_no_progress(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with mock.patch.object(os, "pwritev", return_value=0), pytest.raises(OSError) as info:
+            pwritev_all(fd, [b"abc"], 0)
+        assert info.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+
+
+@given(
+    buffers=st.lists(st.binary(max_size=64), min_size=1, max_size=12).filter(lambda b: sum(map(len, b)) > 0),
+    cap=st.integers(1, 70),
+    offset=st.integers(0, 100),
+)
+@settings(max_examples=150, deadline=None)
+def test_pwritev_all_survives_short_writes(buffers: list[bytes], cap: int, offset: int) -> None:
+    """A kernel may write fewer bytes than asked; pwritev_all must loop until every byte is down."""
+    real_pwritev = os.pwritev
+    calls: list[int] = []
+
+    def short_pwritev(fd: int, views: list[memoryview], at: int) -> int:
+        # Write at most ``cap`` bytes of the requested vectors, like a short write would.
+        take: list[memoryview] = []
+        left = cap
+        for view in views:
+            if left <= 0:
+                break
+            take.append(view[:left])
+            left -= len(take[-1])
+        written = real_pwritev(fd, take, at)
+        calls.append(written)
+        return written
+
+    data = b"".join(buffers)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "f")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT)
+        try:
+            with mock.patch.object(os, "pwritev", short_pwritev):
+                assert pwritev_all(fd, buffers, offset) == len(data)
+        finally:
+            os.close(fd)
+        with open(path, "rb") as f:
+            content = f.read()
+    assert content == b"\0" * offset + data
+    assert all(0 < n <= cap for n in calls)
+    assert len(calls) == -(-len(data) // cap)

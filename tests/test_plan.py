@@ -1,0 +1,300 @@
+"""Unit and property tests for the LPT planner and ``split_ranges`` (azcp_cluster/plan.py)."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from azcp_cluster.plan import SHARD_ALIGN, Plan, Shard, make_plan, round_up, split_ranges
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+
+
+def assert_tiles(ranges: Sequence[tuple[int, int]], size: int) -> None:
+    """``ranges`` (sorted by offset) cover ``[0, size)`` exactly: no gap, no overlap, no empty piece."""
+    expected_offset = 0
+    for offset, length in ranges:
+        assert offset == expected_offset, f"gap or overlap at {offset} (expected {expected_offset})"
+        assert length > 0, "empty range"
+        expected_offset += length
+    assert expected_offset == size
+
+
+def shards_by_file(plan: Plan) -> dict[int, list[Shard]]:
+    grouped: dict[int, list[Shard]] = defaultdict(list)
+    for shard in plan.shards:
+        grouped[shard.file].append(shard)
+    return grouped
+
+
+def assert_plan_valid(plan: Plan, sizes: Sequence[int], files: Sequence[int], owners: Sequence[int]) -> None:
+    """Every byte of every planned file is assigned exactly once, to an allowed owner."""
+    assert list(plan.shards) == sorted(plan.shards, key=lambda s: (s.file, s.offset)), "not in broadcast order"
+    grouped = shards_by_file(plan)
+    assert set(grouped) == {f for f in files if sizes[f] > 0}, "planned files differ from the non-empty input"
+    for index, shards in grouped.items():
+        assert_tiles([(s.offset, s.length) for s in shards], sizes[index])
+    allowed = set(owners)
+    assert all(s.owner in allowed for s in plan.shards)
+    assert sum(plan.loads()) == sum(sizes[f] for f in files)
+    assert len(plan.loads()) == plan.nranks
+
+
+# ---------------------------------------------------------------------------------------
+# round_up / split_ranges
+
+
+@given(st.integers(0, 1 << 50), st.integers(1, 1 << 20))
+@settings(max_examples=200)
+def test_round_up_is_smallest_multiple_at_or_above(value: int, align: int) -> None:
+    up = round_up(value, align)
+    assert up % align == 0
+    assert value <= up < value + align
+
+
+def test_split_ranges_examples() -> None:
+    assert split_ranges(0, GiB) == []
+    assert split_ranges(-5, GiB) == []
+    assert split_ranges(1, GiB) == [(0, 1)]
+    assert split_ranges(GiB, GiB) == [(0, GiB)]
+    assert split_ranges(10 * GiB, GiB) == [(i * GiB, GiB) for i in range(10)]
+    # 2 GiB + 1 byte: three near-equal, 4 KiB-aligned pieces, the last one shorter.
+    ranges = split_ranges(2 * GiB + 1, GiB)
+    assert len(ranges) == 3
+    assert [o % SHARD_ALIGN for o, _ in ranges] == [0, 0, 0]
+    assert ranges[0][1] == ranges[1][1] == round_up(-(-(2 * GiB + 1) // 3), SHARD_ALIGN)
+    assert_tiles(ranges, 2 * GiB + 1)
+
+
+def test_split_ranges_pieces_are_near_equal_not_greedy() -> None:
+    # A greedy split of 4.3 GiB at 1 GiB would leave a 0.3 GiB runt; the planner wants 5 similar pieces.
+    size = int(4.3 * GiB)
+    lengths = [length for _, length in split_ranges(size, GiB)]
+    assert len(lengths) == 5
+    assert max(lengths) - min(lengths) <= SHARD_ALIGN * 5
+
+
+@given(size=st.integers(-10, 1 << 42), shard_size=st.integers(1, 1 << 32))
+@settings(max_examples=400)
+def test_split_ranges_tiles_the_file(size: int, shard_size: int) -> None:
+    # Keep the piece count bounded so a tiny shard size on a huge file stays fast.
+    if size > 0 and size // shard_size > 4_000:
+        size = shard_size * 4_000 + size % shard_size
+    ranges = split_ranges(size, shard_size)
+    if size <= 0:
+        assert ranges == []
+        return
+    assert_tiles(ranges, size)
+    lengths = [length for _, length in ranges]
+    # Never more pieces than a plain split at shard_size, each at most ~shard_size.
+    assert len(ranges) <= -(-size // shard_size)
+    assert max(lengths) <= round_up(shard_size, SHARD_ALIGN)
+    # Near-equal: every piece but the last has the same length, the last is not longer.
+    assert len(set(lengths[:-1])) <= 1
+    assert lengths[-1] <= lengths[0]
+    if size <= shard_size:
+        assert ranges == [(0, size)]
+
+
+@given(size=st.integers(1, 1 << 42), shard_size=st.integers(2 * SHARD_ALIGN, 1 << 32))
+@settings(max_examples=300)
+def test_split_ranges_boundaries_are_aligned(size: int, shard_size: int) -> None:
+    """With shard_size >= 2 * SHARD_ALIGN every piece is >= SHARD_ALIGN, so every boundary is aligned."""
+    if size // shard_size > 4_000:
+        size = shard_size * 4_000 + size % shard_size
+    for offset, _ in split_ranges(size, shard_size):
+        assert offset % SHARD_ALIGN == 0
+
+
+@given(
+    size=st.integers(1, 1 << 30),
+    shard_size=st.integers(1, 1 << 24),
+    align=st.sampled_from([1, 512, 4096, 65536]),
+)
+@settings(max_examples=200)
+def test_split_ranges_custom_align(size: int, shard_size: int, align: int) -> None:
+    if size // shard_size > 2_000:
+        size = shard_size * 2_000 + size % shard_size
+    ranges = split_ranges(size, shard_size, align)
+    assert_tiles(ranges, size)
+    if ranges[0][1] >= align:
+        assert all(offset % align == 0 for offset, _ in ranges)
+
+
+# ---------------------------------------------------------------------------------------
+# make_plan: examples
+
+
+def test_make_plan_examples_lpt_and_ties() -> None:
+    # Largest first onto the least-loaded rank, ties to the lowest rank.
+    plan = make_plan([3, 3, 2, 2, 2], range(5), nranks=2, shard_size=GiB)
+    assert [(s.file, s.owner) for s in plan.shards] == [(0, 0), (1, 1), (2, 0), (3, 1), (4, 0)]
+    assert plan.loads() == [7, 5]
+    assert plan.owned_by(1) == [Shard(1, 0, 3, 1), Shard(3, 0, 2, 1)]
+    assert plan.owned_by(0) == [s for s in plan.shards if s.owner == 0]
+    # Equal pieces: file order breaks ties, lowest rank first.
+    plan = make_plan([5, 5, 5], [2, 0, 1], nranks=4, shard_size=GiB)
+    assert [(s.file, s.owner) for s in plan.shards] == [(0, 0), (1, 1), (2, 2)]
+    assert plan.loads() == [5, 5, 5, 0]
+
+
+def test_make_plan_splits_big_files_across_ranks() -> None:
+    plan = make_plan([4 * GiB], [0], nranks=4, shard_size=GiB)
+    assert [(s.offset, s.length, s.owner) for s in plan.shards] == [(i * GiB, GiB, i) for i in range(4)]
+    assert plan.spread() == 0.0
+
+
+def test_make_plan_skips_files_not_listed_and_empty_files() -> None:
+    sizes = [10, 0, 20, 30]
+    plan = make_plan(sizes, [1, 2], nranks=3, shard_size=GiB)
+    assert plan.shards == (Shard(file=2, offset=0, length=20, owner=0),)
+    assert make_plan(sizes, [], nranks=3, shard_size=GiB).shards == ()
+
+
+def test_make_plan_owners_subset() -> None:
+    plan = make_plan([100] * 6, range(6), nranks=8, shard_size=GiB, owners=[5, 3, 3])
+    assert {s.owner for s in plan.shards} == {3, 5}
+    assert plan.loads()[3] == plan.loads()[5] == 300
+    assert plan.spread(owners=[3, 5]) == 0.0
+    assert plan.spread() > 0  # over all 8 ranks, six of them idle
+
+
+@pytest.mark.parametrize(
+    ("nranks", "owners"),
+    [(0, None), (-1, None), (4, []), (4, [4]), (4, [-1, 0]), (1, [0, 1]), (4, [1, 9, 2]), (4, [1, -1, 2])],
+)
+def test_make_plan_rejects_bad_ranks(nranks: int, owners: list[int] | None) -> None:
+    with pytest.raises(ValueError):
+        make_plan([1, 2, 3], range(3), nranks=nranks, shard_size=GiB, owners=owners)
+
+
+def test_spread_examples() -> None:
+    plan = Plan(shards=(Shard(0, 0, 3, 0), Shard(1, 0, 1, 1)), nranks=2)
+    assert plan.loads() == [3, 1]
+    assert plan.spread() == pytest.approx(0.5)
+    assert plan.spread(owners=[0]) == 0.0
+    assert plan.spread(owners=[]) == 0.0
+    assert Plan(shards=(), nranks=3).spread() == 0.0
+
+
+# ---------------------------------------------------------------------------------------
+# make_plan: properties
+
+size_lists = st.lists(
+    st.one_of(st.just(0), st.integers(1, 4 * KiB), st.integers(1, 64 * MiB), st.integers(1, 6 * GiB)),
+    min_size=0,
+    max_size=40,
+)
+shard_sizes = st.one_of(st.integers(1, 16 * KiB), st.integers(64 * KiB, 2 * GiB))
+
+
+@st.composite
+def plan_inputs(draw: st.DrawFn) -> tuple[list[int], list[int], int, int, list[int]]:
+    sizes = draw(size_lists)
+    files = draw(st.lists(st.integers(0, len(sizes) - 1), unique=True)) if sizes else []
+    nranks = draw(st.integers(1, 64))
+    shard_size = draw(shard_sizes)
+    # Keep the number of pieces bounded so small shard sizes stay fast.
+    total = sum(sizes[f] for f in files)
+    if total // shard_size > 2_000:
+        shard_size = total // 2_000 + 1
+    owners = draw(st.one_of(st.none(), st.lists(st.integers(0, nranks - 1), min_size=1, max_size=nranks)))
+    return sizes, files, nranks, shard_size, (list(range(nranks)) if owners is None else owners)
+
+
+@given(plan_inputs())
+@settings(max_examples=150, deadline=None)
+def test_every_byte_assigned_exactly_once(args: tuple[list[int], list[int], int, int, list[int]]) -> None:
+    sizes, files, nranks, shard_size, owners = args
+    plan = make_plan(sizes, files, nranks, shard_size, owners=owners)
+    assert plan.nranks == nranks
+    assert_plan_valid(plan, sizes, files, owners)
+    # Each shard is one of split_ranges' pieces of its file.
+    for index, shards in shards_by_file(plan).items():
+        assert [(s.offset, s.length) for s in shards] == split_ranges(sizes[index], shard_size)
+
+
+@given(plan_inputs(), st.randoms(use_true_random=False))
+@settings(max_examples=100, deadline=None)
+def test_plan_is_deterministic_and_order_independent(
+    args: tuple[list[int], list[int], int, int, list[int]], rnd: random.Random
+) -> None:
+    sizes, files, nranks, shard_size, owners = args
+    plan = make_plan(sizes, files, nranks, shard_size, owners=owners)
+    assert make_plan(list(sizes), list(files), nranks, shard_size, owners=list(owners)) == plan
+    shuffled_files = list(files)
+    rnd.shuffle(shuffled_files)
+    shuffled_owners = list(owners)
+    rnd.shuffle(shuffled_owners)
+    assert make_plan(sizes, shuffled_files, nranks, shard_size, owners=shuffled_owners) == plan
+
+
+@given(plan_inputs())
+@settings(max_examples=150, deadline=None)
+def test_lpt_bound(args: tuple[list[int], list[int], int, int, list[int]]) -> None:
+    """max load <= mean + largest piece, the mean taken over the allowed owners."""
+    sizes, files, nranks, shard_size, owners = args
+    plan = make_plan(sizes, files, nranks, shard_size, owners=owners)
+    if not plan.shards:
+        return
+    allowed = sorted(set(owners))
+    loads = plan.loads()
+    chosen = [loads[r] for r in allowed]
+    largest = max(s.length for s in plan.shards)
+    assert max(chosen) * len(chosen) <= sum(chosen) + largest * len(chosen)
+    # Owners outside the subset get nothing.
+    assert all(loads[r] == 0 for r in range(nranks) if r not in allowed)
+    # The least-loaded rank never holds more than the mean (sanity of the bookkeeping).
+    assert min(chosen) * len(chosen) <= sum(chosen)
+
+
+@given(
+    st.lists(st.integers(1, 10 * GiB), min_size=1, max_size=30),
+    st.integers(1, 64),
+    st.integers(2 * SHARD_ALIGN, 2 * GiB),
+)
+@settings(max_examples=100, deadline=None)
+def test_plan_shard_boundaries_aligned(sizes: list[int], nranks: int, shard_size: int) -> None:
+    if sum(sizes) // shard_size > 2_000:
+        shard_size = sum(sizes) // 2_000 + 2 * SHARD_ALIGN
+    plan = make_plan(sizes, range(len(sizes)), nranks, shard_size)
+    assert all(s.offset % SHARD_ALIGN == 0 for s in plan.shards)
+
+
+# ---------------------------------------------------------------------------------------
+# Balance on a model-checkpoint-like mix
+
+
+def checkpoint_mix(seed: int, n_big: int, big_size: float) -> list[int]:
+    """``n_big`` safetensors-like shards of ~``big_size`` (+-8% jitter) plus small json/txt files."""
+    rng = random.Random(seed)
+    sizes = [int(big_size * rng.uniform(0.92, 1.08)) for _ in range(n_big)]
+    sizes += [rng.randint(200, 300 * KiB) for _ in range(500 - n_big)]  # configs, tokenizers, READMEs
+    sizes += [0, 0]  # a few empty marker-ish files
+    rng.shuffle(sizes)
+    return sizes
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize(
+    ("n_big", "big_size"),
+    [
+        (160, 4.3 * GiB),  # the brief's file count and size (~690 GiB in all)
+        (160, 2.5 * GiB),  # the brief's file count and total (~400 GiB in all)
+    ],
+)
+def test_checkpoint_mix_is_balanced(seed: int, n_big: int, big_size: float) -> None:
+    sizes = checkpoint_mix(seed, n_big, big_size)
+    plan = make_plan(sizes, range(len(sizes)), nranks=16, shard_size=GiB)
+    assert_plan_valid(plan, sizes, range(len(sizes)), range(16))
+    assert plan.spread() < 0.02, f"spread {plan.spread():.4f} with loads {plan.loads()}"

@@ -1,0 +1,148 @@
+"""The pure core stays pure: no Azure, aiohttp, MPI, file system, sockets or event loop.
+
+Checked statically with ``ast`` (nothing is imported to check it), directly and through the
+``azcp_cluster.*`` modules the pure ones import.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "azcp_cluster"
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
+
+PURE_MODULES = ("plan", "schedule", "naming", "source", "config", "model", "retry", "errors")
+FORBIDDEN = frozenset(
+    {"azure", "aiohttp", "mpi4py", "os", "io", "shutil", "socket", "mmap", "pathlib", "asyncio", "importlib"}
+)
+FORBIDDEN_CALLS = frozenset({"open", "__import__", "exec", "eval"})
+
+
+@dataclass
+class Findings:
+    imports: set[str] = field(default_factory=set)  # absolute dotted module names
+    calls: list[str] = field(default_factory=list)  # forbidden calls, as "name (line N)"
+
+
+def scan(source: str, module: str) -> Findings:
+    """Every module ``source`` imports (anywhere, including inside functions) and its forbidden calls."""
+    found = Findings()
+    package = module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.imports.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base_parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(base_parts)
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            found.imports.add(target)
+            # "from azcp_cluster import plan" imports the submodule azcp_cluster.plan.
+            found.imports.update(f"{target}.{alias.name}" for alias in node.names if target == PACKAGE)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            if name in FORBIDDEN_CALLS:
+                found.calls.append(f"{name} (line {node.lineno})")
+    return found
+
+
+def top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def module_file(module: str) -> Path | None:
+    """The source file of an ``azcp_cluster.*`` module, or None for a name that is not a module."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return PACKAGE_DIR / "__init__.py"
+    rel = Path(*parts)
+    for candidate in (PACKAGE_DIR / rel.with_suffix(".py"), PACKAGE_DIR / rel / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def closure(start: str) -> dict[str, Findings]:
+    """``start`` and every ``azcp_cluster.*`` module it reaches through imports, scanned."""
+    seen: dict[str, Findings] = {}
+    todo = [start]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        path = module_file(module)
+        if path is None:
+            continue
+        seen[module] = scan(path.read_text(encoding="utf-8"), module)
+        todo.extend(m for m in seen[module].imports if top(m) == PACKAGE)
+    return seen
+
+
+# ---------------------------------------------------------------------------------------
+# The checker itself catches what it should (so the real test cannot pass vacuously).
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("import os", {"os"}),
+        ("import os.path as p", {"os.path"}),
+        ("from pathlib import Path", {"pathlib"}),
+        ("def f():\n    import asyncio\n", {"asyncio"}),
+        ("from azure.storage.blob import X", {"azure.storage.blob"}),
+        ("from . import plan", {"azcp_cluster", "azcp_cluster.plan"}),
+        ("from .model import FileEntry", {"azcp_cluster.model"}),
+        ("from azcp_cluster import errors", {"azcp_cluster", "azcp_cluster.errors"}),
+    ],
+)
+def test_scanner_sees_imports(source: str, expected: set[str]) -> None:
+    assert scan(source, f"{PACKAGE}.example").imports == expected
+
+
+def test_scanner_sees_open_calls() -> None:
+    assert scan("with open('f') as f:\n    pass\n", "m").calls == ["open (line 1)"]
+    assert scan("import io\nio.open('f')\n", "m").calls == ["open (line 2)"]
+    assert scan("x = opener('f')\n", "m").calls == []
+
+
+def test_closure_follows_package_imports() -> None:
+    reached = closure(f"{PACKAGE}.schedule")
+    assert f"{PACKAGE}.plan" in reached
+    assert f"{PACKAGE}.naming" in closure(f"{PACKAGE}.naming")
+    assert {f"{PACKAGE}.errors", f"{PACKAGE}.model"} <= set(closure(f"{PACKAGE}.naming"))
+    # An impure module is reached and flagged: the check would fail for it.
+    impure = closure(f"{PACKAGE}.localfs")[f"{PACKAGE}.localfs"]
+    assert "os" in impure.imports
+    assert PACKAGE in closure(PACKAGE)  # the package itself resolves to its __init__.py
+
+
+# ---------------------------------------------------------------------------------------
+# The real check
+
+
+@pytest.mark.parametrize("name", PURE_MODULES)
+def test_pure_module_imports_nothing_impure(name: str) -> None:
+    module = f"{PACKAGE}.{name}"
+    assert module_file(module) is not None, f"{module} is missing"
+    problems = []
+    for reached, found in sorted(closure(module).items()):
+        bad = sorted(m for m in found.imports if top(m) in FORBIDDEN)
+        if bad:
+            problems.append(f"{reached} imports {', '.join(bad)}")
+        if found.calls:
+            problems.append(f"{reached} calls {', '.join(found.calls)}")
+    assert not problems, f"{module} is not pure: " + "; ".join(problems)
+
+
+def test_pure_modules_only_reach_pure_modules() -> None:
+    pure = {f"{PACKAGE}.{name}" for name in PURE_MODULES} | {PACKAGE}
+    for name in PURE_MODULES:
+        reached = set(closure(f"{PACKAGE}.{name}"))
+        assert reached <= pure, f"{name} reaches {sorted(reached - pure)}"
