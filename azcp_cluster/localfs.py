@@ -97,7 +97,7 @@ def open_temp(dest: str, rel: str, flags: int = os.O_RDWR) -> int:
 
 def pwritev_all(fd: int, buffers: list[memoryview] | list[bytes], offset: int) -> int:
     """Write every byte of ``buffers`` at ``offset``, looping over short writes."""
-    views = [memoryview(b).cast("B") for b in buffers]
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
     total = 0
     while views:
         written = os.pwritev(fd, views, offset)

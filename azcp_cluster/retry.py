@@ -21,7 +21,8 @@ def backoff_delay(
 ) -> float:
     """Seconds to wait before retry number ``attempt`` (0 for the first retry).
 
-    Exponential backoff with full jitter, so that many clients hit by the same 503 do not
+    Exponential backoff with equal jitter (a delay drawn from the upper half of the
+    current ceiling), so that many clients hit by the same 503 do not
     come back in lockstep; never shorter than the server's Retry-After.
     """
     ceiling = min(cap, base * 2 ** min(attempt, 64))  # 2**1024 and up would not convert to float

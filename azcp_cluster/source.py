@@ -77,6 +77,9 @@ def parse_blob_url(text: str) -> BlobSource:
         netloc = f"[{host}]:{port}"
     segments = parts.path.split("/")[1:] if parts.path else []
     vhost = _VHOST_RE.match(host)
+    if vhost is None and ".blob." in host and not host.replace(".", "").isdigit():
+        account = host.split(".blob.", 1)[0]
+        raise UsageError(f"malformed SOURCE URL {shown!r}: {account!r} is not a storage account name")
     if vhost:
         account = vhost.group(1)
         endpoint = f"{scheme}://{netloc}"

@@ -239,3 +239,12 @@ def test_arbitrary_text_parses_or_raises_usage_error(head: str, tail: str) -> No
 )
 def test_is_url(text: str, expected: bool) -> None:
     assert is_url(text) is expected
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["https://ab.blob.core.windows.net/container/prefix", "https://Has_Underscore.blob.core.windows.net/c"],
+)
+def test_virtual_host_with_an_invalid_account_is_refused(url: str) -> None:
+    with pytest.raises(UsageError, match="not a storage account name"):
+        parse_blob_url(url)
