@@ -87,10 +87,17 @@ def running(
     port: int | None = None,
     extra_args: tuple[str, ...] = (),
     env: Mapping[str, str] | None = None,
+    cpus: set[int] | None = None,
 ) -> Iterator[Emulator]:
-    """Run an in-memory emulator for the duration of the block; stop it by PID afterwards."""
+    """Run an in-memory emulator for the duration of the block; stop it by PID afterwards.
+
+    ``cpus`` pins the emulator (and every thread it starts) to those CPUs, so a benchmark can
+    keep the server off the cores it measures the client on.
+    """
     port = port or free_port(host)
+    pin = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
     args = [
+        *pin,
         find_binary(),
         "--inMemoryPersistence",
         "--blobHost",
