@@ -259,3 +259,29 @@ def test_version_and_help() -> None:
     assert version.returncode == 0 and "azcp-cluster" in version.stdout
     helped = run_cli(["--help"], n=0)
     assert helped.returncode == 0 and "--bcast-chunk" in helped.stdout and "exit codes" in helped.stdout
+
+
+def test_failure_on_one_rank_ends_the_job_and_leaves_no_partial_file(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    container, expected = dataset
+    # On rank 2 a directory stands where a file must go: its rename fails at the very end.
+    blocker = tmp_path / "2" / "chunk.bin"
+    blocker.mkdir(parents=True)
+    (blocker / "keep").write_bytes(b"x")
+    result = run_cli(
+        [emulator.url(container, "ckpt"), str(tmp_path / "{rank}")],
+        env=emulator.key_env(),
+        json_path=tmp_path / "r.json",
+    )
+    assert result.returncode == 8, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    assert len(errors) == 1, result.stderr
+    assert "rank 2" in errors[0] and "chunk.bin" in errors[0]
+    assert "Traceback" not in result.output
+    assert result.json is not None and result.json["exit_code"] == 8 and "rank 2" in result.json["error"]
+    # Whatever stands under a final name anywhere is complete and correct.
+    for rank in range(RANKS):
+        for path, data in tree_of(tmp_path / str(rank)).items():
+            if path in expected:
+                assert data == expected[path], f"rank {rank}: {path} is under its final name but incomplete"
