@@ -1,8 +1,14 @@
-"""Fan every downloaded byte out to every rank, chunk by chunk, in the schedule's order.
+"""Fan every downloaded byte out to every rank: a pipeline of non-blocking broadcasts.
 
-The owner of a chunk reads it from its temporary file into a page-aligned buffer that is
-allocated once, broadcasts it, and every other rank writes it at its offset. The buffer
-goes to MPI whole (sliced into calls of at most 1 GiB); nothing is copied in Python.
+``pipeline`` slots of ``chunk_size`` bytes, page-aligned and allocated once, cycle through
+the schedule (chunk ``j`` uses slot ``j % pipeline``), so up to ``pipeline`` ``MPI_Ibcast``
+calls are in flight at once, across files and owners, in the order every rank derives
+from the plan. Around the MPI calls, threads keep the disk off MPI's critical path:
+
+* the owner of a chunk has it read into its slot by a read-ahead thread as soon as the
+  slot is free, so the broadcast can start the moment its turn comes;
+* receivers hand each completed slot to ``writers`` threads through a bounded queue; the
+  threads write it with O_DIRECT (``directio.DirectFile``) and give the slot back.
 
 Errors never leave a rank behind in a collective: a rank that fails keeps taking part
 (without touching the disk) until the next check, where all ranks stop together.
@@ -11,15 +17,16 @@ Errors never leave a rank behind in a collective: a rank that fails keeps taking
 from __future__ import annotations
 
 import os
+import queue
+import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from azcp_cluster.cluster import PeerFailed
 from azcp_cluster.directio import DirectFile, aligned_buffer
-from azcp_cluster.errors import AzcpError, BroadcastError
+from azcp_cluster.errors import AzcpError, BroadcastError, InternalError
 from azcp_cluster.localfs import fs_error, temp_path
 from azcp_cluster.model import FileEntry
 from azcp_cluster.schedule import Chunk, call_slices
@@ -38,8 +45,16 @@ class BroadcastStats:
     chunks: int = 0
 
 
+class _Slot:
+    """One pipeline buffer and the signal that it may be used for its next chunk."""
+
+    def __init__(self, size: int) -> None:
+        self.buffer = aligned_buffer(size)
+        self.ready = threading.Event()
+
+
 class Broadcaster:
-    """Walks a schedule: read (owner), broadcast (all), write (receivers)."""
+    """Walks a schedule: read ahead (owner), Ibcast (all), write behind (receivers)."""
 
     def __init__(
         self,
@@ -48,91 +63,185 @@ class Broadcaster:
         dest: str,
         chunk_size: int,
         *,
-        on_bytes: Callable[[int], None] = lambda n: None,
+        pipeline: int = 4,
+        writers: int = 2,
         direct: bool = True,
+        on_bytes: Callable[[int], None] = lambda n: None,
     ) -> None:
+        if pipeline < 1 or writers < 1:
+            raise ValueError("pipeline and writers must be at least 1")
         self.comm = comm
         self.rank = comm.Get_rank()
         self.files = files
         self.dest = dest
-        self.buffer = aligned_buffer(chunk_size)
         self.direct = direct
-        self._reader, self._reader_file = -1, -1
-        self._writer: DirectFile | None = None
-        self._writer_file = -1
         self.on_bytes = on_bytes
         self.stats = BroadcastStats()
+        self.slots = [_Slot(chunk_size) for _ in range(pipeline)]
+        self.writer_count = writers
+        self._error: AzcpError | None = None
+        self._error_lock = threading.Lock()
+        self._schedule: Sequence[Chunk] = ()
+
+    # -- the MPI side (main thread) -------------------------------------------------------
 
     def run(self, schedule: Sequence[Chunk]) -> BroadcastStats:
         """Broadcast every chunk; raise the first local error after all ranks have stopped."""
         from mpi4py import MPI
 
-        error: AzcpError | None = None
+        self._schedule = schedule
+        depth = len(self.slots)
+        reads: queue.SimpleQueue[tuple[Chunk, _Slot] | None] = queue.SimpleQueue()
+        writes: queue.Queue[tuple[Chunk, _Slot] | None] = queue.Queue(maxsize=depth)
+        threads = [threading.Thread(target=self._reader, args=(reads,), name="azcp-readahead", daemon=True)]
+        threads += [
+            threading.Thread(target=self._writer, args=(writes,), name=f"azcp-bcast-writer-{i}", daemon=True)
+            for i in range(self.writer_count)
+        ]
+        for thread in threads:
+            thread.start()
+        self._reads = reads
+        for seq in range(min(depth, len(schedule))):
+            self._prepare(seq)
+        inflight: deque[tuple[Chunk, _Slot, list[Any]]] = deque()
+        stopped_for_peer = False
         try:
             for chunk in schedule:
-                view = self.buffer[: chunk.length]
-                is_root = chunk.root == self.rank
-                if error is None and is_root:
-                    try:
-                        self._read(view, chunk)
-                    except AzcpError as exc:
-                        error = exc
-                for start, stop in call_slices(chunk.length):
-                    self.comm.Bcast([view[start:stop], MPI.BYTE], root=chunk.root)
-                if error is None:
-                    try:
-                        if is_root:
-                            self.stats.sent_bytes += chunk.length
-                        else:
-                            self._write(view, chunk)
-                            self.stats.received_bytes += chunk.length
-                    except AzcpError as exc:
-                        error = exc
-                self.stats.chunks += 1
-                self.on_bytes(chunk.length)
-                if chunk.last_of_file:
-                    self._close()
-                if (chunk.seq + 1) % CHECK_EVERY == 0 and self.comm.allreduce(0 if error is None else 1) > 0:
-                    if error is None:
-                        raise PeerFailed()
-                    break
+                while len(inflight) >= depth:
+                    self._retire(inflight.popleft(), writes)
+                slot = self.slots[chunk.seq % depth]
+                slot.ready.wait()
+                slot.ready.clear()
+                view = slot.buffer[: chunk.length]
+                requests = [
+                    self.comm.Ibcast([view[start:stop], MPI.BYTE], root=chunk.root)
+                    for start, stop in call_slices(chunk.length)
+                ]
+                inflight.append((chunk, slot, requests))
+                if (chunk.seq + 1) % CHECK_EVERY == 0:
+                    failed = self.comm.allreduce(0 if self._error is None else 1) > 0
+                    if failed:
+                        stopped_for_peer = self._error is None
+                        break
+            while inflight:
+                self._retire(inflight.popleft(), writes)
         finally:
-            self._close()
-        if error is not None:
-            raise error
+            while inflight:  # stopping early: complete what was posted, every rank alike
+                chunk, slot, requests = inflight.popleft()
+                MPI.Request.Waitall(requests)
+                slot.ready.set()
+            reads.put(None)
+            for _ in range(self.writer_count):
+                writes.put(None)
+            for thread in threads:
+                thread.join()
+        if self._error is not None:
+            raise self._error
+        if stopped_for_peer:
+            raise PeerFailed()
         return self.stats
+
+    def _retire(self, item: tuple[Chunk, _Slot, list[Any]], writes: queue.Queue[tuple[Chunk, _Slot] | None]) -> None:
+        """Complete the oldest broadcast in flight and pass its slot on."""
+        from mpi4py import MPI
+
+        chunk, slot, requests = item
+        MPI.Request.Waitall(requests)
+        self.stats.chunks += 1
+        self.on_bytes(chunk.length)
+        if chunk.root == self.rank:
+            self.stats.sent_bytes += chunk.length
+            self._release(chunk, slot)
+        elif self._error is not None:
+            self._release(chunk, slot)  # failed: keep the collective going, touch no disk
+        else:
+            self.stats.received_bytes += chunk.length
+            writes.put((chunk, slot))
+
+    # -- slots ----------------------------------------------------------------------------
+
+    def _release(self, done: Chunk, slot: _Slot) -> None:
+        """The slot's chunk is finished with: prepare it for the chunk ``pipeline`` later."""
+        self._prepare(done.seq + len(self.slots))
+
+    def _prepare(self, seq: int) -> None:
+        if seq >= len(self._schedule):
+            return
+        chunk = self._schedule[seq]
+        slot = self.slots[seq % len(self.slots)]
+        if chunk.root == self.rank and self._error is None:
+            self._reads.put((chunk, slot))  # the read-ahead thread sets ready when filled
+        else:
+            slot.ready.set()
+
+    def _fail(self, error: AzcpError) -> None:
+        with self._error_lock:
+            if self._error is None:
+                self._error = error
+
+    # -- threads --------------------------------------------------------------------------
+
+    def _reader(self, jobs: queue.SimpleQueue[tuple[Chunk, _Slot] | None]) -> None:
+        fd, fd_file = -1, -1
+        try:
+            while True:
+                job = jobs.get()
+                if job is None:
+                    return
+                chunk, slot = job
+                try:
+                    if self._error is None:
+                        if fd_file != chunk.file:
+                            if fd >= 0:
+                                os.close(fd)
+                                fd, fd_file = -1, -1
+                            fd = os.open(self._path(chunk), os.O_RDONLY | os.O_CLOEXEC)
+                            fd_file = chunk.file
+                        view = slot.buffer[: chunk.length]
+                        got = os.preadv(fd, [memoryview(view)], chunk.offset)  # type: ignore[arg-type]
+                        if got != chunk.length:
+                            raise BroadcastError(
+                                f"short read of own download ({got} of {chunk.length} bytes)", path=self._path(chunk)
+                            )
+                except OSError as exc:
+                    self._fail(fs_error(exc, self._path(chunk), "read back"))
+                except AzcpError as exc:
+                    self._fail(exc)
+                except BaseException as exc:  # a dead reader would stall the pipeline
+                    self._fail(InternalError(f"read-ahead failed: {type(exc).__name__}: {exc}"))
+                finally:
+                    slot.ready.set()
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _writer(self, jobs: queue.Queue[tuple[Chunk, _Slot] | None]) -> None:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            chunk, slot = job
+            try:
+                if self._error is None:
+                    target = DirectFile(self._path(chunk), direct=self.direct)
+                    try:
+                        target.write_at(slot.buffer[: chunk.length], chunk.offset)
+                    finally:
+                        target.close()
+            except OSError as exc:
+                self._fail(fs_error(exc, self._path(chunk), "write"))
+            except BaseException as exc:  # a dead writer would stall the pipeline
+                self._fail(InternalError(f"writer failed: {type(exc).__name__}: {exc}"))
+            finally:
+                self._release(chunk, slot)
 
     def _path(self, chunk: Chunk) -> str:
         return temp_path(self.dest, self.files[chunk.file].path)
 
-    def _read(self, view: np.ndarray, chunk: Chunk) -> None:
-        path = self._path(chunk)
-        try:
-            if self._reader_file != chunk.file:
-                self._close()
-                self._reader = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                self._reader_file = chunk.file
-            got = os.preadv(self._reader, [memoryview(view)], chunk.offset)  # type: ignore[arg-type]
-        except OSError as exc:
-            raise fs_error(exc, path, "read back") from None
-        if got != chunk.length:
-            raise BroadcastError(f"short read of own download ({got} of {chunk.length} bytes)", path=path)
 
-    def _write(self, view: np.ndarray, chunk: Chunk) -> None:
-        path = self._path(chunk)
-        try:
-            if self._writer is None or self._writer_file != chunk.file:
-                self._close()
-                self._writer = DirectFile(path, direct=self.direct)
-                self._writer_file = chunk.file
-            self._writer.write_at(view, chunk.offset)
-        except OSError as exc:
-            raise fs_error(exc, path, "write") from None
+def slot_buffer_bytes(pipeline: int, chunk_size: int) -> int:
+    """Memory the broadcast stage allocates per rank (stated in --help)."""
+    return pipeline * chunk_size
 
-    def _close(self) -> None:
-        if self._reader >= 0:
-            os.close(self._reader)
-        if self._writer is not None:
-            self._writer.close()
-        self._reader, self._reader_file = -1, -1
-        self._writer, self._writer_file = None, -1
+
+__all__ = ["BroadcastStats", "Broadcaster", "slot_buffer_bytes"]

@@ -71,7 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--bcast-chunk",
         type=_size,
         default="64MiB",
-        help="bytes per broadcast call; one buffer of this size per rank (default 64MiB)",
+        help="bytes per broadcast slot; split into MPI calls of at most 1GiB (default 64MiB)",
+    )
+    p.add_argument(
+        "--bcast-pipeline",
+        type=int,
+        default=4,
+        help="broadcasts in flight; memory per rank is pipeline x chunk (default 4 x 64MiB = 256MiB)",
+    )
+    p.add_argument(
+        "--bcast-writers", type=int, default=2, help="threads writing received chunks to disk per rank (default 2)"
+    )
+    p.add_argument(
+        "--no-bcast-direct",
+        action="store_true",
+        help="write received chunks through the page cache instead of O_DIRECT",
     )
     p.add_argument(
         "--shard-size",
@@ -110,6 +124,9 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
         concurrency=args.concurrency,
         block_size=args.block_size,
         bcast_chunk=args.bcast_chunk,
+        bcast_pipeline=args.bcast_pipeline,
+        bcast_writers=args.bcast_writers,
+        bcast_direct=not args.no_bcast_direct,
         shard_size=args.shard_size,
         max_retries=args.max_retries,
         include=tuple(args.include),

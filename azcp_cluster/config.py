@@ -77,6 +77,9 @@ class Config:
     concurrency: int = 64
     block_size: int = 16 * MiB
     bcast_chunk: int = 64 * MiB
+    bcast_pipeline: int = 4
+    bcast_writers: int = 2
+    bcast_direct: bool = True
     shard_size: int = 1 * GiB
     max_retries: int = 5
     include: tuple[str, ...] = ()
@@ -101,6 +104,10 @@ class Config:
         for name, value in positive.items():
             if value <= 0:
                 raise UsageError(f"{name} must be greater than zero (got {value})")
+        if not 1 <= self.bcast_pipeline <= 256:
+            raise UsageError(f"--bcast-pipeline must be between 1 and 256 (got {self.bcast_pipeline})")
+        if not 1 <= self.bcast_writers <= 64:
+            raise UsageError(f"--bcast-writers must be between 1 and 64 (got {self.bcast_writers})")
         if self.max_retries < 0:
             raise UsageError(f"--max-retries must be zero or more (got {self.max_retries})")
         if self.concurrency > 4096:
@@ -112,3 +119,17 @@ class Config:
         if not self.dest:
             raise UsageError("DEST is empty")
         return self
+
+    def buffer_bytes(self) -> int:
+        """Memory this run allocates per rank for data: broadcast slots and download buffers."""
+        return self.bcast_pipeline * self.bcast_chunk + (2 * self.concurrency + 16) * MiB
+
+    def check_memory(self, available: int) -> None:
+        """Refuse settings whose buffers cannot fit in ``available`` bytes of free memory."""
+        need = self.buffer_bytes()
+        if need > available:
+            raise UsageError(
+                f"--bcast-pipeline {self.bcast_pipeline} x --bcast-chunk {format_bytes(self.bcast_chunk)} plus "
+                f"download buffers need {format_bytes(need)} per rank, but only {format_bytes(available)} "
+                "of memory is available; lower --bcast-chunk, --bcast-pipeline or --concurrency"
+            )

@@ -41,6 +41,18 @@ def _attach(error: AzcpError, report: Report) -> AzcpError:
     return error
 
 
+def available_memory() -> int:
+    """Bytes of memory available for new allocations (MemAvailable; all RAM if unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def check_topology(places: list[tuple[str, str]]) -> None:
     """Refuse two ranks on one host writing the same DEST (one writer per directory)."""
     seen: dict[tuple[str, str], int] = {}
@@ -142,6 +154,8 @@ class _Run:
                     "CONTAINER[/PREFIX] or http(s)://HOST:PORT/ACCOUNT/CONTAINER[/PREFIX])"
                 )
             source = parse_blob_url(self.cfg.source)
+            if not self.cfg.dry_run:
+                self.cfg.check_memory(available_memory())
             auth = Authorizer(source, resolve_credential(source, self.env), self.wall)
         cluster.conclude(t0, outcome)
         assert source is not None and auth is not None
@@ -239,7 +253,14 @@ class _Run:
         progress = Progress("bcast", total, self.show_progress)
         with cluster.stage(outcome):
             broadcaster = Broadcaster(
-                cluster.comm, listing.files, self.dest, self.cfg.bcast_chunk, on_bytes=progress.add
+                cluster.comm,
+                listing.files,
+                self.dest,
+                self.cfg.bcast_chunk,
+                pipeline=self.cfg.bcast_pipeline,
+                writers=self.cfg.bcast_writers,
+                direct=self.cfg.bcast_direct,
+                on_bytes=progress.add,
             )
             stats = broadcaster.run(schedule)
             outcome.stats = {"received": stats.received_bytes, "sent": stats.sent_bytes}

@@ -285,3 +285,41 @@ def test_failure_on_one_rank_ends_the_job_and_leaves_no_partial_file(
         for path, data in tree_of(tmp_path / str(rank)).items():
             if path in expected:
                 assert data == expected[path], f"rank {rank}: {path} is under its final name but incomplete"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--bcast-chunk", "1MiB", "--bcast-pipeline", "1", "--bcast-writers", "1", "--shard-size", "1MiB"],
+        ["--bcast-chunk", "1MiB", "--bcast-pipeline", "8", "--bcast-writers", "4", "--shard-size", "2MiB"],
+        ["--bcast-chunk", "4MiB", "--bcast-pipeline", "3", "--bcast-writers", "2", "--no-bcast-direct"],
+        ["--bcast-chunk", "64MiB", "--bcast-pipeline", "2", "--bcast-writers", "3", "--shard-size", "1MiB"],
+    ],
+    ids=["chunk1M-p1-w1", "chunk1M-p8-w4", "chunk4M-p3-w2-buffered", "chunk64M-p2-w3"],
+)
+def test_broadcast_settings_give_identical_copies(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path, options: list[str]
+) -> None:
+    container, expected = dataset
+    result = run_cli(
+        [emulator.url(container, "ckpt"), str(tmp_path / "{rank}"), "--compare", "none", *options],
+        env=emulator.key_env(),
+        json_path=tmp_path / "r.json",
+    )
+    assert result.returncode == 0, result.output
+    _assert_copies(tmp_path, expected)
+    assert result.json is not None
+    shards = result.json["broadcast_shards"]
+    if "--shard-size" in options:  # the files above the shard size were split over owners
+        assert shards > len(expected)
+
+
+def test_buffers_beyond_memory_are_refused(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    result = run_cli(
+        [emulator.url("whatever"), str(tmp_path / "{rank}"), "--bcast-chunk", "1TiB", "--bcast-pipeline", "8"],
+        env=emulator.key_env(),
+        n=2,
+    )
+    assert result.returncode == 2, result.output
+    assert "--bcast-pipeline" in result.stderr and "available" in result.stderr
+    assert not any(tmp_path.iterdir())
