@@ -27,7 +27,7 @@ from typing import Any
 from azcp_cluster.cluster import PeerFailed
 from azcp_cluster.directio import DirectFile, aligned_buffer
 from azcp_cluster.errors import AzcpError, BroadcastError, InternalError
-from azcp_cluster.localfs import fs_error, temp_path
+from azcp_cluster.localfs import final_path, fs_error, temp_path
 from azcp_cluster.model import FileEntry
 from azcp_cluster.schedule import Chunk, call_slices
 
@@ -66,6 +66,7 @@ class Broadcaster:
         pipeline: int = 4,
         writers: int = 2,
         direct: bool = True,
+        have: Sequence[bool] | None = None,
         on_bytes: Callable[[int], None] = lambda n: None,
     ) -> None:
         if pipeline < 1 or writers < 1:
@@ -75,6 +76,9 @@ class Broadcaster:
         self.files = files
         self.dest = dest
         self.direct = direct
+        # Files this rank already has under their final names: it sends them from there
+        # (peers before Azure) and does not write them again.
+        self.have = have if have is not None else [False] * len(files)
         self.on_bytes = on_bytes
         self.stats = BroadcastStats()
         self.slots = [_Slot(chunk_size) for _ in range(pipeline)]
@@ -152,8 +156,8 @@ class Broadcaster:
         if chunk.root == self.rank:
             self.stats.sent_bytes += chunk.length
             self._release(chunk, slot)
-        elif self._error is not None:
-            self._release(chunk, slot)  # failed: keep the collective going, touch no disk
+        elif self._error is not None or self.have[chunk.file]:
+            self._release(chunk, slot)  # failed, or already here: keep the collective going only
         else:
             self.stats.received_bytes += chunk.length
             writes.put((chunk, slot))
@@ -195,16 +199,16 @@ class Broadcaster:
                             if fd >= 0:
                                 os.close(fd)
                                 fd, fd_file = -1, -1
-                            fd = os.open(self._path(chunk), os.O_RDONLY | os.O_CLOEXEC)
+                            fd = os.open(self._source(chunk), os.O_RDONLY | os.O_CLOEXEC)
                             fd_file = chunk.file
                         view = slot.buffer[: chunk.length]
                         got = os.preadv(fd, [memoryview(view)], chunk.offset)  # type: ignore[arg-type]
                         if got != chunk.length:
                             raise BroadcastError(
-                                f"short read of own download ({got} of {chunk.length} bytes)", path=self._path(chunk)
+                                f"short read ({got} of {chunk.length} bytes)", path=self._source(chunk)
                             )
                 except OSError as exc:
-                    self._fail(fs_error(exc, self._path(chunk), "read back"))
+                    self._fail(fs_error(exc, self._source(chunk), "read back"))
                 except AzcpError as exc:
                     self._fail(exc)
                 except BaseException as exc:  # a dead reader would stall the pipeline
@@ -237,6 +241,10 @@ class Broadcaster:
 
     def _path(self, chunk: Chunk) -> str:
         return temp_path(self.dest, self.files[chunk.file].path)
+
+    def _source(self, chunk: Chunk) -> str:
+        rel = self.files[chunk.file].path
+        return final_path(self.dest, rel) if self.have[chunk.file] else temp_path(self.dest, rel)
 
 
 def slot_buffer_bytes(pipeline: int, chunk_size: int) -> int:

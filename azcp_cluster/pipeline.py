@@ -27,7 +27,7 @@ from azcp_cluster.errors import AzcpError, TopologyError, UsageError
 from azcp_cluster.listing import list_source
 from azcp_cluster.localfs import ensure_dest, expand_dest, final_path, finalize, is_present, prepare, sync_dirs
 from azcp_cluster.model import Listing, decode_listing, encode_listing
-from azcp_cluster.plan import Plan, make_plan
+from azcp_cluster.plan import Plan, plan_transfers
 from azcp_cluster.progress import Progress, wants_progress
 from azcp_cluster.report import Report, StageFigures, report_lines
 from azcp_cluster.schedule import bcast_schedule
@@ -125,8 +125,8 @@ class _Run:
     def execute(self) -> None:
         source, auth = self.setup()
         listing = self.list_stage(source, auth)
-        transfer = self.diff(listing)
-        plan = make_plan([f.size for f in listing.files], transfer, self.cluster.size, self.cfg.shard_size)
+        transfer, holders = self.diff(listing)
+        plan = plan_transfers([f.size for f in listing.files], holders, self.cluster.size, self.cfg.shard_size)
         self.report.plan_loads = plan.loads()
         self.report.plan_spread = plan.spread()
         self.report.broadcast_shards = len(plan.shards)
@@ -188,7 +188,8 @@ class _Run:
         self.report.stages["list"] = StageFigures(self._list_seconds, 0)
         return listing
 
-    def diff(self, listing: Listing) -> list[int]:
+    def diff(self, listing: Listing) -> tuple[list[int], list[list[int]]]:
+        """Which files to transfer, and for each file the ranks that already have it."""
         cluster = self.cluster
         t0 = cluster.clock()
         outcome = StageOutcome()
@@ -202,20 +203,25 @@ class _Run:
                 )
             outcome.stats = {"present": np.packbits(present).tobytes(), "list_seconds": self._list_seconds}
         result = cluster.conclude(t0, outcome)
-        everywhere = np.ones(len(files), dtype=bool)
-        for stats in result.stats:
-            bits = np.unpackbits(np.frombuffer(stats["present"], dtype=np.uint8), count=len(files)).astype(bool)
-            everywhere &= bits
-        transfer = [i for i in range(len(files)) if not everywhere[i]]
+        matrix = np.stack(
+            [
+                np.unpackbits(np.frombuffer(stats["present"], dtype=np.uint8), count=len(files)).astype(bool)
+                for stats in result.stats
+            ]
+        )  # ranks x files
+        self.have = matrix[self.rank]
+        everywhere = matrix.all(axis=0)
+        transfer = [int(i) for i in np.flatnonzero(~everywhere)]
+        holders = [[int(r) for r in np.flatnonzero(matrix[:, i])] for i in range(len(files))]
         report = self.report
         report.stages["list"].seconds = max(s["list_seconds"] for s in result.stats)
         report.skipped_files = len(files) - len(transfer)
-        report.skipped_bytes = sum(files[i].size for i in range(len(files)) if everywhere[i])
+        report.skipped_bytes = sum(files[i].size for i in np.flatnonzero(everywhere))
         report.transfer_files = len(transfer)
-        report.azure_files = len(transfer)
-        report.peer_files = 0
+        report.peer_files = sum(1 for i in transfer if holders[i])
+        report.azure_files = report.transfer_files - report.peer_files
         report.stages["diff"] = StageFigures(result.seconds, 0)
-        return transfer
+        return transfer, holders
 
     def download(self, listing: Listing, transfer: list[int], plan: Plan, auth: Authorizer) -> None:
         cluster = self.cluster
@@ -224,7 +230,7 @@ class _Run:
         mine = plan.owned_by(self.rank)
         progress = Progress("download", sum(s.length for s in mine), self.show_progress)
         with cluster.stage(outcome):
-            for index in transfer:
+            for index in self.missing_here(transfer):
                 entry = listing.files[index]
                 prepare(self.dest, entry.path, entry.size)
             downloader = Downloader(
@@ -260,6 +266,7 @@ class _Run:
                 pipeline=self.cfg.bcast_pipeline,
                 writers=self.cfg.bcast_writers,
                 direct=self.cfg.bcast_direct,
+                have=self.have,
                 on_bytes=progress.add,
             )
             stats = broadcaster.run(schedule)
@@ -270,9 +277,13 @@ class _Run:
         self.report.broadcast_bytes = total
         self.report.stages["bcast"] = StageFigures(result.seconds, total)
 
+    def missing_here(self, transfer: list[int]) -> list[int]:
+        """The transferred files this rank does not have yet (it writes and renames these)."""
+        return [i for i in transfer if not self.have[i]]
+
     def finalize(self, listing: Listing, transfer: list[int]) -> None:
         """fsync and rename every transferred file, several at once (fsync waits on the disk)."""
-        paths = [listing.files[i].path for i in transfer]
+        paths = [listing.files[i].path for i in self.missing_here(transfer)]
         with ThreadPoolExecutor(max_workers=8, thread_name_prefix="azcp-fin") as pool:
             list(pool.map(lambda rel: finalize(self.dest, rel), paths))
         dirs = {os.path.dirname(final_path(self.dest, rel)) for rel in paths}

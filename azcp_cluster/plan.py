@@ -24,6 +24,7 @@ class Shard:
     offset: int
     length: int
     owner: int
+    peer: bool = False  # the owner already has the file: broadcast it, never download it
 
 
 @dataclass(frozen=True)
@@ -34,15 +35,16 @@ class Plan:
     nranks: int
 
     def loads(self) -> list[int]:
-        """Bytes assigned to each rank."""
+        """Bytes each rank downloads (peer shards cost no download)."""
         loads = [0] * self.nranks
         for shard in self.shards:
-            loads[shard.owner] += shard.length
+            if not shard.peer:
+                loads[shard.owner] += shard.length
         return loads
 
     def owned_by(self, rank: int) -> list[Shard]:
-        """The shards one rank fetches, in broadcast order."""
-        return [s for s in self.shards if s.owner == rank]
+        """The shards one rank downloads, in broadcast order."""
+        return [s for s in self.shards if s.owner == rank and not s.peer]
 
     def spread(self, owners: Sequence[int] | None = None) -> float:
         """Imbalance of the busiest rank over the mean, among ``owners`` (default all): 0.0 is perfect."""
@@ -114,3 +116,27 @@ def make_plan(
         heapq.heappush(heap, (load + length, rank))
     shards.sort()
     return Plan(shards=tuple(shards), nranks=nranks)
+
+
+def plan_transfers(
+    sizes: Sequence[int],
+    holders: Sequence[Sequence[int]],
+    nranks: int,
+    shard_size: int,
+    owners: Sequence[int] | None = None,
+) -> Plan:
+    """Plan every file that some rank lacks; ``holders[i]`` lists the ranks that have file ``i``.
+
+    Peers before Azure: a file some ranks already have is broadcast from its lowest-rank
+    holder and never downloaded; files no rank has are spread over ``owners`` by LPT;
+    files every rank has are left out.
+    """
+    azure = [i for i, have in enumerate(holders) if not have]
+    plan = make_plan(sizes, azure, nranks, shard_size, owners)
+    peer = [
+        Shard(file=i, offset=offset, length=length, owner=min(have), peer=True)
+        for i, have in enumerate(holders)
+        if have and len(set(have)) < nranks
+        for offset, length in split_ranges(sizes[i], shard_size)
+    ]
+    return Plan(shards=tuple(sorted((*plan.shards, *peer))), nranks=nranks)

@@ -93,7 +93,7 @@ def test_no_temporary_files_remain(
     assert leftovers == []
 
 
-def test_one_rank_missing_a_file_gets_it_back(
+def test_a_file_missing_on_one_rank_comes_from_a_peer(
     emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
 ) -> None:
     container, expected = dataset
@@ -104,8 +104,13 @@ def test_one_rank_missing_a_file_gets_it_back(
     result = run_cli(args, env=emulator.key_env(), json_path=tmp_path / "r.json")
     assert result.returncode == 0, result.output
     assert result.json is not None
-    assert result.json["skipped_files"] == len(expected) - 2
-    assert result.json["downloaded_bytes"] == len(expected["chunk.bin"]) + len(expected["page.bin"])
+    doc = result.json
+    assert doc["skipped_files"] == len(expected) - 2
+    # Peers before Azure: both files come from a rank that has them, nothing is downloaded.
+    assert doc["peer_files"] == 2 and doc["azure_files"] == 0
+    assert doc["downloaded_bytes"] == 0
+    assert doc["broadcast_bytes"] == len(expected["chunk.bin"]) + len(expected["page.bin"])
+    assert "[diff] 2 to transfer (2 peer, 0 azure)" in result.stdout
     _assert_copies(tmp_path, expected)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import defaultdict
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.plan import SHARD_ALIGN, Plan, Shard, make_plan, round_up, split_ranges
+from azcp_cluster.plan import SHARD_ALIGN, Plan, Shard, make_plan, plan_transfers, round_up, split_ranges
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -298,3 +299,37 @@ def test_checkpoint_mix_is_balanced(seed: int, n_big: int, big_size: float) -> N
     plan = make_plan(sizes, range(len(sizes)), nranks=16, shard_size=GiB)
     assert_plan_valid(plan, sizes, range(len(sizes)), range(16))
     assert plan.spread() < 0.02, f"spread {plan.spread():.4f} with loads {plan.loads()}"
+
+
+@given(
+    sizes=st.lists(st.integers(min_value=0, max_value=50_000), min_size=1, max_size=30),
+    nranks=st.integers(min_value=1, max_value=6),
+    shard=st.integers(min_value=1, max_value=20_000),
+    data=st.data(),
+)
+@settings(max_examples=150, deadline=None)
+def test_plan_transfers_peers_before_azure(sizes: list[int], nranks: int, shard: int, data: st.DataObject) -> None:
+    holders = [
+        sorted(data.draw(st.sets(st.integers(min_value=0, max_value=nranks - 1), max_size=nranks))) for _ in sizes
+    ]
+    plan = plan_transfers(sizes, holders, nranks, shard)
+    by_file: dict[int, list[Shard]] = {}
+    for s in plan.shards:
+        by_file.setdefault(s.file, []).append(s)
+    for i, size in enumerate(sizes):
+        have = holders[i]
+        shards = sorted(by_file.get(i, []), key=lambda s: s.offset)
+        if len(have) == nranks or size == 0:
+            assert shards == [], "a file every rank has, or an empty one, needs no broadcast"
+            continue
+        # every byte exactly once
+        assert shards[0].offset == 0
+        assert all(a.offset + a.length == b.offset for a, b in itertools.pairwise(shards))
+        assert shards[-1].offset + shards[-1].length == size
+        if have:
+            assert all(s.peer and s.owner == min(have) for s in shards), "peer files come from the lowest holder"
+        else:
+            assert not any(s.peer for s in shards)
+    # downloads (loads) count only files no rank has
+    assert sum(plan.loads()) == sum(size for size, have in zip(sizes, holders, strict=True) if not have)
+    assert plan_transfers(sizes, holders, nranks, shard) == plan
