@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from azcp_cluster.schedule import Chunk, call_slices
 # Ranks compare error flags this often (in chunks): rare enough to cost nothing, often
 # enough that a failure stops the stage within a few chunks.
 CHECK_EVERY = 16
+# Seconds between tests of a broadcast in flight (see _wait).
+POLL_NAP = 0.0002
 
 
 @dataclass
@@ -147,10 +150,9 @@ class Broadcaster:
 
     def _retire(self, item: tuple[Chunk, _Slot, list[Any]], writes: queue.Queue[tuple[Chunk, _Slot] | None]) -> None:
         """Complete the oldest broadcast in flight and pass its slot on."""
-        from mpi4py import MPI
 
         chunk, slot, requests = item
-        MPI.Request.Waitall(requests)
+        _wait(requests)
         self.stats.chunks += 1
         self.on_bytes(chunk.length)
         if chunk.root == self.rank:
@@ -245,6 +247,19 @@ class Broadcaster:
     def _source(self, chunk: Chunk) -> str:
         rel = self.files[chunk.file].path
         return final_path(self.dest, rel) if self.have[chunk.file] else temp_path(self.dest, rel)
+
+
+def _wait(requests: list[Any]) -> None:
+    """Complete ``requests``, testing and napping instead of spinning in MPI_Waitall.
+
+    A blocking wait busy-polls a whole core; the writer and read-ahead threads of this rank
+    (and, on an oversubscribed node, other ranks) need it more. A chunk takes milliseconds,
+    so a nap of a fraction of one costs nothing.
+    """
+    from mpi4py import MPI
+
+    while not MPI.Request.Testall(requests):
+        time.sleep(POLL_NAP)
 
 
 def slot_buffer_bytes(pipeline: int, chunk_size: int) -> int:

@@ -8,6 +8,7 @@ and one I/O module; this file owns only the order and the bookkeeping.
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import sys
 import time
@@ -270,11 +271,17 @@ class _Run:
                 on_bytes=progress.add,
             )
             stats = broadcaster.run(schedule)
-            outcome.stats = {"received": stats.received_bytes, "sent": stats.sent_bytes}
             self.finalize(listing, transfer)
+            outcome.stats = {
+                "received": stats.received_bytes,
+                "sent": stats.sent_bytes,
+                # ru_maxrss is in KiB on Linux: the rank's peak resident memory so far.
+                "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            }
         progress.close()
         result = cluster.conclude(t0, outcome)
         self.report.broadcast_bytes = total
+        self.report.peak_rss_bytes = max(int(st.get("rss", 0)) for st in result.stats)
         self.report.stages["bcast"] = StageFigures(result.seconds, total)
 
     def missing_here(self, transfer: list[int]) -> list[int]:

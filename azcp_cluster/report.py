@@ -43,6 +43,7 @@ class Report:
     dry_run: bool = False
     plan_loads: list[int] = field(default_factory=list)
     plan_spread: float = 0.0
+    peak_rss_bytes: int = 0  # the largest peak resident memory of any rank
     stages: dict[str, StageFigures] = field(default_factory=lambda: {s: StageFigures() for s in STAGES})
 
     def to_json(self) -> dict[str, Any]:

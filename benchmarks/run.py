@@ -74,16 +74,32 @@ async def _raw_download(urls: list[str], size: int, block: int, concurrency: int
 
 
 def _tool_download(source: str, dest: Path, env: dict[str, str], ranks: int, extra: list[str]) -> dict[str, Any]:
+    """Run the tool under mpiexec and return its JSON report."""
     report = dest.parent / "report.json"
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "azcp_cluster", source, str(dest),
-           "--compare", "none", "--no-progress", "--json", str(report), *extra]
+    cmd = [
+        mpiexec(),
+        "-n",
+        str(ranks),
+        sys.executable,
+        "-m",
+        "azcp_cluster",
+        source,
+        str(dest),
+        "--compare",
+        "none",
+        "--no-progress",
+        "--json",
+        str(report),
+        *extra,
+    ]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     doc: dict[str, Any] = json.loads(report.read_text())
     return doc
 
 
-def bench_download(emu: azurite.Emulator, blob_size: int, blobs: int, repeats: int, block: int,
-                   concurrency: int) -> dict[str, Any]:
+def bench_download(
+    emu: azurite.Emulator, blob_size: int, blobs: int, repeats: int, block: int, concurrency: int
+) -> dict[str, Any]:
     """Tool download stage vs the raw aiohttp ceiling, alternating runs, medians."""
     names = {f"dl/blob-{i:03d}.bin": pseudo_random(blob_size, f"bench{i}") for i in range(blobs)}
     azurite.upload(emu, CONTAINER, names)
@@ -116,6 +132,91 @@ def bench_download(emu: azurite.Emulator, blob_size: int, blobs: int, repeats: i
     }
 
 
+def bench_bcast(
+    emu: azurite.Emulator,
+    prefix: str,
+    sizes: dict[str, list[str]],
+    ranks: int,
+    repeats: int,
+    chunk: int,
+    pipeline: int,
+    writers: int,
+    direct: bool = True,
+) -> dict[str, Any]:
+    """The tool's broadcast stage per receiver against min(raw Bcast, raw O_DIRECT write), per dataset size."""
+    source = emu.url(CONTAINER, prefix)
+    env = {**os.environ, **emu.key_env()}
+    out: dict[str, Any] = {
+        "settings": {
+            "ranks": ranks,
+            "bcast_chunk": chunk,
+            "bcast_pipeline": pipeline,
+            "bcast_writers": writers,
+            "direct": direct,
+        }
+    }
+    for label, includes in sizes.items():
+        tool, ceil, rss = [], [], []
+        work = Path(tempfile.mkdtemp(prefix="azcp-bench-bcast-"))
+        try:
+            for _ in range(repeats):
+                extra = [
+                    "--bcast-chunk",
+                    str(chunk),
+                    "--bcast-pipeline",
+                    str(pipeline),
+                    "--bcast-writers",
+                    str(writers),
+                    "--shard-size",
+                    "1TiB",
+                ]
+                extra += [] if direct else ["--no-bcast-direct"]
+                for pattern in includes:
+                    extra += ["--include", pattern]
+                doc = _tool_download(source, work / "{rank}", env, ranks, extra)
+                total = doc["broadcast_bytes"]
+                tool.append(total / MiB / doc["stages"]["bcast"]["seconds"])
+                rss.append(doc["peak_rss_bytes"])
+                raw_json = work / "raw.json"
+                subprocess.run(
+                    [
+                        mpiexec(),
+                        "-n",
+                        str(ranks),
+                        sys.executable,
+                        str(Path(__file__).with_name("raw_bcast.py")),
+                        "--bytes",
+                        str(total),
+                        "--chunk",
+                        str(chunk),
+                        "--dir",
+                        str(work),
+                        "--json",
+                        str(raw_json),
+                    ],
+                    check=True,
+                )
+                raw = json.loads(raw_json.read_text())
+                ceil.append(min(raw["bcast"], raw["write"]))
+                out.setdefault("raw_samples", []).append(raw)
+                shutil.rmtree(work / "0", ignore_errors=True)
+                for r in range(ranks):
+                    shutil.rmtree(work / str(r), ignore_errors=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        value, ceiling = statistics.median(tool), statistics.median(ceil)
+        out[label] = {
+            "bytes": total,
+            "value": round(value, 1),
+            "ceiling": round(ceiling, 1),
+            "ratio": round(value / ceiling, 3),
+            "peak_rss_mib": round(max(rss) / MiB, 1),
+            "rss_budget_mib": round((pipeline * chunk) / MiB + 256, 1),
+            "samples": {"tool": [round(x, 1) for x in tool], "ceiling": [round(x, 1) for x in ceil]},
+        }
+    return out
+
+
 def machine() -> dict[str, Any]:
     """Where the figures came from."""
     return {
@@ -134,6 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", default="16MiB")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--no-pin", action="store_true", help="let the emulator share the client's cores")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="ranks for the broadcast benchmark (default: one per core, at most 4; oversubscribed ranks "
+        "spin in MPI and starve each other's disk threads, which no cluster node does)",
+    )
+    parser.add_argument("--bcast-chunk", default="64MiB")
+    parser.add_argument("--bcast-pipeline", type=int, default=4)
+    parser.add_argument("--bcast-writers", type=int, default=2)
     args = parser.parse_args(argv)
     blob_size, blobs, repeats = (64 * MiB, 8, 3) if args.quick else (128 * MiB, 8, 5)
     results: dict[str, Any] = {"machine": machine(), "quick": args.quick}
@@ -149,6 +260,18 @@ def main(argv: list[str] | None = None) -> int:
     with azurite.running(cpus=server_cpus) as emu:
         results["download"] = bench_download(
             emu, blob_size, blobs, repeats, parse_size(args.block_size), args.concurrency
+        )
+        os.sched_setaffinity(0, set(cpus))  # the broadcast runs after the download: no server traffic
+        half = [f"blob-00[0-{blobs // 2 - 1}].bin"]
+        results["bcast"] = bench_bcast(
+            emu,
+            "dl",
+            {"small": half, "large": []},
+            args.ranks,
+            repeats,
+            parse_size(args.bcast_chunk),
+            args.bcast_pipeline,
+            args.bcast_writers,
         )
     print(json.dumps(results, indent=2))
     if args.json:
