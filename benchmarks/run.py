@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bcast-pipeline", type=int, default=4)
     parser.add_argument("--bcast-writers", type=int, default=2)
     args = parser.parse_args(argv)
-    blob_size, blobs, repeats = (64 * MiB, 8, 3) if args.quick else (128 * MiB, 8, 5)
+    blob_size, blobs, repeats = (64 * MiB, 8, 5) if args.quick else (128 * MiB, 8, 7)
     results: dict[str, Any] = {"machine": machine(), "quick": args.quick}
     cpus = sorted(os.sched_getaffinity(0))
     server_cpus: set[int] | None = None
