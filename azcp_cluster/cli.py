@@ -61,9 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"azcp-cluster {__version__}")
     p.add_argument(
         "--compare",
-        choices=("none", "size"),
+        choices=("none", "size", "etag", "md5"),
         default="size",
-        help="skip files already in DEST on every rank: 'size' (same size) or 'none' (copy all); default size",
+        help="when a file in DEST counts as already there: 'size' (same size; a blob replaced by one of the "
+        "same size is NOT recopied), 'etag' (same size and the ETag recorded in DEST's manifest), 'md5' "
+        "(hash the local file, compare with the blob's Content-MD5 or the manifest's), 'none' (copy all); "
+        "default size",
     )
     p.add_argument("--concurrency", type=int, default=64, help="ranged GETs in flight per rank (default 64)")
     p.add_argument("--block-size", type=_size, default="16MiB", help="bytes per ranged GET (default 16MiB)")

@@ -34,7 +34,7 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
-COMPARE_MODES = ("none", "size")
+COMPARE_MODES = ("none", "size", "etag", "md5")
 
 
 def parse_size(text: str) -> int:

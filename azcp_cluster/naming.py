@@ -21,6 +21,9 @@ from fnmatch import fnmatchcase
 from azcp_cluster.errors import ListError
 from azcp_cluster.model import FileEntry, Listing
 
+# The tool's own record inside DEST (see manifest.py); no listed file may take its name.
+MANIFEST_NAME = ".azcp-manifest.json"
+
 
 @dataclass(frozen=True)
 class RawEntry:
@@ -55,6 +58,8 @@ def check_relative_path(path: str, name: str) -> str:
     segments = path.split("/")
     if path.startswith("/"):
         raise ListError("name is absolute and would land outside DEST", path=name)
+    if path == MANIFEST_NAME:
+        raise ListError(f"name {MANIFEST_NAME!r} is reserved for the tool's manifest in DEST", path=name)
     for segment in segments:
         if segment in ("", ".", ".."):
             reason = "an empty segment" if segment == "" else f"a {segment!r} segment"

@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from azcp_cluster import manifest
 from azcp_cluster.broadcast import Broadcaster
 from azcp_cluster.cluster import Cluster, StageOutcome, error_from_payload, error_payload
 from azcp_cluster.config import Config, format_bytes
@@ -26,7 +27,7 @@ from azcp_cluster.credentials import Authorizer, resolve_credential
 from azcp_cluster.download import Downloader, blocks_for
 from azcp_cluster.errors import AzcpError, TopologyError, UsageError
 from azcp_cluster.listing import list_source
-from azcp_cluster.localfs import ensure_dest, expand_dest, final_path, finalize, is_present, prepare, sync_dirs
+from azcp_cluster.localfs import ensure_dest, expand_dest, final_path, finalize, prepare, sync_dirs
 from azcp_cluster.model import Listing, decode_listing, encode_listing
 from azcp_cluster.plan import Plan, plan_transfers
 from azcp_cluster.progress import Progress, wants_progress
@@ -137,6 +138,7 @@ class _Run:
             return
         self.download(listing, transfer, plan, auth)
         self.bcast(listing, transfer, plan)
+        self.record(listing, transfer)
         self.print_report()
 
     # -- stages ---------------------------------------------------------------------------
@@ -196,12 +198,7 @@ class _Run:
         outcome = StageOutcome()
         files = listing.files
         with cluster.stage(outcome):
-            if self.cfg.compare == "none":
-                present = np.zeros(len(files), dtype=bool)
-            else:
-                present = np.fromiter(
-                    (is_present(self.dest, f.path, f.size) for f in files), dtype=bool, count=len(files)
-                )
+            present = np.array(manifest.present(self.dest, files, self.cfg.compare), dtype=bool)
             outcome.stats = {"present": np.packbits(present).tobytes(), "list_seconds": self._list_seconds}
         result = cluster.conclude(t0, outcome)
         matrix = np.stack(
@@ -283,6 +280,20 @@ class _Run:
         self.report.broadcast_bytes = total
         self.report.peak_rss_bytes = max(int(st.get("rss", 0)) for st in result.stats)
         self.report.stages["bcast"] = StageFigures(result.seconds, total)
+
+    def record(self, listing: Listing, transfer: list[int]) -> None:
+        """Update every rank's manifest with what is now known to be in DEST.
+
+        Copied files are the listed version. A skipped file is only known to be the listed
+        version if its ETag or MD5 was checked; after a size check its entry stays as it was.
+        """
+        cluster = self.cluster
+        outcome = StageOutcome()
+        files = listing.files
+        known = files if self.cfg.compare in ("etag", "md5") else [files[i] for i in transfer]
+        with cluster.stage(outcome):
+            manifest.save(self.dest, known, manifest.load(self.dest))
+        cluster.conclude(cluster.clock(), outcome)
 
     def missing_here(self, transfer: list[int]) -> list[int]:
         """The transferred files this rank does not have yet (it writes and renames these)."""

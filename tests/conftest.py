@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from azcp_cluster.devtools import azurite
+from azcp_cluster.naming import MANIFEST_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 MPI_TIMEOUT = 120
@@ -80,6 +81,10 @@ def emulator() -> Iterator[azurite.Emulator]:
         yield emu
 
 
-def tree_of(root: Path) -> dict[str, bytes]:
-    """Every regular file below ``root``: relative path -> content."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+def tree_of(root: Path, manifest: bool = False) -> dict[str, bytes]:
+    """Every regular file below ``root``: relative path -> content (the tool's manifest only if asked)."""
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and (manifest or p.relative_to(root).as_posix() != MANIFEST_NAME)
+    }

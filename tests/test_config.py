@@ -157,7 +157,7 @@ def test_defaults_validate() -> None:
 @pytest.mark.parametrize(
     ("changes", "option"),
     [
-        ({"compare": "md5"}, "--compare"),
+        ({"compare": "sha1"}, "--compare"),
         ({"compare": ""}, "--compare"),
         ({"concurrency": 0}, "--concurrency"),
         ({"concurrency": 4097}, "--concurrency"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from azcp_cluster.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import tricky_tree, with_traps
+from azcp_cluster.naming import MANIFEST_NAME
 from tests.conftest import run_cli, tree_of
 
 RANKS = 4
@@ -328,3 +330,47 @@ def test_buffers_beyond_memory_are_refused(emulator: azurite.Emulator, tmp_path:
     assert result.returncode == 2, result.output
     assert "--bcast-pipeline" in result.stderr and "available" in result.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_compare_etag_recopies_a_blob_replaced_by_one_of_the_same_size(
+    emulator: azurite.Emulator, tmp_path: Path
+) -> None:
+    container = _container()
+    old = {"m/a.bin": b"A" * 10_000, "m/b.bin": b"B" * 5000}
+    azurite.upload(emulator, container, old)
+    args = [emulator.url(container, "m"), str(tmp_path / "{rank}")]
+    assert run_cli(args, env=emulator.key_env()).returncode == 0
+    manifest = json.loads((tmp_path / "0" / MANIFEST_NAME).read_text())
+    assert sorted(manifest["files"]) == ["a.bin", "b.bin"]
+    azurite.upload(emulator, container, {"m/a.bin": b"Z" * 10_000})  # same size, new ETag
+
+    by_size = run_cli([*args, "--compare", "size"], env=emulator.key_env(), json_path=tmp_path / "s.json")
+    assert by_size.returncode == 0, by_size.output
+    assert by_size.json is not None and by_size.json["skipped_files"] == 2  # documented: size cannot tell
+    assert (tmp_path / "1" / "a.bin").read_bytes() == b"A" * 10_000
+
+    by_etag = run_cli([*args, "--compare", "etag"], env=emulator.key_env(), json_path=tmp_path / "e.json")
+    assert by_etag.returncode == 0, by_etag.output
+    assert by_etag.json is not None
+    assert by_etag.json["skipped_files"] == 1 and by_etag.json["downloaded_bytes"] == 10_000
+    for rank in range(RANKS):
+        assert tree_of(tmp_path / str(rank)) == {"a.bin": b"Z" * 10_000, "b.bin": b"B" * 5000}
+    again = run_cli([*args, "--compare", "etag"], env=emulator.key_env(), json_path=tmp_path / "e2.json")
+    assert again.json is not None and again.json["skipped_files"] == 2
+
+
+def test_compare_md5_finds_a_corrupt_copy_and_a_peer_repairs_it(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    container, expected = dataset
+    args = [emulator.url(container, "ckpt"), str(tmp_path / "{rank}")]
+    assert run_cli(args, env=emulator.key_env()).returncode == 0
+    victim = tmp_path / "3" / "chunk-plus.bin"
+    data = bytearray(victim.read_bytes())
+    data[12345] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    result = run_cli([*args, "--compare", "md5"], env=emulator.key_env(), json_path=tmp_path / "r.json")
+    assert result.returncode == 0, result.output
+    assert result.json is not None
+    assert result.json["peer_files"] == 1 and result.json["downloaded_bytes"] == 0
+    _assert_copies(tmp_path, expected)
