@@ -16,6 +16,8 @@ Errors never leave a rank behind in a collective: a rank that fails keeps taking
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import queue
 import threading
@@ -54,6 +56,8 @@ class _Slot:
     def __init__(self, size: int) -> None:
         self.buffer = aligned_buffer(size)
         self.ready = threading.Event()
+        self.users = 0  # threads (writer, hasher) still reading the chunk in it
+        self.lock = threading.Lock()
 
 
 class Broadcaster:
@@ -70,6 +74,7 @@ class Broadcaster:
         writers: int = 2,
         direct: bool = True,
         have: Sequence[bool] | None = None,
+        verify: bool = False,
         on_bytes: Callable[[int], None] = lambda n: None,
     ) -> None:
         if pipeline < 1 or writers < 1:
@@ -89,6 +94,10 @@ class Broadcaster:
         self._error: AzcpError | None = None
         self._error_lock = threading.Lock()
         self._schedule: Sequence[Chunk] = ()
+        # --verify: every rank sees every chunk in its slot, in file and offset order, so it
+        # hashes whole files as they stream past (no second read of anything it wrote).
+        self.verify = verify
+        self.digests: dict[int, str] = {}
 
     # -- the MPI side (main thread) -------------------------------------------------------
 
@@ -105,6 +114,10 @@ class Broadcaster:
             threading.Thread(target=self._writer, args=(writes,), name=f"azcp-bcast-writer-{i}", daemon=True)
             for i in range(self.writer_count)
         ]
+        hashes: queue.SimpleQueue[tuple[Chunk, _Slot] | None] = queue.SimpleQueue()
+        if self.verify:
+            threads.append(threading.Thread(target=self._hasher, args=(hashes,), name="azcp-md5", daemon=True))
+        self._hashes = hashes
         for thread in threads:
             thread.start()
         self._reads = reads
@@ -138,6 +151,7 @@ class Broadcaster:
                 MPI.Request.Waitall(requests)
                 slot.ready.set()
             reads.put(None)
+            hashes.put(None)
             for _ in range(self.writer_count):
                 writes.put(None)
             for thread in threads:
@@ -157,10 +171,15 @@ class Broadcaster:
         self.on_bytes(chunk.length)
         if chunk.root == self.rank:
             self.stats.sent_bytes += chunk.length
-            self._release(chunk, slot)
-        elif self._error is not None or self.have[chunk.file]:
-            self._release(chunk, slot)  # failed, or already here: keep the collective going only
-        else:
+        write = chunk.root != self.rank and self._error is None and not self.have[chunk.file]
+        hash_it = self.verify and self._error is None
+        slot.users = int(write) + int(hash_it)
+        if slot.users == 0:
+            self._release(chunk, slot)  # sent, failed, or already here: nothing reads the slot
+            return
+        if hash_it:
+            self._hashes.put((chunk, slot))
+        if write:
             self.stats.received_bytes += chunk.length
             writes.put((chunk, slot))
 
@@ -169,6 +188,14 @@ class Broadcaster:
     def _release(self, done: Chunk, slot: _Slot) -> None:
         """The slot's chunk is finished with: prepare it for the chunk ``pipeline`` later."""
         self._prepare(done.seq + len(self.slots))
+
+    def _done_with(self, chunk: Chunk, slot: _Slot) -> None:
+        """A writer or the hasher is done with the slot; the last one releases it."""
+        with slot.lock:
+            slot.users -= 1
+            last = slot.users == 0
+        if last:
+            self._release(chunk, slot)
 
     def _prepare(self, seq: int) -> None:
         if seq >= len(self._schedule):
@@ -239,7 +266,27 @@ class Broadcaster:
             except BaseException as exc:  # a dead writer would stall the pipeline
                 self._fail(InternalError(f"writer failed: {type(exc).__name__}: {exc}"))
             finally:
-                self._release(chunk, slot)
+                self._done_with(chunk, slot)
+
+    def _hasher(self, jobs: queue.SimpleQueue[tuple[Chunk, _Slot] | None]) -> None:
+        # One thread, fed in schedule order: each file's chunks arrive in offset order.
+        current: Any = None
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            chunk, slot = job
+            try:
+                if chunk.offset == 0 or current is None:
+                    current = hashlib.md5(usedforsecurity=False)
+                current.update(memoryview(slot.buffer[: chunk.length]))  # type: ignore[arg-type]
+                if chunk.last_of_file:
+                    self.digests[chunk.file] = base64.b64encode(current.digest()).decode("ascii")
+                    current = None
+            except BaseException as exc:  # a dead hasher would stall the pipeline
+                self._fail(InternalError(f"hashing failed: {type(exc).__name__}: {exc}"))
+            finally:
+                self._done_with(chunk, slot)
 
     def _path(self, chunk: Chunk) -> str:
         return temp_path(self.dest, self.files[chunk.file].path)

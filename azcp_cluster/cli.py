@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--exclude", action="append", default=[], metavar="GLOB", help="skip paths matching GLOB; repeatable"
     )
     p.add_argument(
+        "--verify",
+        action="store_true",
+        help="MD5 of every file, computed as the bytes stream (skipped files are read from disk), compared "
+        "across ranks and with the blob's Content-MD5; a mismatch exits 7",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="list, compare and print the plan (files and bytes per rank); write nothing",
@@ -135,6 +141,7 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
         include=tuple(args.include),
         exclude=tuple(args.exclude),
         dry_run=args.dry_run,
+        verify=args.verify,
         json_path=args.json_path,
         progress=not args.no_progress,
     ).validate()

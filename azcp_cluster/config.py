@@ -85,6 +85,7 @@ class Config:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     dry_run: bool = False
+    verify: bool = False
     json_path: str | None = None
     progress: bool = True
     # Seconds before a request that sends no bytes is abandoned and retried.

@@ -25,7 +25,7 @@ from azcp_cluster.cluster import Cluster, StageOutcome, error_from_payload, erro
 from azcp_cluster.config import Config, format_bytes
 from azcp_cluster.credentials import Authorizer, resolve_credential
 from azcp_cluster.download import Downloader, blocks_for
-from azcp_cluster.errors import AzcpError, TopologyError, UsageError
+from azcp_cluster.errors import AzcpError, TopologyError, UsageError, VerifyError
 from azcp_cluster.listing import list_source
 from azcp_cluster.localfs import ensure_dest, expand_dest, final_path, finalize, prepare, sync_dirs
 from azcp_cluster.model import Listing, decode_listing, encode_listing
@@ -41,6 +41,9 @@ def _attach(error: AzcpError, report: Report) -> AzcpError:
     report.exit_code = error.exit_code
     report.error = error.one_line()
     return error
+
+
+EMPTY_MD5 = "1B2M2Y8AsgTpgAmY7PhCfg=="  # base64 MD5 of no bytes
 
 
 def available_memory() -> int:
@@ -138,6 +141,8 @@ class _Run:
             return
         self.download(listing, transfer, plan, auth)
         self.bcast(listing, transfer, plan)
+        if self.cfg.verify:
+            self.verify(listing, transfer)
         self.record(listing, transfer)
         self.print_report()
 
@@ -265,9 +270,11 @@ class _Run:
                 writers=self.cfg.bcast_writers,
                 direct=self.cfg.bcast_direct,
                 have=self.have,
+                verify=self.cfg.verify,
                 on_bytes=progress.add,
             )
             stats = broadcaster.run(schedule)
+            self.streamed_md5 = broadcaster.digests
             self.finalize(listing, transfer)
             outcome.stats = {
                 "received": stats.received_bytes,
@@ -280,6 +287,40 @@ class _Run:
         self.report.broadcast_bytes = total
         self.report.peak_rss_bytes = max(int(st.get("rss", 0)) for st in result.stats)
         self.report.stages["bcast"] = StageFigures(result.seconds, total)
+
+    def verify(self, listing: Listing, transfer: list[int]) -> None:
+        """Compare every file's MD5 across ranks and with the blob's Content-MD5 (exit 7 on a mismatch)."""
+        cluster = self.cluster
+        t0 = cluster.clock()
+        outcome = StageOutcome()
+        files = listing.files
+        with cluster.stage(outcome):
+            digests = dict(self.streamed_md5)
+            moved = set(transfer)
+            for i in transfer:
+                if files[i].size == 0:
+                    digests[i] = EMPTY_MD5
+            # Files nobody transferred were not streamed: read them back, several at once.
+            skipped = [i for i in range(len(files)) if i not in moved]
+            with ThreadPoolExecutor(max_workers=4, thread_name_prefix="azcp-md5") as pool:
+                for i, digest in zip(
+                    skipped,
+                    pool.map(lambda i: manifest.md5_of(final_path(self.dest, files[i].path)), skipped),
+                    strict=True,
+                ):
+                    digests[i] = digest
+            outcome.stats = {"md5": digests}
+        result = cluster.conclude(t0, outcome)
+        for i, entry in enumerate(files):
+            seen = [stats["md5"].get(i, "") for stats in result.stats]
+            expected = entry.content_md5 or Counter(seen).most_common(1)[0][0]
+            bad = [rank for rank, digest in enumerate(seen) if digest != expected]
+            if bad:
+                ranks = ", ".join(map(str, bad))
+                against = "the blob's Content-MD5" if entry.content_md5 else "the other ranks"
+                raise VerifyError(f"MD5 on rank(s) {ranks} differs from {against}", path=entry.path)
+        self.report.verified_files = len(files)
+        self.report.stages["verify"] = StageFigures(result.seconds, self.report.bytes)
 
     def record(self, listing: Listing, transfer: list[int]) -> None:
         """Update every rank's manifest with what is now known to be in DEST.

@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-STAGES = ("list", "diff", "download", "bcast", "total")
+STAGES = ("list", "diff", "download", "bcast", "verify", "total")
 
 
 @dataclass
@@ -43,6 +43,7 @@ class Report:
     dry_run: bool = False
     plan_loads: list[int] = field(default_factory=list)
     plan_spread: float = 0.0
+    verified_files: int = 0
     peak_rss_bytes: int = 0  # the largest peak resident memory of any rank
     stages: dict[str, StageFigures] = field(default_factory=lambda: {s: StageFigures() for s in STAGES})
 
@@ -81,6 +82,8 @@ def report_lines(report: Report) -> list[str]:
             f"[bcast] {report.broadcast_shards} shards {report.broadcast_bytes} bytes T={st['bcast'].seconds:.3f}s "
             f"BW={gbps(report.broadcast_bytes, st['bcast'].seconds)}",
         ]
+        if report.verified_files:
+            lines.append(f"[verify] {report.verified_files} files T={st['verify'].seconds:.3f}s: all copies match")
         if report.retries:
             causes = ", ".join(f"{k}={v}" for k, v in sorted(report.retry_causes.items()))
             lines.append(f"[cluster] retries: {report.retries} ({causes})")

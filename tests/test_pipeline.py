@@ -298,7 +298,7 @@ def test_failure_on_one_rank_ends_the_job_and_leaves_no_partial_file(
     "options",
     [
         ["--bcast-chunk", "1MiB", "--bcast-pipeline", "1", "--bcast-writers", "1", "--shard-size", "1MiB"],
-        ["--bcast-chunk", "1MiB", "--bcast-pipeline", "8", "--bcast-writers", "4", "--shard-size", "2MiB"],
+        ["--bcast-chunk", "1MiB", "--bcast-pipeline", "8", "--bcast-writers", "4", "--shard-size", "2MiB", "--verify"],
         ["--bcast-chunk", "4MiB", "--bcast-pipeline", "3", "--bcast-writers", "2", "--no-bcast-direct"],
         ["--bcast-chunk", "64MiB", "--bcast-pipeline", "2", "--bcast-writers", "3", "--shard-size", "1MiB"],
     ],
@@ -316,6 +316,9 @@ def test_broadcast_settings_give_identical_copies(
     assert result.returncode == 0, result.output
     _assert_copies(tmp_path, expected)
     assert result.json is not None
+    if "--verify" in options:
+        assert f"[verify] {len(expected)} files" in result.stdout
+        assert result.json["verified_files"] == len(expected)
     shards = result.json["broadcast_shards"]
     if "--shard-size" in options:  # the files above the shard size were split over owners
         assert shards > len(expected)
@@ -374,3 +377,21 @@ def test_compare_md5_finds_a_corrupt_copy_and_a_peer_repairs_it(
     assert result.json is not None
     assert result.json["peer_files"] == 1 and result.json["downloaded_bytes"] == 0
     _assert_copies(tmp_path, expected)
+
+
+def test_verify_names_the_corrupt_file_and_rank(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    container, _ = dataset
+    args = [emulator.url(container, "ckpt"), str(tmp_path / "{rank}")]
+    assert run_cli(args, env=emulator.key_env()).returncode == 0
+    victim = tmp_path / "2" / "nested" / "deeper" / "still" / "leaf.bin"
+    data = bytearray(victim.read_bytes())
+    data[0] ^= 0x01
+    victim.write_bytes(bytes(data))
+    result = run_cli([*args, "--verify"], env=emulator.key_env(), json_path=tmp_path / "r.json")
+    assert result.returncode == 7, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    assert len(errors) == 1, result.stderr
+    assert "nested/deeper/still/leaf.bin" in errors[0] and "rank(s) 2 " in errors[0]
+    assert result.json is not None and result.json["exit_code"] == 7
