@@ -30,7 +30,7 @@ from typing import Any
 from azcp_cluster.cluster import PeerFailed
 from azcp_cluster.directio import DirectFile, aligned_buffer
 from azcp_cluster.errors import AzcpError, BroadcastError, InternalError
-from azcp_cluster.localfs import final_path, fs_error, temp_path
+from azcp_cluster.localfs import final_path, fs_error, preadv_all, temp_path
 from azcp_cluster.model import FileEntry
 from azcp_cluster.schedule import Chunk, call_slices
 
@@ -231,7 +231,7 @@ class Broadcaster:
                             fd = os.open(self._source(chunk), os.O_RDONLY | os.O_CLOEXEC)
                             fd_file = chunk.file
                         view = slot.buffer[: chunk.length]
-                        got = os.preadv(fd, [memoryview(view)], chunk.offset)  # type: ignore[arg-type]
+                        got = preadv_all(fd, view, chunk.offset)
                         if got != chunk.length:
                             raise BroadcastError(
                                 f"short read ({got} of {chunk.length} bytes)", path=self._source(chunk)

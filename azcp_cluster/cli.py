@@ -163,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(exc.one_line(), file=sys.stderr)
         return exc.exit_code
     comm = _comm()
+    from azcp_cluster.cluster import redact
     from azcp_cluster.pipeline import run
 
     try:
@@ -178,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as exc:
         # Not agreed (a bug, or an interrupt outside a stage): the others may be waiting in
         # a collective, so end the whole job rather than hang.
-        error = InternalError(f"unexpected {type(exc).__name__}: {exc}", rank=comm.Get_rank())
+        error = InternalError(f"unexpected {type(exc).__name__}: {redact(str(exc))}", rank=comm.Get_rank())
         print(error.one_line(), file=sys.stderr, flush=True)
         comm.Abort(exit_code_for(error))
         return exit_code_for(error)

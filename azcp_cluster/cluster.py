@@ -11,6 +11,7 @@ Ranks that are busy for a long time on their own (downloading) also watch for a
 
 from __future__ import annotations
 
+import re
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -67,7 +68,15 @@ def as_azcp_error(exc: BaseException, rank: int) -> AzcpError:
         return exc
     where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
     loc = f" at {where[0].filename.rsplit('/', 1)[-1]}:{where[0].lineno}" if where else ""
-    return InternalError(f"unexpected {type(exc).__name__}: {exc}{loc}", rank=rank)
+    return InternalError(f"unexpected {type(exc).__name__}: {redact(str(exc))}{loc}", rank=rank)
+
+
+_QUERY = re.compile(r"\?[^\s'\"]*")
+
+
+def redact(text: str) -> str:
+    """Drop URL query strings (they may hold a SAS signature) from a message."""
+    return _QUERY.sub("?<redacted>", text)
 
 
 class Cluster:

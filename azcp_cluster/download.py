@@ -186,7 +186,9 @@ class Downloader:
                 return
             except _Retryable as exc:
                 cause, retry_after = exc.cause, exc.retry_after
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionError) as exc:
+            except (aiohttp.ClientError, ConnectionError) as exc:
+                # Broken bodies, resets, malformed responses from a proxy: all retried. The
+                # cause is the class name only: aiohttp's messages carry the URL and its SAS.
                 cause, retry_after = type(exc).__name__, None
             except asyncio.TimeoutError:
                 cause, retry_after = "timeout", None

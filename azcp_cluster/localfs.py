@@ -12,9 +12,10 @@ import os
 import stat
 from collections.abc import Iterable
 
-from azcp_cluster.errors import LocalFSError
+import numpy as np
 
-TEMP_SUFFIX = ".azcp-part"
+from azcp_cluster.errors import DiffError, LocalFSError
+from azcp_cluster.naming import TEMP_SUFFIX
 
 
 def expand_dest(template: str, rank: int, host: str) -> str:
@@ -63,11 +64,17 @@ def ensure_dest(dest: str, create: bool = True) -> None:
 
 
 def is_present(dest: str, rel: str, size: int) -> bool:
-    """Whether ``rel`` already stands in ``dest`` as a regular file of ``size`` bytes."""
+    """Whether ``rel`` already stands in ``dest`` as a regular file of ``size`` bytes.
+
+    Absent is an answer; a file that cannot be looked at (permissions, I/O error) is an error.
+    """
+    path = final_path(dest, rel)
     try:
-        st = os.stat(final_path(dest, rel))
-    except OSError:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
         return False
+    except OSError as exc:
+        raise DiffError(f"cannot inspect the local copy: {exc.strerror or exc}", path=path) from None
     return stat.S_ISREG(st.st_mode) and st.st_size == size
 
 
@@ -110,6 +117,21 @@ def pwritev_all(fd: int, buffers: list[memoryview] | list[bytes], offset: int) -
             views.pop(0)
         if views and written:
             views[0] = views[0][written:]
+    return total
+
+
+def preadv_all(fd: int, buf: np.ndarray, offset: int) -> int:
+    """Fill ``buf`` from ``offset``, looping over short reads (Linux reads at most ~2 GiB a call).
+
+    Returns the bytes read: less than ``len(buf)`` only at end of file.
+    """
+    view = memoryview(buf)  # type: ignore[arg-type]
+    total = 0
+    while total < len(view):
+        got = os.preadv(fd, [view[total:]], offset + total)
+        if got <= 0:
+            break
+        total += got
     return total
 
 

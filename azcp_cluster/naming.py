@@ -23,6 +23,8 @@ from azcp_cluster.model import FileEntry, Listing
 
 # The tool's own record inside DEST (see manifest.py); no listed file may take its name.
 MANIFEST_NAME = ".azcp-manifest.json"
+# Suffix of the temporary names files are written under (see localfs.temp_path).
+TEMP_SUFFIX = ".azcp-part"
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ def check_relative_path(path: str, name: str) -> str:
     segments = path.split("/")
     if path.startswith("/"):
         raise ListError("name is absolute and would land outside DEST", path=name)
+    if path.endswith(TEMP_SUFFIX):
+        raise ListError(f"names ending in {TEMP_SUFFIX!r} are reserved for the tool's temporary files", path=name)
     if path == MANIFEST_NAME:
         raise ListError(f"name {MANIFEST_NAME!r} is reserved for the tool's manifest in DEST", path=name)
     for segment in segments:

@@ -125,6 +125,8 @@ class _Run:
         self.host = host
         self.rank = cluster.rank
         self.dest = os.path.abspath(expand_dest(cfg.dest, self.rank, host))
+        # Symlinks and "..": two spellings of one directory are still one directory.
+        self.dest_identity = os.path.realpath(self.dest)
         self.show_progress = wants_progress(cfg.progress, self.rank)
 
     def execute(self) -> None:
@@ -142,7 +144,8 @@ class _Run:
         self.download(listing, transfer, plan, auth)
         self.bcast(listing, transfer, plan)
         if self.cfg.verify:
-            self.verify(listing, transfer)
+            self.verify(listing, transfer)  # before the rename: a mismatch leaves no final name
+        self.finish(listing, transfer)
         self.record(listing, transfer)
         self.print_report()
 
@@ -167,7 +170,7 @@ class _Run:
             auth = Authorizer(source, resolve_credential(source, self.env), self.wall)
         cluster.conclude(t0, outcome)
         assert source is not None and auth is not None
-        places = cluster.allgather((self.host, self.dest))
+        places = cluster.allgather((self.host, self.dest_identity))
         self.report.nodes = len({h for h, _ in places})
         check_topology(places)
         outcome = StageOutcome()
@@ -254,12 +257,16 @@ class _Run:
         self.report.stages["download"] = StageFigures(result.seconds, self.report.downloaded_bytes)
 
     def bcast(self, listing: Listing, transfer: list[int], plan: Plan) -> None:
+        """Fan every byte out to every rank (temporary names only; see finish)."""
         cluster = self.cluster
         t0 = cluster.clock()
-        outcome = StageOutcome()
         schedule = bcast_schedule(plan, self.cfg.bcast_chunk)
         total = sum(c.length for c in schedule)
         progress = Progress("bcast", total, self.show_progress)
+        # Allocate first, in an agreement of its own: a rank that cannot get its slots must
+        # not stay out of the Ibcasts the others have entered.
+        outcome = StageOutcome()
+        broadcaster: Broadcaster | None = None
         with cluster.stage(outcome):
             broadcaster = Broadcaster(
                 cluster.comm,
@@ -273,20 +280,29 @@ class _Run:
                 verify=self.cfg.verify,
                 on_bytes=progress.add,
             )
-            stats = broadcaster.run(schedule)
+        cluster.conclude(t0, outcome)
+        assert broadcaster is not None
+        outcome = StageOutcome()
+        with cluster.stage(outcome):
+            broadcaster.run(schedule)
             self.streamed_md5 = broadcaster.digests
-            self.finalize(listing, transfer)
-            outcome.stats = {
-                "received": stats.received_bytes,
-                "sent": stats.sent_bytes,
-                # ru_maxrss is in KiB on Linux: the rank's peak resident memory so far.
-                "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            }
+            # ru_maxrss is in KiB on Linux: the rank's peak resident memory so far.
+            outcome.stats = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         progress.close()
         result = cluster.conclude(t0, outcome)
         self.report.broadcast_bytes = total
         self.report.peak_rss_bytes = max(int(st.get("rss", 0)) for st in result.stats)
         self.report.stages["bcast"] = StageFigures(result.seconds, total)
+
+    def finish(self, listing: Listing, transfer: list[int]) -> None:
+        """fsync and rename, only once every rank has every byte (counted in the bcast stage)."""
+        cluster = self.cluster
+        t0 = cluster.clock()
+        outcome = StageOutcome()
+        with cluster.stage(outcome):
+            self.finalize(listing, transfer)
+        result = cluster.conclude(t0, outcome)
+        self.report.stages["bcast"].seconds += result.seconds
 
     def verify(self, listing: Listing, transfer: list[int]) -> None:
         """Compare every file's MD5 across ranks and with the blob's Content-MD5 (exit 7 on a mismatch)."""

@@ -199,3 +199,11 @@ def test_authorizer_sas_and_anonymous_urls() -> None:
 def test_sources_are_plain_data() -> None:
     assert isinstance(PLAIN, BlobSource)
     assert PLAIN.sas is None
+
+
+def test_redact_drops_query_strings_that_may_hold_a_sas() -> None:
+    from azcp_cluster.cluster import redact
+
+    text = "400, message='Invalid', url='https://a.blob.core.windows.net/c/x?sv=1&sig=SECRET'"
+    assert "SECRET" not in redact(text)
+    assert "https://a.blob.core.windows.net/c/x?<redacted>" in redact(text)

@@ -228,3 +228,28 @@ def test_pwritev_all_survives_short_writes(buffers: list[bytes], cap: int, offse
     assert content == b"\0" * offset + data
     assert all(0 < n <= cap for n in calls)
     assert len(calls) == -(-len(data) // cap)
+
+
+def test_preadv_all_fills_the_buffer_and_stops_at_eof(tmp_path: Path) -> None:
+    from azcp_cluster.directio import aligned_buffer
+    from azcp_cluster.localfs import preadv_all
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 40)  # 10240 bytes
+    buf = aligned_buffer(8192)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert preadv_all(fd, buf, 100) == 8192
+        assert buf.tobytes() == (bytes(range(256)) * 40)[100:8292]
+        assert preadv_all(fd, buf, 9000) == 1240  # short only at end of file
+    finally:
+        os.close(fd)
+
+
+def test_is_present_reports_an_unreadable_copy_as_an_error(tmp_path: Path) -> None:
+    from azcp_cluster.errors import DiffError
+
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")  # stat fails with ELOOP, not "absent"
+    with pytest.raises(DiffError, match="cannot inspect"):
+        is_present(str(tmp_path), "loop", 1)
+    assert is_present(str(tmp_path), "missing/file", 1) is False

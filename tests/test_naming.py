@@ -264,3 +264,14 @@ def test_select_properties(
     assert listing.filtered_out == len(rels) - len(kept)
     # Input order does not matter.
     assert select(prefix, None, list(reversed(children)), include, exclude) == listing
+
+
+@pytest.mark.parametrize("name", ["p/.x.azcp-part", "p/d/y.azcp-part", "p/.azcp-manifest.json"])
+def test_names_reserved_by_the_tool_are_refused(name: str) -> None:
+    with pytest.raises(ListError, match="reserved"):
+        select("p", None, [RawEntry(name, 1)])
+
+
+def test_manifest_name_is_fine_below_the_top() -> None:
+    listing = select("p", None, [RawEntry("p/sub/.azcp-manifest.json", 1)])
+    assert [f.path for f in listing.files] == ["sub/.azcp-manifest.json"]
