@@ -48,6 +48,7 @@ class BroadcastStats:
     sent_bytes: int = 0
     received_bytes: int = 0
     chunks: int = 0
+    direct_refused: str = ""  # a path whose filesystem refused O_DIRECT, if any
 
 
 class _Slot:
@@ -260,6 +261,8 @@ class Broadcaster:
                     try:
                         target.write_at(slot.buffer[: chunk.length], chunk.offset)
                     finally:
+                        if target.refused:
+                            self.stats.direct_refused = target.path
                         target.close()
             except OSError as exc:
                 self._fail(fs_error(exc, self._path(chunk), "write"))

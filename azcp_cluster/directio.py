@@ -38,6 +38,7 @@ class DirectFile:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         self.direct_fd = -1
+        self.refused = False  # the filesystem refused O_DIRECT: the caller may warn once
         if direct and hasattr(os, "O_DIRECT"):
             try:
                 self.direct_fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT)
@@ -45,6 +46,7 @@ class DirectFile:
                 if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     os.close(self.fd)
                     raise
+                self.refused = True
 
     @property
     def is_direct(self) -> bool:
@@ -79,6 +81,7 @@ class DirectFile:
                     # The filesystem took the open but refuses the write: go buffered for good.
                     os.close(self.direct_fd)
                     self.direct_fd = -1
+                    self.refused = True
                     done = 0
         if done < length:
             rest = _skip(parts, done)

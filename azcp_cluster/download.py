@@ -65,6 +65,7 @@ class DownloadStats:
     requests: int = 0
     retries: int = 0
     retry_causes: Counter[str] = field(default_factory=Counter)
+    direct_refused: str = ""  # a path whose filesystem refused O_DIRECT, if any
 
 
 class _Retryable(Exception):
@@ -314,6 +315,8 @@ class Downloader:
             for unused in batch if buf is None else [*batch, buf]:
                 writes.give_back(unused)
             await tracker.wait()
+            if target.refused:
+                self.stats.direct_refused = path
             target.close()
         if isinstance(tracker.error, OSError):
             raise fs_error(tracker.error, path, "write")

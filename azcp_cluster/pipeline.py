@@ -128,6 +128,7 @@ class _Run:
         # Symlinks and "..": two spellings of one directory are still one directory.
         self.dest_identity = os.path.realpath(self.dest)
         self.show_progress = wants_progress(cfg.progress, self.rank)
+        self._warned_direct = False
 
     def execute(self) -> None:
         source, auth = self.setup()
@@ -243,7 +244,12 @@ class _Run:
                 listing.files, self.dest, auth, self.cfg, peer_failed=cluster.peer_failed, on_bytes=progress.add
             )
             stats = downloader.run(blocks_for(mine, self.cfg.block_size))
-            outcome.stats = {"bytes": stats.bytes, "retries": stats.retries, "causes": dict(stats.retry_causes)}
+            outcome.stats = {
+                "bytes": stats.bytes,
+                "retries": stats.retries,
+                "causes": dict(stats.retry_causes),
+                "refused": stats.direct_refused,
+            }
         progress.close()
         if outcome.error is not None:
             cluster.signal_failure(outcome)
@@ -254,6 +260,7 @@ class _Run:
         self.report.downloaded_bytes = result.total("bytes")
         self.report.retries = result.total("retries")
         self.report.retry_causes = dict(causes)
+        self.warn_direct(result.stats)
         self.report.stages["download"] = StageFigures(result.seconds, self.report.downloaded_bytes)
 
     def bcast(self, listing: Listing, transfer: list[int], plan: Plan) -> None:
@@ -284,15 +291,34 @@ class _Run:
         assert broadcaster is not None
         outcome = StageOutcome()
         with cluster.stage(outcome):
-            broadcaster.run(schedule)
+            stats = broadcaster.run(schedule)
             self.streamed_md5 = broadcaster.digests
             # ru_maxrss is in KiB on Linux: the rank's peak resident memory so far.
-            outcome.stats = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            outcome.stats = {
+                "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "refused": stats.direct_refused,
+            }
         progress.close()
         result = cluster.conclude(t0, outcome)
         self.report.broadcast_bytes = total
         self.report.peak_rss_bytes = max(int(st.get("rss", 0)) for st in result.stats)
+        self.warn_direct(result.stats)
         self.report.stages["bcast"] = StageFigures(result.seconds, total)
+
+    def warn_direct(self, stats: list[dict[str, Any]]) -> None:
+        """One line on rank 0 (once per run) when some rank's filesystem refused O_DIRECT."""
+        refused = [(rank, st["refused"]) for rank, st in enumerate(stats) if st.get("refused")]
+        if not refused or self._warned_direct:
+            return
+        self._warned_direct = True
+        if self.rank == 0:
+            ranks = ", ".join(str(r) for r, _ in refused)
+            print(
+                f"azcp-cluster: warning: the filesystem of DEST refuses O_DIRECT on rank(s) {ranks} "
+                f"(e.g. {refused[0][1]}): writing through the page cache there",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def finish(self, listing: Listing, transfer: list[int]) -> None:
         """fsync and rename, only once every rank has every byte (counted in the bcast stage)."""

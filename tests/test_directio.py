@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -82,3 +83,26 @@ def test_direct_is_used_where_the_filesystem_allows(tmp_path: Path) -> None:
         target.close()
     assert target.fd == -1 and target.direct_fd == -1
     assert os.path.getsize(path) == ALIGN
+
+
+def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = os.open
+
+    def refusing_open(path: str, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    path = tmp_path / "f"
+    _blank(path, 2 * ALIGN)
+    data = _filled(2 * ALIGN, 9)
+    target = DirectFile(str(path))
+    try:
+        assert target.refused and not target.is_direct
+        assert target.write_at(data, 0) == 2 * ALIGN
+    finally:
+        target.close()
+    assert path.read_bytes() == data.tobytes()
