@@ -217,6 +217,79 @@ def bench_bcast(
     return out
 
 
+def bcast_sweep(emu: azurite.Emulator, prefix: str, ranks: int, png: Path | None) -> dict[str, Any]:
+    """The broadcast stage over chunk x pipeline x writers x O_DIRECT, one dataset; optional plot."""
+    source = emu.url(CONTAINER, prefix)
+    env = {**os.environ, **emu.key_env()}
+    rows = []
+    work = Path(tempfile.mkdtemp(prefix="azcp-bench-sweep-"))
+    try:
+        for chunk in (4 * MiB, 16 * MiB, 64 * MiB):
+            for pipeline in (1, 4):
+                for writers in (1, 2):
+                    for direct in (True, False):
+                        extra = [
+                            "--bcast-chunk",
+                            str(chunk),
+                            "--bcast-pipeline",
+                            str(pipeline),
+                            "--bcast-writers",
+                            str(writers),
+                            "--shard-size",
+                            "1TiB",
+                        ]
+                        extra += [] if direct else ["--no-bcast-direct"]
+                        runs = []
+                        for _ in range(2):
+                            doc = _tool_download(source, work / "{rank}", env, ranks, extra)
+                            runs.append(doc["broadcast_bytes"] / MiB / doc["stages"]["bcast"]["seconds"])
+                            for r in range(ranks):
+                                shutil.rmtree(work / str(r), ignore_errors=True)
+                        rows.append(
+                            {
+                                "chunk_mib": chunk // MiB,
+                                "pipeline": pipeline,
+                                "writers": writers,
+                                "direct": direct,
+                                "mib_s": round(statistics.median(runs), 1),
+                            }
+                        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if png is not None:
+        _plot(rows, png)
+    return {"ranks": ranks, "rows": rows}
+
+
+def _plot(rows: list[dict[str, Any]], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, direct in zip(axes, (True, False), strict=True):
+        for pipeline in (1, 4):
+            for writers in (1, 2):
+                pts = [
+                    r for r in rows if r["direct"] == direct and r["pipeline"] == pipeline and r["writers"] == writers
+                ]
+                ax.plot(
+                    [r["chunk_mib"] for r in pts],
+                    [r["mib_s"] for r in pts],
+                    marker="o",
+                    label=f"pipeline {pipeline}, writers {writers}",
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("--bcast-chunk (MiB)")
+        ax.set_title("O_DIRECT" if direct else "page cache (--no-bcast-direct)")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("bcast MiB/s per receiver")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def machine() -> dict[str, Any]:
     """Where the figures came from."""
     return {
@@ -243,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         "spin in MPI and starve each other's disk threads, which no cluster node does)",
     )
     parser.add_argument("--bcast-chunk", default="64MiB")
+    parser.add_argument("--sweep", action="store_true", help="also sweep chunk, pipeline, writers and O_DIRECT")
+    parser.add_argument("--plot", metavar="PNG", help="with --sweep: plot it (needs the 'bench' extra: matplotlib)")
     parser.add_argument("--bcast-pipeline", type=int, default=4)
     parser.add_argument("--bcast-writers", type=int, default=2)
     args = parser.parse_args(argv)
@@ -273,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             args.bcast_pipeline,
             args.bcast_writers,
         )
+        if args.sweep:
+            results["bcast_sweep"] = bcast_sweep(emu, "dl", args.ranks, Path(args.plot) if args.plot else None)
     print(json.dumps(results, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
