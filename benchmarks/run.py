@@ -132,6 +132,12 @@ def bench_download(
     }
 
 
+def _bcast_args(chunk: int, pipeline: int, writers: int, direct: bool) -> list[str]:
+    """Tool options for one broadcast setting (whole files: no range shards)."""
+    extra = ["--bcast-chunk", str(chunk), "--bcast-pipeline", str(pipeline), "--bcast-writers", str(writers)]
+    return extra + ["--shard-size", "1TiB"] + ([] if direct else ["--no-bcast-direct"])
+
+
 def bench_bcast(
     emu: azurite.Emulator,
     prefix: str,
@@ -160,17 +166,7 @@ def bench_bcast(
         work = Path(tempfile.mkdtemp(prefix="azcp-bench-bcast-"))
         try:
             for _ in range(repeats):
-                extra = [
-                    "--bcast-chunk",
-                    str(chunk),
-                    "--bcast-pipeline",
-                    str(pipeline),
-                    "--bcast-writers",
-                    str(writers),
-                    "--shard-size",
-                    "1TiB",
-                ]
-                extra += [] if direct else ["--no-bcast-direct"]
+                extra = _bcast_args(chunk, pipeline, writers, direct)
                 for pattern in includes:
                     extra += ["--include", pattern]
                 doc = _tool_download(source, work / "{rank}", env, ranks, extra)
@@ -228,17 +224,7 @@ def bcast_sweep(emu: azurite.Emulator, prefix: str, ranks: int, png: Path | None
             for pipeline in (1, 4):
                 for writers in (1, 2):
                     for direct in (True, False):
-                        extra = [
-                            "--bcast-chunk",
-                            str(chunk),
-                            "--bcast-pipeline",
-                            str(pipeline),
-                            "--bcast-writers",
-                            str(writers),
-                            "--shard-size",
-                            "1TiB",
-                        ]
-                        extra += [] if direct else ["--no-bcast-direct"]
+                        extra = _bcast_args(chunk, pipeline, writers, direct)
                         runs = []
                         for _ in range(2):
                             doc = _tool_download(source, work / "{rank}", env, ranks, extra)
