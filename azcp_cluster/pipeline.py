@@ -129,6 +129,10 @@ class _Run:
         self.dest_identity = os.path.realpath(self.dest)
         self.show_progress = wants_progress(cfg.progress, self.rank)
         self._warned_direct = False
+        # Filled in by the stages, in order: list, diff, bcast.
+        self._list_seconds = 0.0
+        self.have: np.ndarray = np.zeros(0, dtype=bool)  # per file: this rank already has it
+        self.streamed_md5: dict[int, str] = {}  # --verify: file index -> MD5 hashed in flight
 
     def execute(self) -> None:
         source, auth = self.setup()
