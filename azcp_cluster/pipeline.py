@@ -287,7 +287,7 @@ class _Run:
                 pipeline=self.cfg.bcast_pipeline,
                 writers=self.cfg.bcast_writers,
                 direct=self.cfg.bcast_direct,
-                have=self.have,
+                have=self.have.tolist(),
                 verify=self.cfg.verify,
                 on_bytes=progress.add,
             )
