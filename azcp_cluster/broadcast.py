@@ -55,7 +55,7 @@ class _Slot:
     """One pipeline buffer and the signal that it may be used for its next chunk."""
 
     def __init__(self, size: int) -> None:
-        self.buffer = aligned_buffer(size)
+        self.buffer = aligned_buffer(size, populate=True)
         self.ready = threading.Event()
         self.users = 0  # threads (writer, hasher) still reading the chunk in it
         self.lock = threading.Lock()

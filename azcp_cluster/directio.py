@@ -20,9 +20,16 @@ from azcp_cluster.localfs import pwritev_all
 ALIGN = 4096
 
 
-def aligned_buffer(size: int) -> np.ndarray:
-    """A page-aligned, zero-filled byte buffer (anonymous mmap), usable for O_DIRECT I/O."""
-    region = mmap.mmap(-1, max(size, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+def aligned_buffer(size: int, populate: bool = False) -> np.ndarray:
+    """A page-aligned, zero-filled byte buffer (anonymous mmap), usable for O_DIRECT I/O.
+
+    ``populate`` maps every page now (MAP_POPULATE) instead of at first touch: 256 MiB costs
+    about 0.15 s of page faults here, better paid at start-up than in the middle of a stage.
+    """
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if populate:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    region = mmap.mmap(-1, max(size, mmap.PAGESIZE), flags=flags)
     return np.frombuffer(region, dtype=np.uint8, count=size)
 
 

@@ -32,7 +32,7 @@ from azcp_cluster.model import Listing, decode_listing, encode_listing
 from azcp_cluster.plan import Plan, plan_transfers
 from azcp_cluster.progress import Progress, wants_progress
 from azcp_cluster.report import Report, StageFigures, report_lines
-from azcp_cluster.schedule import bcast_schedule
+from azcp_cluster.schedule import Chunk, bcast_schedule
 from azcp_cluster.source import BlobSource, is_url, parse_blob_url
 
 
@@ -146,8 +146,10 @@ class _Run:
             self.print_plan(listing, transfer, plan)
             self.print_report()
             return
+        schedule = bcast_schedule(plan, self.cfg.bcast_chunk)
+        broadcaster = self.allocate(listing, schedule)
         self.download(listing, transfer, plan, auth)
-        self.bcast(listing, transfer, plan)
+        self.bcast(schedule, broadcaster)
         if self.cfg.verify:
             self.verify(listing, transfer)  # before the rename: a mismatch leaves no final name
         self.finish(listing, transfer)
@@ -267,15 +269,15 @@ class _Run:
         self.warn_direct(result.stats)
         self.report.stages["download"] = StageFigures(result.seconds, self.report.downloaded_bytes)
 
-    def bcast(self, listing: Listing, transfer: list[int], plan: Plan) -> None:
-        """Fan every byte out to every rank (temporary names only; see finish)."""
+    def allocate(self, listing: Listing, schedule: list[Chunk]) -> Broadcaster | None:
+        """Allocate the broadcast slots once, at start-up, in an agreement of their own.
+
+        A rank that cannot get its memory fails here, before anything is downloaded, and
+        never stays out of the Ibcasts the others have entered.
+        """
+        if not schedule:
+            return None  # nothing to send: a rerun stays cheap
         cluster = self.cluster
-        t0 = cluster.clock()
-        schedule = bcast_schedule(plan, self.cfg.bcast_chunk)
-        total = sum(c.length for c in schedule)
-        progress = Progress("bcast", total, self.show_progress)
-        # Allocate first, in an agreement of its own: a rank that cannot get its slots must
-        # not stay out of the Ibcasts the others have entered.
         outcome = StageOutcome()
         broadcaster: Broadcaster | None = None
         with cluster.stage(outcome):
@@ -283,29 +285,33 @@ class _Run:
                 cluster.comm,
                 listing.files,
                 self.dest,
-                self.cfg.bcast_chunk,
-                pipeline=self.cfg.bcast_pipeline,
+                max(c.length for c in schedule),  # no slot larger than the largest chunk
+                pipeline=min(self.cfg.bcast_pipeline, len(schedule)),
                 writers=self.cfg.bcast_writers,
                 direct=self.cfg.bcast_direct,
                 have=self.have.tolist(),
                 verify=self.cfg.verify,
-                on_bytes=progress.add,
             )
-        cluster.conclude(t0, outcome)
-        assert broadcaster is not None
+        cluster.conclude(cluster.clock(), outcome)
+        return broadcaster
+
+    def bcast(self, schedule: list[Chunk], broadcaster: Broadcaster | None) -> None:
+        """Fan every byte out to every rank (temporary names only; see finish)."""
+        if broadcaster is None:
+            return
+        cluster = self.cluster
+        t0 = cluster.clock()
+        total = sum(c.length for c in schedule)
+        progress = Progress("bcast", total, self.show_progress)
+        broadcaster.on_bytes = progress.add
         outcome = StageOutcome()
         with cluster.stage(outcome):
             stats = broadcaster.run(schedule)
             self.streamed_md5 = broadcaster.digests
-            # ru_maxrss is in KiB on Linux: the rank's peak resident memory so far.
-            outcome.stats = {
-                "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "refused": stats.direct_refused,
-            }
+            outcome.stats = {"refused": stats.direct_refused}
         progress.close()
         result = cluster.conclude(t0, outcome)
         self.report.broadcast_bytes = total
-        self.report.peak_rss_bytes = max(int(st.get("rss", 0)) for st in result.stats)
         self.warn_direct(result.stats)
         self.report.stages["bcast"] = StageFigures(result.seconds, total)
 
@@ -331,8 +337,11 @@ class _Run:
         outcome = StageOutcome()
         with cluster.stage(outcome):
             self.finalize(listing, transfer)
+            # ru_maxrss is in KiB on Linux: the rank's peak resident memory of the whole run.
+            outcome.stats = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         result = cluster.conclude(t0, outcome)
         self.report.stages["bcast"].seconds += result.seconds
+        self.report.peak_rss_bytes = max(int(st.get("rss", 0)) for st in result.stats)
 
     def verify(self, listing: Listing, transfer: list[int]) -> None:
         """Compare every file's MD5 across ranks and with the blob's Content-MD5 (exit 7 on a mismatch)."""

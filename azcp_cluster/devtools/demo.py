@@ -19,6 +19,7 @@ from pathlib import Path
 from azcp_cluster.config import MiB, parse_size
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.naming import MANIFEST_NAME
 
 
 def checkpoint_like(total: int) -> dict[str, bytes]:
@@ -81,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
             expected = {name[len("llama-tiny/") :]: hashlib.md5(data).hexdigest() for name, data in blobs.items()}
             for rank in range(args.ranks):
                 node = work / f"node{rank}"
-                got = {p.relative_to(node).as_posix(): _digest(p) for p in node.rglob("*") if p.is_file()}
+                got = {
+                    p.relative_to(node).as_posix(): _digest(p)
+                    for p in node.rglob("*")
+                    if p.is_file() and p.name != MANIFEST_NAME  # the tool's own record of the copy
+                }
                 if got != expected:
                     print(f"== node{rank}: copy differs from the source", file=sys.stderr)
                     return 1
