@@ -215,81 +215,86 @@ class Broadcaster:
 
     # -- threads --------------------------------------------------------------------------
 
-    def _reader(self, jobs: queue.SimpleQueue[tuple[Chunk, _Slot] | None]) -> None:
-        fd, fd_file = -1, -1
-        try:
-            while True:
-                job = jobs.get()
-                if job is None:
-                    return
-                chunk, slot = job
-                try:
-                    if self._error is None:
-                        if fd_file != chunk.file:
-                            if fd >= 0:
-                                os.close(fd)
-                                fd, fd_file = -1, -1
-                            fd = os.open(self._source(chunk), os.O_RDONLY | os.O_CLOEXEC)
-                            fd_file = chunk.file
-                        view = slot.buffer[: chunk.length]
-                        got = preadv_all(fd, view, chunk.offset)
-                        if got != chunk.length:
-                            raise BroadcastError(
-                                f"short read ({got} of {chunk.length} bytes)", path=self._source(chunk)
-                            )
-                except OSError as exc:
-                    self._fail(fs_error(exc, self._source(chunk), "read back"))
-                except AzcpError as exc:
-                    self._fail(exc)
-                except BaseException as exc:  # a dead reader would stall the pipeline
-                    self._fail(InternalError(f"read-ahead failed: {type(exc).__name__}: {exc}"))
-                finally:
-                    slot.ready.set()
-        finally:
-            if fd >= 0:
-                os.close(fd)
+    def _serve(
+        self,
+        jobs: queue.SimpleQueue[tuple[Chunk, _Slot] | None] | queue.Queue[tuple[Chunk, _Slot] | None],
+        work: Callable[[Chunk, _Slot], None],
+        done: Callable[[Chunk, _Slot], None],
+        what: str,
+    ) -> None:
+        """A thread's loop: ``work`` each job, record any failure, and always call ``done``.
 
-    def _writer(self, jobs: queue.Queue[tuple[Chunk, _Slot] | None]) -> None:
+        A thread that died would leave its slot waiting forever, so nothing escapes.
+        """
         while True:
             job = jobs.get()
             if job is None:
                 return
             chunk, slot = job
             try:
-                if self._error is None:
-                    target = DirectFile(self._path(chunk), direct=self.direct)
-                    try:
-                        target.write_at(slot.buffer[: chunk.length], chunk.offset)
-                    finally:
-                        if target.refused:
-                            self.stats.direct_refused = target.path
-                        target.close()
-            except OSError as exc:
-                self._fail(fs_error(exc, self._path(chunk), "write"))
-            except BaseException as exc:  # a dead writer would stall the pipeline
-                self._fail(InternalError(f"writer failed: {type(exc).__name__}: {exc}"))
+                work(chunk, slot)
+            except AzcpError as exc:
+                self._fail(exc)
+            except BaseException as exc:
+                self._fail(InternalError(f"{what} failed: {type(exc).__name__}: {exc}"))
             finally:
-                self._done_with(chunk, slot)
+                done(chunk, slot)
+
+    def _reader(self, jobs: queue.SimpleQueue[tuple[Chunk, _Slot] | None]) -> None:
+        open_file: list[int] = [-1, -1]  # fd, file index: one file stays open across its chunks
+
+        def read(chunk: Chunk, slot: _Slot) -> None:
+            if self._error is not None:
+                return
+            source = self._source(chunk)
+            try:
+                if open_file[1] != chunk.file:
+                    if open_file[0] >= 0:
+                        os.close(open_file[0])
+                    open_file[:] = [-1, -1]
+                    open_file[:] = [os.open(source, os.O_RDONLY | os.O_CLOEXEC), chunk.file]
+                got = preadv_all(open_file[0], slot.buffer[: chunk.length], chunk.offset)
+            except OSError as exc:
+                raise fs_error(exc, source, "read back") from None
+            if got != chunk.length:
+                raise BroadcastError(f"short read ({got} of {chunk.length} bytes)", path=source)
+
+        try:
+            self._serve(jobs, read, lambda chunk, slot: slot.ready.set(), "read-ahead")
+        finally:
+            if open_file[0] >= 0:
+                os.close(open_file[0])
+
+    def _writer(self, jobs: queue.Queue[tuple[Chunk, _Slot] | None]) -> None:
+        def write(chunk: Chunk, slot: _Slot) -> None:
+            if self._error is not None:
+                return
+            try:
+                target = DirectFile(self._path(chunk), direct=self.direct)
+                try:
+                    target.write_at(slot.buffer[: chunk.length], chunk.offset)
+                finally:
+                    if target.refused:
+                        self.stats.direct_refused = target.path
+                    target.close()
+            except OSError as exc:
+                raise fs_error(exc, self._path(chunk), "write") from None
+
+        self._serve(jobs, write, self._done_with, "writer")
 
     def _hasher(self, jobs: queue.SimpleQueue[tuple[Chunk, _Slot] | None]) -> None:
         # One thread, fed in schedule order: each file's chunks arrive in offset order.
-        current: Any = None
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            chunk, slot = job
-            try:
-                if chunk.offset == 0 or current is None:
-                    current = hashlib.md5(usedforsecurity=False)
-                current.update(memoryview(slot.buffer[: chunk.length]))  # type: ignore[arg-type]
-                if chunk.last_of_file:
-                    self.digests[chunk.file] = base64.b64encode(current.digest()).decode("ascii")
-                    current = None
-            except BaseException as exc:  # a dead hasher would stall the pipeline
-                self._fail(InternalError(f"hashing failed: {type(exc).__name__}: {exc}"))
-            finally:
-                self._done_with(chunk, slot)
+        state: dict[str, Any] = {"md5": None}
+
+        def update(chunk: Chunk, slot: _Slot) -> None:
+            if chunk.offset == 0 or state["md5"] is None:
+                state["md5"] = hashlib.md5(usedforsecurity=False)
+            state["md5"].update(memoryview(slot.buffer[: chunk.length]))  # type: ignore[arg-type]
+            if chunk.last_of_file:
+                self.digests[chunk.file] = base64.b64encode(state["md5"].digest()).decode("ascii")
+                state["md5"] = None
+
+        self._serve(jobs, update, self._done_with, "hashing")
 
     def _path(self, chunk: Chunk) -> str:
         return temp_path(self.dest, self.files[chunk.file].path)
