@@ -253,6 +253,7 @@ class Broadcaster:
                         os.close(open_file[0])
                     open_file[:] = [-1, -1]
                     open_file[:] = [os.open(source, os.O_RDONLY | os.O_CLOEXEC), chunk.file]
+                self._advise_next(chunk)
                 got = preadv_all(open_file[0], slot.buffer[: chunk.length], chunk.offset)
             except OSError as exc:
                 raise fs_error(exc, source, "read back") from None
@@ -264,6 +265,24 @@ class Broadcaster:
         finally:
             if open_file[0] >= 0:
                 os.close(open_file[0])
+
+    def _advise_next(self, chunk: Chunk) -> None:
+        """Ask the kernel to start reading this rank's next chunk to send while this one is read.
+
+        The owner's downloads went to disk with O_DIRECT, so nothing of them is cached; the
+        hint turns the next read into a cache hit without a thread of our own.
+        """
+        for later in self._schedule[chunk.seq + 1 : chunk.seq + 1 + 4 * len(self.slots)]:
+            if later.root == self.rank:
+                try:
+                    fd = os.open(self._source(later), os.O_RDONLY | os.O_CLOEXEC)
+                    try:
+                        os.posix_fadvise(fd, later.offset, later.length, os.POSIX_FADV_WILLNEED)
+                    finally:
+                        os.close(fd)
+                except OSError:
+                    pass  # only a hint
+                return
 
     def _writer(self, jobs: queue.Queue[tuple[Chunk, _Slot] | None]) -> None:
         def write(chunk: Chunk, slot: _Slot) -> None:
