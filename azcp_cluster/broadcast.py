@@ -336,9 +336,4 @@ def _wait(requests: list[Any]) -> None:
         time.sleep(POLL_NAP)
 
 
-def slot_buffer_bytes(pipeline: int, chunk_size: int) -> int:
-    """Memory the broadcast stage allocates per rank (stated in --help)."""
-    return pipeline * chunk_size
-
-
-__all__ = ["BroadcastStats", "Broadcaster", "slot_buffer_bytes"]
+__all__ = ["BroadcastStats", "Broadcaster"]

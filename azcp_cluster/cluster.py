@@ -89,6 +89,7 @@ class Cluster:
         self.clock = clock
         # A private duplicate so our tags and collectives never mix with the caller's.
         self._signal_comm = comm.Dup()
+        self._pending: list[Any] = []  # failure signals sent, completed at the next agreement
 
     def close(self) -> None:
         """Release the communicator duplicated for signals."""
@@ -128,7 +129,7 @@ class Cluster:
             return
         outcome.notified = True
         reqs = [self._signal_comm.isend(self.rank, dest=r, tag=_FAIL_TAG) for r in range(self.size) if r != self.rank]
-        self._pending = getattr(self, "_pending", []) + reqs
+        self._pending.extend(reqs)
 
     def peer_failed(self) -> bool:
         """Whether some other rank has signalled a failure (non-blocking)."""
@@ -139,7 +140,7 @@ class Cluster:
         for sender, sent in enumerate(notified):
             if sent and sender != self.rank:
                 self._signal_comm.recv(source=sender, tag=_FAIL_TAG)
-        for req in getattr(self, "_pending", []):
+        for req in self._pending:
             req.wait()
         self._pending = []
 
@@ -152,7 +153,3 @@ class Cluster:
     def allgather(self, obj: Any) -> list[Any]:
         """Gather a small Python object from every rank onto every rank."""
         return list(self.comm.allgather(obj))
-
-    def any_true(self, flag: bool) -> bool:
-        """Logical OR of a flag over all ranks."""
-        return bool(self.comm.allreduce(1 if flag else 0) > 0)

@@ -121,13 +121,9 @@ class Config:
             raise UsageError("DEST is empty")
         return self
 
-    def buffer_bytes(self) -> int:
-        """Memory this run allocates per rank for data: broadcast slots and download buffers."""
-        return self.bcast_pipeline * self.bcast_chunk + (2 * self.concurrency + 16) * MiB
-
-    def check_memory(self, available: int) -> None:
-        """Refuse settings whose buffers cannot fit in ``available`` bytes of free memory."""
-        need = self.buffer_bytes()
+    def check_memory(self, available: int, download_pool: int) -> None:
+        """Refuse settings whose buffers (slots plus ``download_pool``) cannot fit in ``available`` bytes."""
+        need = self.bcast_pipeline * self.bcast_chunk + download_pool
         if need > available:
             raise UsageError(
                 f"--bcast-pipeline {self.bcast_pipeline} x --bcast-chunk {format_bytes(self.bcast_chunk)} plus "

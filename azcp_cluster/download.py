@@ -48,6 +48,16 @@ WRITER_THREADS = 2
 PEER_POLL_SECONDS = 0.1
 
 
+def pool_buffers(concurrency: int) -> int:
+    """Buffers in the download pool: two per request in flight, plus spares."""
+    return 2 * concurrency + SPARE_BUFFERS
+
+
+def pool_bytes(concurrency: int) -> int:
+    """Memory the download pool takes at most (stated in the README, checked at start-up)."""
+    return pool_buffers(concurrency) * FLUSH_BYTES
+
+
 @dataclass(frozen=True)
 class Block:
     """One ranged GET: ``length`` bytes of file ``file`` at ``offset``."""
@@ -111,7 +121,7 @@ class Downloader:
         self.stats = DownloadStats()
         self._active: set[_Watch] = set()
         self.flush_bytes = max(ALIGN, min(FLUSH_BYTES, round_up(cfg.block_size, ALIGN)))
-        self._writes = _WriterPool(WRITER_THREADS, 2 * min(cfg.concurrency, 4096) + SPARE_BUFFERS, self.flush_bytes)
+        self._writes = _WriterPool(WRITER_THREADS, pool_buffers(cfg.concurrency), self.flush_bytes)
 
     def run(self, blocks: Sequence[Block]) -> DownloadStats:
         """Download every block; raise :class:`DownloadError` (or PeerFailed) on failure."""

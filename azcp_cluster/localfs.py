@@ -93,15 +93,6 @@ def prepare(dest: str, rel: str, size: int) -> None:
         raise fs_error(exc, path, "create temporary file") from None
 
 
-def open_temp(dest: str, rel: str, flags: int = os.O_RDWR) -> int:
-    """Open the temporary file of ``rel`` (created by :func:`prepare`)."""
-    path = temp_path(dest, rel)
-    try:
-        return os.open(path, flags | os.O_CLOEXEC)
-    except OSError as exc:
-        raise fs_error(exc, path, "open temporary file") from None
-
-
 def pwritev_all(fd: int, buffers: list[memoryview] | list[bytes], offset: int) -> int:
     """Write every byte of ``buffers`` at ``offset``, looping over short writes."""
     views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]

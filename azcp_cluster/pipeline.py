@@ -24,7 +24,7 @@ from azcp_cluster.broadcast import Broadcaster
 from azcp_cluster.cluster import Cluster, StageOutcome, error_from_payload, error_payload
 from azcp_cluster.config import Config, format_bytes
 from azcp_cluster.credentials import Authorizer, resolve_credential
-from azcp_cluster.download import Downloader, blocks_for
+from azcp_cluster.download import Downloader, blocks_for, pool_bytes
 from azcp_cluster.errors import AzcpError, TopologyError, UsageError, VerifyError
 from azcp_cluster.listing import list_source
 from azcp_cluster.localfs import ensure_dest, expand_dest, final_path, finalize, prepare, sync_dirs
@@ -173,7 +173,7 @@ class _Run:
                 )
             source = parse_blob_url(self.cfg.source)
             if not self.cfg.dry_run:
-                self.cfg.check_memory(available_memory())
+                self.cfg.check_memory(available_memory(), pool_bytes(self.cfg.concurrency))
             auth = Authorizer(source, resolve_credential(source, self.env), self.wall)
         cluster.conclude(t0, outcome)
         assert source is not None and auth is not None
