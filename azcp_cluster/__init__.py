@@ -1,9 +1,48 @@
 """azcp_cluster: stage one dataset onto every node of a cluster.
 
-Rank 0 lists the source, every rank computes the same plan, each rank downloads
-only its share from Azure, and an MPI broadcast fans every byte out to every node.
+The source is listed once and each byte is read from it once (from Azure, by the
+downloading ranks, each fetching only its share; or from a local path, by one reader),
+then an MPI broadcast between nodes fans every byte out to every node.
+
+From Python::
+
+    import azcp_cluster
+    report = azcp_cluster.stage("https://acct.blob.core.windows.net/models/llama", "/nvme/llama")
+
+``stage``, ``Report`` and the error classes are imported on first use, so importing the
+package (as the command line does for ``--version``) stays cheap.
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+_LAZY = {
+    "stage": ("azcp_cluster.api", "stage"),
+    "Report": ("azcp_cluster.report", "Report"),
+    "AzcpError": ("azcp_cluster.errors", "AzcpError"),
+    "UsageError": ("azcp_cluster.errors", "UsageError"),
+    "TopologyError": ("azcp_cluster.errors", "TopologyError"),
+    "ListError": ("azcp_cluster.errors", "ListError"),
+    "DiffError": ("azcp_cluster.errors", "DiffError"),
+    "DownloadError": ("azcp_cluster.errors", "DownloadError"),
+    "BroadcastError": ("azcp_cluster.errors", "BroadcastError"),
+    "VerifyError": ("azcp_cluster.errors", "VerifyError"),
+    "LocalFSError": ("azcp_cluster.errors", "LocalFSError"),
+    "InternalError": ("azcp_cluster.errors", "InternalError"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the public names on first use."""
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'azcp_cluster' has no attribute {name!r}")
+
+
+__all__ = ["__version__", *_LAZY]

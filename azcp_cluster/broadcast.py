@@ -77,6 +77,7 @@ class Broadcaster:
         have: Sequence[bool] | None = None,
         verify: bool = False,
         on_bytes: Callable[[int], None] = lambda n: None,
+        source_of: Callable[[int], str | None] | None = None,
     ) -> None:
         if pipeline < 1 or writers < 1:
             raise ValueError("pipeline and writers must be at least 1")
@@ -88,6 +89,9 @@ class Broadcaster:
         # Files this rank already has under their final names: it sends them from there
         # (peers before Azure) and does not write them again.
         self.have = have if have is not None else [False] * len(files)
+        # A local SOURCE's reader sends from the source itself, not from a downloaded
+        # temporary file, so it writes its own copy of what it sends like a receiver.
+        self.source_of = source_of if source_of is not None else (lambda index: None)
         self.on_bytes = on_bytes
         self.stats = BroadcastStats()
         self.slots = [_Slot(chunk_size) for _ in range(pipeline)]
@@ -172,7 +176,11 @@ class Broadcaster:
         self.on_bytes(chunk.length)
         if chunk.root == self.rank:
             self.stats.sent_bytes += chunk.length
-        write = chunk.root != self.rank and self._error is None and not self.have[chunk.file]
+        write = (
+            self._error is None
+            and not self.have[chunk.file]
+            and (chunk.root != self.rank or self.source_of(chunk.file) is not None)
+        )
         hash_it = self.verify and self._error is None
         slot.users = int(write) + int(hash_it)
         if slot.users == 0:
@@ -319,6 +327,10 @@ class Broadcaster:
         return temp_path(self.dest, self.files[chunk.file].path)
 
     def _source(self, chunk: Chunk) -> str:
+        """Where the owner reads a chunk: the local SOURCE, its complete copy, or its download."""
+        outside = self.source_of(chunk.file)
+        if outside is not None:
+            return outside
         rel = self.files[chunk.file].path
         return final_path(self.dest, rel) if self.have[chunk.file] else temp_path(self.dest, rel)
 

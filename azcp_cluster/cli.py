@@ -17,15 +17,18 @@ from azcp_cluster.errors import EXIT_CODES, AzcpError, InternalError, UsageError
 EPILOG = "exit codes:\n" + "\n".join(f"  {code}  {text}" for code, text in EXIT_CODES.items())
 
 DESCRIPTION = """\
-Stage one dataset onto every node: rank 0 lists SOURCE, each rank downloads only its
-share (each byte leaves Azure once), then an MPI broadcast fans every file out to DEST on
-every node. Run it with one rank per node, e.g. `srun --ntasks-per-node=1 azcp-cluster ...`
-or `mpiexec -n 4 azcp-cluster ...`.
+Stage one dataset onto every node: SOURCE is listed once, each byte is read from it once
+(Azure: every downloading rank fetches only its share), then an MPI broadcast between
+nodes fans every file out to DEST on every node. Launch it on every node, e.g.
+`srun --ntasks-per-node=1 azcp-cluster ...` or `mpiexec -n 4 azcp-cluster ...`; with
+several ranks per node, one rank per node writes DEST and the others help download.
 
 SOURCE  https://ACCOUNT.blob.core.windows.net/CONTAINER[/PREFIX][?SAS]  or the path style
         http(s)://HOST:PORT/ACCOUNT/CONTAINER[/PREFIX][?SAS] (emulator, custom endpoints).
         PREFIX names a virtual directory (.../ckpt copies ckpt/**, never ckpt-other/);
         if a blob named exactly PREFIX exists, that one blob is copied.
+        Or a local path (a file or a directory tree, e.g. on NFS, Lustre or blobfuse):
+        one rank reads it (--source-rank) and the others receive it over MPI.
 DEST    a directory, created if missing; {rank} and {host} are expanded per rank.
 
 Credentials, first match wins: SAS in the URL, AZURE_STORAGE_CONNECTION_STRING,
@@ -56,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("source", metavar="SOURCE", help="blob container URL, optionally with a prefix and a SAS")
+    p.add_argument(
+        "source", metavar="SOURCE", help="blob container URL (optionally with a prefix and a SAS), or a local path"
+    )
     p.add_argument("dest", metavar="DEST", help="destination directory on every node ({rank}, {host} expanded)")
     p.add_argument("--version", action="version", version=f"azcp-cluster {__version__}")
     p.add_argument(
@@ -95,6 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=_size,
         default="1GiB",
         help="files larger than this are split into byte ranges fetched by several ranks (default 1GiB)",
+    )
+    p.add_argument(
+        "--source-rank",
+        type=int,
+        metavar="R",
+        help="local SOURCE: the rank that reads it (default: the lowest rank that can see it); no other rank opens it",
+    )
+    p.add_argument(
+        "--download-ranks",
+        type=int,
+        metavar="K",
+        help="only K ranks download from Azure, spread over the nodes (default: every rank); fewer clients "
+        "for a throttled account",
     )
     p.add_argument("--max-retries", type=int, default=5, help="retries per request before giving up (default 5)")
     p.add_argument(
@@ -144,6 +162,8 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
         verify=args.verify,
         json_path=args.json_path,
         progress=not args.no_progress,
+        source_rank=args.source_rank,
+        download_ranks=args.download_ranks,
     ).validate()
 
 

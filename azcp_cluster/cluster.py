@@ -12,6 +12,7 @@ Ranks that are busy for a long time on their own (downloading) also watch for a
 from __future__ import annotations
 
 import re
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -114,12 +115,28 @@ class Cluster:
         """End a stage on every rank: raise the agreed error, or return times and counters."""
         elapsed = self.clock() - started
         payload = error_payload(outcome.error) if outcome.error is not None else None
+        self.settle()
         gathered = self.comm.allgather((elapsed, payload, outcome.stats, outcome.notified))
         self._drain_signals([g[3] for g in gathered])
         errors = [g[1] for g in gathered if g[1] is not None]
         if errors:
             raise error_from_payload(errors[0])
         return StageResult(seconds=max(g[0] for g in gathered), stats=[g[2] for g in gathered])
+
+    def settle(self) -> None:
+        """Wait until every rank has arrived, napping instead of spinning a core.
+
+        MPI implementations busy-poll in blocking collectives. Ranks that wait long at an
+        agreement (a node's non-leaders during the broadcast, everyone while rank 0 lists)
+        would steal the CPU that the working ranks' writer threads need; a non-blocking
+        barrier tested between short naps costs them nothing. The naps grow from 50 us to
+        2 ms, so a short wait stays short.
+        """
+        request = self.comm.Ibarrier()
+        nap = 0.00005
+        while not request.Test():
+            time.sleep(nap)
+            nap = min(nap * 2, 0.002)
 
     # -- failure signal -------------------------------------------------------------------
 
@@ -147,7 +164,8 @@ class Cluster:
     # -- small collectives ----------------------------------------------------------------
 
     def bcast_object(self, obj: Any, root: int = 0) -> Any:
-        """Broadcast a small Python object."""
+        """Broadcast a small Python object (the others wait without spinning; see :meth:`settle`)."""
+        self.settle()
         return self.comm.bcast(obj, root=root)
 
     def allgather(self, obj: Any) -> list[Any]:

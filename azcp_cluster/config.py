@@ -88,6 +88,10 @@ class Config:
     verify: bool = False
     json_path: str | None = None
     progress: bool = True
+    # A local SOURCE: the rank that reads it (default: the lowest rank that sees it).
+    source_rank: int | None = None
+    # How many ranks download (default all), chosen round-robin over the nodes.
+    download_ranks: int | None = None
     # Seconds before a request that sends no bytes is abandoned and retried.
     read_timeout: float = 60.0
     connect_timeout: float = 30.0
@@ -109,6 +113,10 @@ class Config:
             raise UsageError(f"--bcast-pipeline must be between 1 and 256 (got {self.bcast_pipeline})")
         if not 1 <= self.bcast_writers <= 64:
             raise UsageError(f"--bcast-writers must be between 1 and 64 (got {self.bcast_writers})")
+        if self.source_rank is not None and self.source_rank < 0:
+            raise UsageError(f"--source-rank must be zero or more (got {self.source_rank})")
+        if self.download_ranks is not None and self.download_ranks < 1:
+            raise UsageError(f"--download-ranks must be at least 1 (got {self.download_ranks})")
         if self.max_retries < 0:
             raise UsageError(f"--max-retries must be zero or more (got {self.max_retries})")
         if self.concurrency > 4096:

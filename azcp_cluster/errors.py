@@ -50,7 +50,7 @@ class UsageError(AzcpError):
 
 
 class TopologyError(AzcpError):
-    """Ranks laid out in a way the tool refuses, e.g. two writers of one directory (exit 2)."""
+    """Ranks laid out in a way the run cannot use, e.g. a --source-rank that cannot see SOURCE (exit 2)."""
 
     exit_code = 2
     stage = "topology"

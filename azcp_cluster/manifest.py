@@ -52,6 +52,8 @@ def save(dest: str, files: Sequence[FileEntry], previous: dict[str, Recorded]) -
     entries = {p: r for p, r in previous.items() if is_present(dest, p, r.size)}
     for f in files:
         entries[f.path] = Recorded(f.size, f.etag, f.content_md5)
+    if entries == previous and os.path.exists(manifest_path(dest)):
+        return  # a rerun that changed nothing writes nothing (and syncs nothing)
     doc = {"version": 1, "files": {p: [r.size, r.etag, r.md5] for p, r in sorted(entries.items())}}
     path = manifest_path(dest)
     tmp = f"{path}.tmp{os.getpid()}"

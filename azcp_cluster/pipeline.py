@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
@@ -23,17 +23,19 @@ from azcp_cluster import manifest
 from azcp_cluster.broadcast import Broadcaster
 from azcp_cluster.cluster import Cluster, StageOutcome, error_from_payload, error_payload
 from azcp_cluster.config import Config, format_bytes
-from azcp_cluster.credentials import Authorizer, resolve_credential
-from azcp_cluster.download import Downloader, blocks_for, pool_bytes
 from azcp_cluster.errors import AzcpError, TopologyError, UsageError, VerifyError
-from azcp_cluster.listing import list_source
 from azcp_cluster.localfs import ensure_dest, expand_dest, final_path, finalize, prepare, sync_dirs
+from azcp_cluster.localsource import check_overlap, list_local, source_file
 from azcp_cluster.model import Listing, decode_listing, encode_listing
 from azcp_cluster.plan import Plan, plan_transfers
 from azcp_cluster.progress import Progress, wants_progress
 from azcp_cluster.report import Report, StageFigures, report_lines
 from azcp_cluster.schedule import Chunk, bcast_schedule
-from azcp_cluster.source import BlobSource, is_url, parse_blob_url
+from azcp_cluster.source import is_url, parse_blob_url
+from azcp_cluster.topology import Topology, group_ranks
+
+if TYPE_CHECKING:
+    from azcp_cluster.credentials import Authorizer
 
 
 def _attach(error: AzcpError, report: Report) -> AzcpError:
@@ -58,17 +60,18 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_topology(places: list[tuple[str, str]]) -> None:
-    """Refuse two ranks on one host writing the same DEST (one writer per directory)."""
-    seen: dict[tuple[str, str], int] = {}
-    for rank, place in enumerate(places):
-        if place in seen:
-            host, dest = place
-            raise TopologyError(
-                f"ranks {seen[place]} and {rank} on host '{host}' would both write {dest}; run one rank per node "
-                "or put {rank} or {host} in DEST"
-            )
-        seen[place] = rank
+def choose_reader(sees: list[bool], requested: int | None, source: str) -> int:
+    """The rank that reads a local SOURCE: ``requested`` (``--source-rank``) or the lowest that sees it."""
+    if requested is not None:
+        if not 0 <= requested < len(sees):
+            raise UsageError(f"--source-rank {requested} is not a rank of this job (0..{len(sees) - 1})")
+        if not sees[requested]:
+            raise TopologyError(f"--source-rank {requested} cannot see SOURCE", path=source)
+        return requested
+    for rank, seen in enumerate(sees):
+        if seen:
+            return rank
+    raise UsageError(f"SOURCE {source!r} is neither a blob URL nor a path that exists on any rank")
 
 
 def run(
@@ -91,13 +94,15 @@ def run(
     cluster = Cluster(comm, clock)
     report = Report(ranks=cluster.size, dry_run=cfg.dry_run)
     started = clock()
+    state = _Run(cfg, cluster, report, env, wall, out, host or socket.gethostname(), started)
     try:
-        _Run(cfg, cluster, report, env, wall, out, host or socket.gethostname(), started).execute()
+        state.execute()
     except AzcpError as exc:
         report.stages["total"].seconds = clock() - started
-        cluster.close()
         raise _attach(exc, report) from None
-    cluster.close()
+    finally:
+        state.close()
+        cluster.close()
     return report
 
 
@@ -129,26 +134,48 @@ class _Run:
         self.dest_identity = os.path.realpath(self.dest)
         self.show_progress = wants_progress(cfg.progress, self.rank)
         self._warned_direct = False
+        # A SOURCE without a scheme is a path: one rank reads it, the others receive it.
+        self.local = not is_url(cfg.source)
+        self.source_root = os.path.abspath(cfg.source) if self.local else ""
+        self.single_file = False  # a local SOURCE that is one file, not a tree
+        # Filled in by setup: who leads, who downloads, who reads (see topology.py).
+        self.topo = Topology(group_of=(0,), leaders=(0,), downloaders=(0,), hosts=1)
+        self.leader = True
+        self.reader = 0  # lists the source (and reads it, when it is local)
+        self.node_comm: Any = None  # the leaders' communicator, for the broadcast
         # Filled in by the stages, in order: list, diff, bcast.
         self._list_seconds = 0.0
-        self.have: np.ndarray = np.zeros(0, dtype=bool)  # per file: this rank already has it
+        self.have: np.ndarray = np.zeros(0, dtype=bool)  # per file: this rank's group already has it
         self.streamed_md5: dict[int, str] = {}  # --verify: file index -> MD5 hashed in flight
 
+    def close(self) -> None:
+        """Free the leaders' communicator."""
+        if self.node_comm is not None:
+            self.node_comm.Free()
+            self.node_comm = None
+
     def execute(self) -> None:
-        source, auth = self.setup()
-        listing = self.list_stage(source, auth)
+        auth = self.setup()
+        listing = self.list_stage(auth)
         transfer, holders = self.diff(listing)
-        plan = plan_transfers([f.size for f in listing.files], holders, self.cluster.size, self.cfg.shard_size)
+        topo = self.topo
+        owners = [self.reader] if self.local else list(topo.downloaders)
+        plan = plan_transfers(
+            [f.size for f in listing.files], holders, topo.size, self.cfg.shard_size, owners=owners, copies=topo.groups
+        )
         self.report.plan_loads = plan.loads()
-        self.report.plan_spread = plan.spread()
+        self.report.plan_spread = plan.spread(owners)
         self.report.broadcast_shards = len(plan.shards)
         if self.cfg.dry_run:
             self.print_plan(listing, transfer, plan)
             self.print_report()
             return
-        schedule = bcast_schedule(plan, self.cfg.bcast_chunk)
-        broadcaster = self.allocate(listing, schedule)
-        self.download(listing, transfer, plan, auth)
+        # The broadcast runs between leaders: a shard goes out from its owner's leader.
+        schedule = bcast_schedule(plan, self.cfg.bcast_chunk, root_of=topo.group_of)
+        broadcaster = self.allocate(listing, transfer, schedule)
+        if not self.local:
+            assert auth is not None
+            self.download(listing, plan, auth)
         self.bcast(schedule, broadcaster)
         if self.cfg.verify:
             self.verify(listing, transfer)  # before the rename: a mismatch leaves no final name
@@ -158,45 +185,81 @@ class _Run:
 
     # -- stages ---------------------------------------------------------------------------
 
-    def setup(self) -> tuple[BlobSource, Authorizer]:
+    def setup(self) -> Authorizer | None:
+        """Check the arguments, find the reader, group the ranks by node, create DEST."""
         cluster = self.cluster
+        cfg = self.cfg
         outcome = StageOutcome()
         t0 = cluster.clock()
-        source: BlobSource | None = None
         auth: Authorizer | None = None
+        sees = False
         with cluster.stage(outcome):
-            self.cfg.validate()
-            if not is_url(self.cfg.source):
-                raise UsageError(
-                    f"SOURCE {self.cfg.source!r} is not a blob URL (expected https://ACCOUNT.blob.core.windows.net/"
-                    "CONTAINER[/PREFIX] or http(s)://HOST:PORT/ACCOUNT/CONTAINER[/PREFIX])"
-                )
-            source = parse_blob_url(self.cfg.source)
-            if not self.cfg.dry_run:
-                self.cfg.check_memory(available_memory(), pool_bytes(self.cfg.concurrency))
-            auth = Authorizer(source, resolve_credential(source, self.env), self.wall)
-        cluster.conclude(t0, outcome)
-        assert source is not None and auth is not None
-        places = cluster.allgather((self.host, self.dest_identity))
-        self.report.nodes = len({h for h, _ in places})
-        check_topology(places)
+            cfg.validate()
+            if self.local:
+                # With --source-rank, only that rank looks: a shared filesystem sees one client.
+                if cfg.source_rank in (None, self.rank):
+                    sees = os.path.exists(self.source_root)
+                if not cfg.dry_run:
+                    cfg.check_memory(available_memory(), 0)
+            else:
+                # Imported here: a local SOURCE never pays for the Azure and HTTP libraries.
+                from azcp_cluster.credentials import Authorizer, resolve_credential
+                from azcp_cluster.download import pool_bytes
+
+                source = parse_blob_url(cfg.source)
+                if not cfg.dry_run:
+                    cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency))
+                auth = Authorizer(source, resolve_credential(source, self.env), self.wall)
+            outcome.stats = {"place": (self.host, self.dest_identity), "sees": sees}
+        result = cluster.conclude(t0, outcome)
+        places = [st["place"] for st in result.stats]
         outcome = StageOutcome()
         with cluster.stage(outcome):
-            ensure_dest(self.dest, create=not self.cfg.dry_run)
+            if self.local:
+                self.reader = choose_reader([st["sees"] for st in result.stats], cfg.source_rank, cfg.source)
+            self.topo = group_ranks(
+                places,
+                preferred_leader=self.reader if self.local else None,
+                download_ranks=cfg.download_ranks,
+            )
+            self.leader = self.topo.is_leader(self.rank)
+            if self.local and self.rank == self.reader:
+                check_overlap(os.path.realpath(self.source_root), self.dest_identity)
+            if self.leader:
+                ensure_dest(self.dest, create=not cfg.dry_run)
         cluster.conclude(t0, outcome)
-        return source, auth
+        topo = self.topo
+        # Collective on every rank; leaders get one communicator, ordered by group.
+        self.node_comm = cluster.comm.Split(0 if self.leader else 1, topo.group_of[self.rank])
+        report = self.report
+        report.nodes = topo.hosts
+        report.writers = topo.groups
+        report.download_ranks = 0 if self.local else len(topo.downloaders)
+        report.source_rank = self.reader if self.local else None
+        return auth
 
-    def list_stage(self, source: BlobSource, auth: Authorizer) -> Listing:
+    def list_stage(self, auth: Authorizer | None) -> Listing:
+        """The lister (rank 0, or the reader of a local SOURCE) lists; everyone gets the list."""
         cluster = self.cluster
         t0 = cluster.clock()
         payload: bytes | None = None
         outcome = StageOutcome()
-        if self.rank == 0:
+        if self.rank == self.reader:
             with cluster.stage(outcome):
-                payload = encode_listing(list_source(source, auth, self.cfg))
-        payload, failure = cluster.bcast_object((payload, error_payload(outcome.error) if outcome.error else None))
+                if self.local:
+                    listed = list_local(self.source_root, self.cfg)
+                else:
+                    from azcp_cluster.listing import list_source
+
+                    assert auth is not None
+                    listed = list_source(parse_blob_url(self.cfg.source), auth, self.cfg)
+                payload = encode_listing(listed)
+        single = self.local and self.rank == self.reader and os.path.isfile(self.source_root)
+        message = (payload, error_payload(outcome.error) if outcome.error else None, single)
+        payload, failure, single = cluster.bcast_object(message, root=self.reader)
         if failure is not None:
             raise error_from_payload(failure)
+        self.single_file = bool(single)
         listing = decode_listing(payload)
         self._list_seconds = cluster.clock() - t0
         self.report.files = len(listing.files)
@@ -207,25 +270,31 @@ class _Run:
         return listing
 
     def diff(self, listing: Listing) -> tuple[list[int], list[list[int]]]:
-        """Which files to transfer, and for each file the ranks that already have it."""
+        """Which files to transfer, and for each file the leaders whose copy already has it."""
         cluster = self.cluster
         t0 = cluster.clock()
         outcome = StageOutcome()
         files = listing.files
         with cluster.stage(outcome):
-            present = np.array(manifest.present(self.dest, files, self.cfg.compare), dtype=bool)
-            outcome.stats = {"present": np.packbits(present).tobytes(), "list_seconds": self._list_seconds}
+            present = b""
+            if self.leader:  # one check per copy: the other ranks of a node share the leader's
+                bits = np.array(manifest.present(self.dest, files, self.cfg.compare), dtype=bool)
+                present = np.packbits(bits).tobytes()
+            outcome.stats = {"present": present, "list_seconds": self._list_seconds}
         result = cluster.conclude(t0, outcome)
+        leaders = self.topo.leaders
         matrix = np.stack(
             [
-                np.unpackbits(np.frombuffer(stats["present"], dtype=np.uint8), count=len(files)).astype(bool)
-                for stats in result.stats
+                np.unpackbits(np.frombuffer(result.stats[leader]["present"], dtype=np.uint8), count=len(files)).astype(
+                    bool
+                )
+                for leader in leaders
             ]
-        )  # ranks x files
-        self.have = matrix[self.rank]
+        )  # groups x files
+        self.have = matrix[self.topo.group_of[self.rank]]
         everywhere = matrix.all(axis=0)
         transfer = [int(i) for i in np.flatnonzero(~everywhere)]
-        holders = [[int(r) for r in np.flatnonzero(matrix[:, i])] for i in range(len(files))]
+        holders = [[leaders[g] for g in np.flatnonzero(matrix[:, i])] for i in range(len(files))]
         report = self.report
         report.stages["list"].seconds = max(s["list_seconds"] for s in result.stats)
         report.skipped_files = len(files) - len(transfer)
@@ -236,26 +305,73 @@ class _Run:
         report.stages["diff"] = StageFigures(result.seconds, 0)
         return transfer, holders
 
-    def download(self, listing: Listing, transfer: list[int], plan: Plan, auth: Authorizer) -> None:
+    def allocate(self, listing: Listing, transfer: list[int], schedule: list[Chunk]) -> Broadcaster | None:
+        """Create the temporary files and the broadcast slots, in an agreement of their own.
+
+        Before any download: a node's other ranks write into the temporary files its leader
+        creates here. A rank that cannot get its memory fails here, before anything is
+        downloaded, and never stays out of the Ibcasts the others have entered.
+        """
+        if not transfer:
+            return None  # nothing to write: a rerun stays cheap
+        cluster = self.cluster
+        outcome = StageOutcome()
+        broadcaster: Broadcaster | None = None
+        with cluster.stage(outcome):
+            if self.leader:
+                for index in self.missing_here(transfer):
+                    entry = listing.files[index]
+                    prepare(self.dest, entry.path, entry.size)
+                if schedule:
+                    broadcaster = Broadcaster(
+                        self.node_comm,
+                        listing.files,
+                        self.dest,
+                        max(c.length for c in schedule),  # no slot larger than the largest chunk
+                        pipeline=min(self.cfg.bcast_pipeline, len(schedule)),
+                        writers=self.cfg.bcast_writers,
+                        direct=self.cfg.bcast_direct,
+                        have=self.have.tolist(),
+                        verify=self.cfg.verify,
+                        source_of=self.read_from_source(listing) if self.rank == self.reader and self.local else None,
+                    )
+        cluster.conclude(cluster.clock(), outcome)
+        return broadcaster
+
+    def read_from_source(self, listing: Listing) -> Callable[[int], str | None]:
+        """For the reader of a local SOURCE: where each file it lacks is read from."""
+        have = self.have
+
+        def where(index: int) -> str | None:
+            if have[index]:
+                return None  # sent from the reader's own complete copy
+            return source_file(self.source_root, listing.files[index].name, self.single_file)
+
+        return where
+
+    def download(self, listing: Listing, plan: Plan, auth: Authorizer) -> None:
+        """Every downloader fetches its shards into its node's temporary files."""
+        from azcp_cluster.download import Downloader, blocks_for
+
         cluster = self.cluster
         t0 = cluster.clock()
         outcome = StageOutcome()
         mine = plan.owned_by(self.rank)
         progress = Progress("download", sum(s.length for s in mine), self.show_progress)
         with cluster.stage(outcome):
-            for index in self.missing_here(transfer):
-                entry = listing.files[index]
-                prepare(self.dest, entry.path, entry.size)
-            downloader = Downloader(
-                listing.files, self.dest, auth, self.cfg, peer_failed=cluster.peer_failed, on_bytes=progress.add
-            )
-            stats = downloader.run(blocks_for(mine, self.cfg.block_size))
-            outcome.stats = {
-                "bytes": stats.bytes,
-                "retries": stats.retries,
-                "causes": dict(stats.retry_causes),
-                "refused": stats.direct_refused,
-            }
+            stats = None
+            if mine:
+                downloader = Downloader(
+                    listing.files, self.dest, auth, self.cfg, peer_failed=cluster.peer_failed, on_bytes=progress.add
+                )
+                stats = downloader.run(blocks_for(mine, self.cfg.block_size))
+            if stats is not None:
+                outcome.stats = {
+                    "bytes": stats.bytes,
+                    "retries": stats.retries,
+                    "causes": dict(stats.retry_causes),
+                    "refused": stats.direct_refused,
+                }
         progress.close()
         if outcome.error is not None:
             cluster.signal_failure(outcome)
@@ -269,46 +385,21 @@ class _Run:
         self.warn_direct(result.stats)
         self.report.stages["download"] = StageFigures(result.seconds, self.report.downloaded_bytes)
 
-    def allocate(self, listing: Listing, schedule: list[Chunk]) -> Broadcaster | None:
-        """Allocate the broadcast slots once, at start-up, in an agreement of their own.
-
-        A rank that cannot get its memory fails here, before anything is downloaded, and
-        never stays out of the Ibcasts the others have entered.
-        """
-        if not schedule:
-            return None  # nothing to send: a rerun stays cheap
-        cluster = self.cluster
-        outcome = StageOutcome()
-        broadcaster: Broadcaster | None = None
-        with cluster.stage(outcome):
-            broadcaster = Broadcaster(
-                cluster.comm,
-                listing.files,
-                self.dest,
-                max(c.length for c in schedule),  # no slot larger than the largest chunk
-                pipeline=min(self.cfg.bcast_pipeline, len(schedule)),
-                writers=self.cfg.bcast_writers,
-                direct=self.cfg.bcast_direct,
-                have=self.have.tolist(),
-                verify=self.cfg.verify,
-            )
-        cluster.conclude(cluster.clock(), outcome)
-        return broadcaster
-
     def bcast(self, schedule: list[Chunk], broadcaster: Broadcaster | None) -> None:
-        """Fan every byte out to every rank (temporary names only; see finish)."""
-        if broadcaster is None:
+        """Fan every byte out to every leader (temporary names only; see finish)."""
+        if not schedule:
             return
         cluster = self.cluster
         t0 = cluster.clock()
         total = sum(c.length for c in schedule)
         progress = Progress("bcast", total, self.show_progress)
-        broadcaster.on_bytes = progress.add
         outcome = StageOutcome()
         with cluster.stage(outcome):
-            stats = broadcaster.run(schedule)
-            self.streamed_md5 = broadcaster.digests
-            outcome.stats = {"refused": stats.direct_refused}
+            if broadcaster is not None:  # leaders only; the others wait at the agreement
+                broadcaster.on_bytes = progress.add
+                stats = broadcaster.run(schedule)
+                self.streamed_md5 = broadcaster.digests
+                outcome.stats = {"refused": stats.direct_refused}
         progress.close()
         result = cluster.conclude(t0, outcome)
         self.report.broadcast_bytes = total
@@ -336,7 +427,8 @@ class _Run:
         t0 = cluster.clock()
         outcome = StageOutcome()
         with cluster.stage(outcome):
-            self.finalize(listing, transfer)
+            if self.leader:
+                self.finalize(listing, transfer)
             # ru_maxrss is in KiB on Linux: the rank's peak resident memory of the whole run.
             outcome.stats = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         result = cluster.conclude(t0, outcome)
@@ -350,26 +442,29 @@ class _Run:
         outcome = StageOutcome()
         files = listing.files
         with cluster.stage(outcome):
-            digests = dict(self.streamed_md5)
-            moved = set(transfer)
-            for i in transfer:
-                if files[i].size == 0:
-                    digests[i] = EMPTY_MD5
-            # Files nobody transferred were not streamed: read them back, several at once.
-            skipped = [i for i in range(len(files)) if i not in moved]
-            with ThreadPoolExecutor(max_workers=4, thread_name_prefix="azcp-md5") as pool:
-                for i, digest in zip(
-                    skipped,
-                    pool.map(lambda i: manifest.md5_of(final_path(self.dest, files[i].path)), skipped),
-                    strict=True,
-                ):
-                    digests[i] = digest
+            digests: dict[int, str] = {}
+            if self.leader:  # one copy per node
+                digests = dict(self.streamed_md5)
+                moved = set(transfer)
+                for i in transfer:
+                    if files[i].size == 0:
+                        digests[i] = EMPTY_MD5
+                # Files nobody transferred were not streamed: read them back, several at once.
+                skipped = [i for i in range(len(files)) if i not in moved]
+                with ThreadPoolExecutor(max_workers=4, thread_name_prefix="azcp-md5") as pool:
+                    for i, digest in zip(
+                        skipped,
+                        pool.map(lambda i: manifest.md5_of(final_path(self.dest, files[i].path)), skipped),
+                        strict=True,
+                    ):
+                        digests[i] = digest
             outcome.stats = {"md5": digests}
         result = cluster.conclude(t0, outcome)
+        leaders = self.topo.leaders
         for i, entry in enumerate(files):
-            seen = [stats["md5"].get(i, "") for stats in result.stats]
+            seen = [result.stats[rank]["md5"].get(i, "") for rank in leaders]
             expected = entry.content_md5 or Counter(seen).most_common(1)[0][0]
-            bad = [rank for rank, digest in enumerate(seen) if digest != expected]
+            bad = [rank for rank, digest in zip(leaders, seen, strict=True) if digest != expected]
             if bad:
                 ranks = ", ".join(map(str, bad))
                 against = "the blob's Content-MD5" if entry.content_md5 else "the other ranks"
@@ -388,7 +483,8 @@ class _Run:
         files = listing.files
         known = files if self.cfg.compare in ("etag", "md5") else [files[i] for i in transfer]
         with cluster.stage(outcome):
-            manifest.save(self.dest, known, manifest.load(self.dest))
+            if self.leader:
+                manifest.save(self.dest, known, manifest.load(self.dest))
         cluster.conclude(cluster.clock(), outcome)
 
     def missing_here(self, transfer: list[int]) -> list[int]:

@@ -124,19 +124,21 @@ def plan_transfers(
     nranks: int,
     shard_size: int,
     owners: Sequence[int] | None = None,
+    copies: int | None = None,
 ) -> Plan:
-    """Plan every file that some rank lacks; ``holders[i]`` lists the ranks that have file ``i``.
+    """Plan every file that some copy lacks; ``holders[i]`` lists the ranks that have file ``i``.
 
     Peers before Azure: a file some ranks already have is broadcast from its lowest-rank
     holder and never downloaded; files no rank has are spread over ``owners`` by LPT;
-    files every rank has are left out.
+    files held by ``copies`` ranks (default every rank: one copy per rank) are left out.
     """
+    needed = nranks if copies is None else copies
     azure = [i for i, have in enumerate(holders) if not have]
     plan = make_plan(sizes, azure, nranks, shard_size, owners)
     peer = [
         Shard(file=i, offset=offset, length=length, owner=min(have), peer=True)
         for i, have in enumerate(holders)
-        if have and len(set(have)) < nranks
+        if have and len(set(have)) < needed
         for offset, length in split_ranges(sizes[i], shard_size)
     ]
     return Plan(shards=tuple(sorted((*plan.shards, *peer))), nranks=nranks)

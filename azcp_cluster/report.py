@@ -23,7 +23,10 @@ class Report:
     """Everything the JSON report carries; also what the Python API returns."""
 
     ranks: int = 0
-    nodes: int = 0
+    nodes: int = 0  # distinct hosts
+    writers: int = 0  # copies written: one leader rank per (host, DEST)
+    download_ranks: int = 0  # ranks that fetched from Azure (0 for a local SOURCE)
+    source_rank: int | None = None  # the rank that read a local SOURCE
     files: int = 0
     bytes: int = 0
     skipped_files: int = 0
@@ -32,7 +35,7 @@ class Report:
     filtered_out: int = 0
     transfer_files: int = 0
     peer_files: int = 0
-    azure_files: int = 0
+    azure_files: int = 0  # files read from SOURCE (Azure, or the local path)
     downloaded_bytes: int = 0
     broadcast_bytes: int = 0
     broadcast_shards: int = 0
@@ -67,12 +70,24 @@ def gbps(nbytes: int, seconds: float) -> str:
     return f"{nbytes * 8 / seconds / 1e9:.2f} Gb/s"
 
 
+def _s(count: int) -> str:
+    return "" if count == 1 else "s"
+
+
 def report_lines(report: Report) -> list[str]:
     """The stable report lines (a contract: scripts parse them)."""
     st = report.stages
     lines = [
+        f"[cluster] {report.nodes} node{_s(report.nodes)}, {report.ranks} rank{_s(report.ranks)}, "
+        f"{report.writers} writer{_s(report.writers)}, "
+        + (
+            f"source read by rank {report.source_rank}"
+            if report.source_rank is not None
+            else f"{report.download_ranks} downloading"
+        ),
         f"[list] {report.files} files, {report.bytes} bytes T={st['list'].seconds:.3f}s",
-        f"[diff] {report.transfer_files} to transfer ({report.peer_files} peer, {report.azure_files} azure), "
+        f"[diff] {report.transfer_files} to transfer ({report.peer_files} peer, {report.azure_files} "
+        f"{'azure' if report.source_rank is None else 'source'}), "
         f"{report.skipped_files} skipped T={st['diff'].seconds:.3f}s",
     ]
     if not report.dry_run:

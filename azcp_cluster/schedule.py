@@ -7,7 +7,7 @@ schedule, not a new engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from azcp_cluster.plan import Plan
@@ -28,8 +28,12 @@ class Chunk:
     last_of_file: bool  # no later chunk of this file follows: it may be closed
 
 
-def bcast_schedule(plan: Plan, chunk_size: int) -> list[Chunk]:
-    """Cut every shard of ``plan`` into chunks of at most ``chunk_size`` bytes, in plan order."""
+def bcast_schedule(plan: Plan, chunk_size: int, root_of: Sequence[int] | None = None) -> list[Chunk]:
+    """Cut every shard of ``plan`` into chunks of at most ``chunk_size`` bytes, in plan order.
+
+    A chunk's root is its shard's owner, or ``root_of[owner]`` when the broadcast runs on a
+    smaller communicator than the plan (between node leaders: the owner's leader sends).
+    """
     if chunk_size <= 0:
         raise ValueError("chunk_size must be positive")
     pieces: list[tuple[int, int, int, int]] = []
@@ -38,7 +42,7 @@ def bcast_schedule(plan: Plan, chunk_size: int) -> list[Chunk]:
         end = shard.offset + shard.length
         while offset < end:
             length = min(chunk_size, end - offset)
-            pieces.append((shard.file, offset, length, shard.owner))
+            pieces.append((shard.file, offset, length, shard.owner if root_of is None else root_of[shard.owner]))
             offset += length
     chunks = []
     for seq, (file, offset, length, root) in enumerate(pieces):

@@ -60,9 +60,13 @@ def run_cli(
     env: Mapping[str, str] | None = None,
     json_path: Path | None = None,
     timeout: float = MPI_TIMEOUT,
+    program: list[str] | None = None,
 ) -> Result:
-    """Run ``azcp-cluster ARGS`` under ``mpiexec -n N`` (n=0: without mpiexec)."""
-    cmd = [sys.executable, "-m", "azcp_cluster", *args]
+    """Run ``azcp-cluster ARGS`` under ``mpiexec -n N`` (n=0: without mpiexec).
+
+    ``program`` replaces ``-m azcp_cluster`` (a test's own script that wraps the CLI).
+    """
+    cmd = [sys.executable, *(program or ["-m", "azcp_cluster"]), *args]
     if json_path is not None:
         cmd += ["--json", str(json_path)]
     if n:

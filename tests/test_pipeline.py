@@ -188,14 +188,55 @@ def test_dry_run_prints_plan_and_writes_nothing(
     assert not (tmp_path / "d").exists()
 
 
-def test_same_dest_on_one_host_is_refused(
+def test_ranks_sharing_a_dest_on_one_host_have_one_writer(
     emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
 ) -> None:
-    container, _ = dataset
-    result = run_cli([emulator.url(container, "ckpt"), str(tmp_path / "shared")], env=emulator.key_env())
-    assert result.returncode == 2
-    assert "host" in result.stderr and "Traceback" not in result.output
-    assert not (tmp_path / "shared").exists()
+    container, expected = dataset
+    args = [emulator.url(container, "ckpt"), str(tmp_path / "one-node"), "--shard-size", "1MiB"]
+    result = run_cli(args, env=emulator.key_env(), json_path=tmp_path / "r.json")
+    assert result.returncode == 0, result.output
+    assert "[cluster] 1 node, 4 ranks, 1 writer, 4 downloading" in result.stdout
+    doc = result.json
+    assert doc is not None
+    assert (doc["nodes"], doc["ranks"], doc["writers"], doc["download_ranks"]) == (1, 4, 1, 4)
+    # Every rank downloaded a share, straight into the one copy; nothing was sent twice.
+    assert all(load > 0 for load in doc["plan_loads"]) and doc["downloaded_bytes"] == doc["bytes"]
+    assert tree_of(tmp_path / "one-node") == expected
+    again = run_cli(args, env=emulator.key_env(), json_path=tmp_path / "r2.json")
+    assert again.returncode == 0 and again.json is not None and again.json["downloaded_bytes"] == 0
+
+
+def test_two_nodes_of_two_ranks_each(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    """Ranks 0,1 and ranks 2,3 each share a DEST (through symlinks): two copies, two writers."""
+    container, expected = dataset
+    for rank in range(RANKS):
+        node = tmp_path / f"node{rank // 2}"
+        node.mkdir(exist_ok=True)
+        (tmp_path / str(rank)).symlink_to(node)
+    args = [emulator.url(container, "ckpt"), str(tmp_path / "{rank}"), "--shard-size", "1MiB"]
+    result = run_cli([*args, "--bcast-chunk", "512KiB"], env=emulator.key_env(), json_path=tmp_path / "r.json")
+    assert result.returncode == 0, result.output
+    doc = result.json
+    assert doc is not None and (doc["writers"], doc["download_ranks"]) == (2, 4)
+    assert all(load > 0 for load in doc["plan_loads"])
+    for node in ("node0", "node1"):
+        assert tree_of(tmp_path / node) == expected, node
+
+
+def test_download_ranks_limits_who_downloads(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    container, expected = dataset
+    args = [emulator.url(container, "ckpt"), str(tmp_path / "{rank}"), "--download-ranks", "2"]
+    result = run_cli(args, env=emulator.key_env(), json_path=tmp_path / "r.json")
+    assert result.returncode == 0, result.output
+    doc = result.json
+    assert doc is not None and doc["download_ranks"] == 2
+    assert doc["plan_loads"][2:] == [0, 0] and all(doc["plan_loads"][:2])
+    assert "2 downloading" in result.stdout
+    _assert_copies(tmp_path, expected)
 
 
 def test_missing_container_exits_3(emulator: azurite.Emulator, tmp_path: Path) -> None:

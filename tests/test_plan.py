@@ -333,3 +333,36 @@ def test_plan_transfers_peers_before_azure(sizes: list[int], nranks: int, shard:
     # downloads (loads) count only files no rank has
     assert sum(plan.loads()) == sum(size for size, have in zip(sizes, holders, strict=True) if not have)
     assert plan_transfers(sizes, holders, nranks, shard) == plan
+
+
+def test_plan_transfers_copies_counts_groups_not_ranks() -> None:
+    # 4 ranks in 2 nodes (leaders 0 and 2): a file both leaders hold needs nothing,
+    # a file one leader holds comes from it, a file nobody holds goes to the downloaders.
+    holders = [[0, 2], [2], []]
+    plan = plan_transfers([10, 10, 10], holders, 4, 100, owners=[0, 1, 2, 3], copies=2)
+    assert [(s.file, s.owner, s.peer) for s in plan.shards] == [(1, 2, True), (2, 0, False)]
+    # Without copies, two holders out of four ranks would still be "missing somewhere".
+    assert {s.file for s in plan_transfers([10, 10, 10], holders, 4, 100).shards} == {0, 1, 2}
+
+
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=50_000), min_size=1, max_size=20),
+    groups=st.integers(min_value=1, max_value=4),
+    per_group=st.integers(min_value=1, max_value=3),
+    data=st.data(),
+)
+@settings(max_examples=100, deadline=None)
+def test_plan_transfers_with_groups_downloads_only_on_owners(
+    sizes: list[int], groups: int, per_group: int, data: st.DataObject
+) -> None:
+    nranks = groups * per_group
+    leaders = [g * per_group for g in range(groups)]
+    holders = [sorted(data.draw(st.sets(st.sampled_from(leaders), max_size=groups))) for _ in sizes]
+    owners = sorted(data.draw(st.sets(st.integers(0, nranks - 1), min_size=1)))
+    plan = plan_transfers(sizes, holders, nranks, 4096, owners=owners, copies=groups)
+    for s in plan.shards:
+        if s.peer:
+            assert s.owner == min(holders[s.file]) and len(holders[s.file]) < groups
+        else:
+            assert s.owner in owners and not holders[s.file]
+    assert {s.file for s in plan.shards} == {i for i, h in enumerate(holders) if len(h) < groups}

@@ -138,3 +138,11 @@ def test_call_slices_cover_the_length(length: int, limit: int) -> None:
         end = stop
     assert end == length
     assert len(slices) == -(-length // limit)
+
+
+def test_bcast_schedule_maps_owners_to_their_leaders() -> None:
+    # Ranks 0,1 on node 0 and ranks 2,3 on node 1: rank 3's download goes out from node 1's leader.
+    plan = Plan(shards=(Shard(0, 0, 6, 3), Shard(1, 0, 2, 1)), nranks=4)
+    chunks = bcast_schedule(plan, 4, root_of=[0, 0, 1, 1])
+    assert [(c.file, c.offset, c.length, c.root) for c in chunks] == [(0, 0, 4, 1), (0, 4, 2, 1), (1, 0, 2, 0)]
+    assert [c.root for c in bcast_schedule(plan, 4)] == [3, 3, 1]

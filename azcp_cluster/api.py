@@ -1,0 +1,109 @@
+"""The Python API: stage a dataset from inside an existing mpi4py program.
+
+``stage()`` runs the same stages as the command line, collectively on ``comm``, and returns
+the :class:`~azcp_cluster.report.Report` on every rank. Where the CLI would exit with a code,
+it raises the same typed error (:class:`~azcp_cluster.errors.AzcpError` and its subclasses)
+on every rank, so a training program can catch it everywhere alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from typing import Any, TextIO
+
+from azcp_cluster.config import Config, parse_size
+from azcp_cluster.errors import AzcpError, UsageError
+from azcp_cluster.report import Report
+
+# The keyword options, by kind (the Config fields; sizes also accept "64MiB" strings).
+_SIZES = ("block_size", "bcast_chunk", "shard_size")
+_INTS = ("concurrency", "bcast_pipeline", "bcast_writers", "max_retries", *_SIZES)
+_OPTIONAL_INTS = ("source_rank", "download_ranks")
+_BOOLS = ("bcast_direct", "dry_run", "verify", "progress")
+_FLOATS = ("read_timeout", "connect_timeout")
+_GLOBS = ("include", "exclude")
+OPTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in ("source", "dest"))
+
+
+def _convert(name: str, value: Any) -> Any:
+    """``value`` as the Config field ``name`` holds it, or a :class:`UsageError` naming the option."""
+    if name in _SIZES and isinstance(value, str):
+        return parse_size(value)
+    if name in _GLOBS:
+        globs = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list | tuple) else None
+        if globs is None or not all(isinstance(g, str) for g in globs):
+            raise UsageError(f"{name} must be a glob or a list of globs (got {value!r})")
+        return globs
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if name in _INTS and is_int:
+        return value
+    if name in _OPTIONAL_INTS and (value is None or is_int):
+        return value
+    if name in _BOOLS and isinstance(value, bool):
+        return value
+    if name in _FLOATS and (is_int or isinstance(value, float)):
+        return float(value)
+    if name == "compare" and isinstance(value, str):
+        return value
+    if name == "json_path" and (value is None or isinstance(value, str)):
+        return value
+    raise UsageError(f"option {name} cannot be {value!r}")
+
+
+def make_config(source: str, dest: str, options: dict[str, Any]) -> Config:
+    """Build a validated :class:`Config` from keyword options named like its fields.
+
+    Sizes may be given as byte counts or as strings (``"64MiB"``); ``include`` and
+    ``exclude`` as one glob or a list of globs. Anything else raises :class:`UsageError`.
+    """
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise UsageError(f"unknown option(s) {', '.join(unknown)}; valid: {', '.join(OPTIONS)}")
+    if not isinstance(source, str) or not isinstance(dest, str):
+        raise UsageError("source and dest must be strings")
+    values = {name: _convert(name, value) for name, value in options.items()}
+    return Config(source=source, dest=dest, **values).validate()
+
+
+def stage(
+    source: str,
+    dest: str,
+    *,
+    comm: Any = None,
+    out: TextIO | None = None,
+    quiet: bool = False,
+    **options: Any,
+) -> Report:
+    """Stage ``source`` into ``dest`` on every node; collective over ``comm`` (default ``MPI.COMM_WORLD``).
+
+    ``source`` and ``dest`` are as on the command line (a blob URL or a local path; ``{rank}``
+    and ``{host}`` expand in ``dest``). ``options`` are the command line's options with
+    underscores (``bcast_chunk="64MiB"``, ``compare="etag"``, ``verify=True``, ...; see
+    :data:`OPTIONS`). The report lines go to ``out`` (default stdout) on rank 0 unless
+    ``quiet``; ``json_path`` writes the JSON report there (rank 0), as ``--json`` does.
+
+    Every rank returns the same :class:`Report`, or raises the same :class:`AzcpError`
+    (its ``exit_code`` is the CLI's); the error's ``report`` attribute holds the partial report.
+    """
+    from azcp_cluster.pipeline import run
+
+    cfg = make_config(source, dest, options)
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    sink = io.StringIO() if quiet else out
+    try:
+        report = run(cfg, comm, out=sink)
+    except AzcpError as exc:
+        partial = getattr(exc, "report", None)
+        if cfg.json_path and comm.Get_rank() == 0 and isinstance(partial, Report):
+            partial.write_json(cfg.json_path)
+        raise
+    if cfg.json_path and comm.Get_rank() == 0:
+        report.write_json(cfg.json_path)
+    return report
+
+
+__all__ = ["OPTIONS", "make_config", "stage"]

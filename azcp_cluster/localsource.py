@@ -1,0 +1,87 @@
+"""A local or shared-filesystem SOURCE (the ``mpi-stage`` case): list it on the one reader.
+
+Only the reading rank calls into this module (everyone else receives the bytes over MPI),
+so a shared filesystem sees one client, not one per node. The tree is listed with the same
+rules as a blob prefix (filters, name safety, collisions: ``naming.select``), so both kinds
+of SOURCE give the same DEST layout. A local file has no ETag; its identity for
+``--compare etag`` is its size and modification time, as ``rsync`` and ``make`` use.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from azcp_cluster.config import Config
+from azcp_cluster.errors import ListError, UsageError
+from azcp_cluster.model import Listing
+from azcp_cluster.naming import MANIFEST_NAME, TEMP_SUFFIX, RawEntry, select
+
+
+def local_etag(st: os.stat_result) -> str:
+    """A stand-in ETag for a local file: changes whenever its size or mtime does."""
+    return f'"{st.st_mtime_ns:x}-{st.st_size:x}"'
+
+
+def _entry(name: str, st: os.stat_result) -> RawEntry:
+    return RawEntry(name=name, size=st.st_size, etag=local_etag(st), last_modified=st.st_mtime)
+
+
+def list_local(root: str, cfg: Config) -> Listing:
+    """List ``root`` (a file, or a directory walked recursively, symlinks followed).
+
+    A single file is copied to ``DEST/<its name>``; a directory's files keep their path
+    below it. Sockets, FIFOs and devices are not data, nor are the tool's own manifest and
+    temporary files (a SOURCE that was once a DEST): they are left out and counted with
+    the filtered files. A directory reached twice through symlinks is walked once.
+    """
+    try:
+        top = os.stat(root)
+    except OSError as exc:
+        raise ListError(f"cannot read SOURCE: {exc.strerror}", path=root) from None
+    if stat.S_ISREG(top.st_mode):
+        name = os.path.basename(os.path.normpath(root))
+        return select(name, _entry(name, top), (), cfg.include, cfg.exclude)
+    if not stat.S_ISDIR(top.st_mode):
+        raise UsageError(f"SOURCE {root!r} is neither a regular file nor a directory")
+    entries: list[RawEntry] = []
+    special = 0
+    tools_own = 0
+    seen = {(top.st_dev, top.st_ino)}
+    stack = [("", root)]
+    while stack:
+        rel_dir, abs_dir = stack.pop()
+        try:
+            with os.scandir(abs_dir) as it:
+                children = list(it)
+        except OSError as exc:
+            raise ListError(f"cannot list a directory of SOURCE: {exc.strerror}", path=abs_dir) from None
+        for child in children:
+            rel = f"{rel_dir}{child.name}"
+            try:
+                st = child.stat(follow_symlinks=True)
+            except OSError as exc:
+                raise ListError(f"cannot stat a file of SOURCE: {exc.strerror}", path=child.path) from None
+            if stat.S_ISDIR(st.st_mode):
+                if (st.st_dev, st.st_ino) not in seen:  # a symlink loop, or the same tree twice
+                    seen.add((st.st_dev, st.st_ino))
+                    stack.append((rel + "/", child.path))
+            elif rel == MANIFEST_NAME or rel.endswith(TEMP_SUFFIX):
+                tools_own += 1  # staging from an earlier DEST: its manifest and leftovers are not data
+            elif stat.S_ISREG(st.st_mode):
+                entries.append(_entry(rel, st))
+            else:
+                special += 1
+    listing = select("", None, entries, cfg.include, cfg.exclude)
+    return Listing(files=listing.files, markers_skipped=0, filtered_out=listing.filtered_out + special + tools_own)
+
+
+def source_file(root: str, name: str, single: bool) -> str:
+    """The path the reader opens for the listed ``name`` (``root`` itself for a single file)."""
+    return root if single else os.path.join(root, *name.split("/"))
+
+
+def check_overlap(source_real: str, dest_real: str) -> None:
+    """Refuse a DEST that is the SOURCE directory or lies inside it (the copy would list itself)."""
+    if dest_real == source_real or dest_real.startswith(source_real.rstrip("/") + "/"):
+        raise UsageError(f"DEST {dest_real} is inside SOURCE {source_real}; choose a directory outside it")

@@ -1,0 +1,96 @@
+"""Who writes, who downloads, who reads: ranks grouped by node. Pure code.
+
+Ranks that run on the same host and resolve DEST to the same directory form one *group*
+(one copy of the dataset). One rank per group, its *leader*, checks DEST, takes part in
+the broadcast and writes every received byte; the broadcast runs between leaders only.
+Any rank may download: it writes its ranges straight into its group's temporary files
+(the same directory, on the same host), and its leader broadcasts them from there.
+
+With one rank per node every rank is its own group and leader, as in the reference tool;
+with ``{rank}`` in DEST one machine stands in for several nodes, one group per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from azcp_cluster.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The roles of every rank, identical on every rank."""
+
+    group_of: tuple[int, ...]  # world rank -> group index (groups in order of their lowest rank)
+    leaders: tuple[int, ...]  # group index -> world rank of its leader
+    downloaders: tuple[int, ...]  # world ranks that fetch from Azure, ascending
+    hosts: int  # distinct host names
+
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        return len(self.group_of)
+
+    @property
+    def groups(self) -> int:
+        """Number of copies being written (one per group)."""
+        return len(self.leaders)
+
+    def is_leader(self, rank: int) -> bool:
+        """Whether ``rank`` writes its group's DEST and takes part in the broadcast."""
+        return self.leaders[self.group_of[rank]] == rank
+
+    def members(self, group: int) -> list[int]:
+        """World ranks of ``group``, ascending."""
+        return [r for r, g in enumerate(self.group_of) if g == group]
+
+    def leader_index(self, rank: int) -> int:
+        """Position of ``rank``'s group leader among the leaders (its rank in the broadcast)."""
+        return self.group_of[rank]
+
+
+def group_ranks(
+    places: Sequence[tuple[str, str]],
+    *,
+    preferred_leader: int | None = None,
+    download_ranks: int | None = None,
+) -> Topology:
+    """Group ranks by ``(host, real DEST)`` and choose the leaders and the downloaders.
+
+    ``places[r]`` is rank ``r``'s host name and resolved DEST. The leader of a group is its
+    lowest rank, except that ``preferred_leader`` (the rank that reads a local source)
+    leads its own group: only it may open the source, and the reader must broadcast.
+
+    ``download_ranks`` (default: all) limits the downloaders; they are taken round-robin
+    over the groups (every group's first rank, then every group's second, ...) so the
+    requests and the disk writes spread over the nodes. With one rank per node this is
+    ranks ``0..K-1``, as in the reference tool.
+    """
+    if not places:
+        raise ValueError("no ranks")
+    size = len(places)
+    if preferred_leader is not None and not 0 <= preferred_leader < size:
+        raise UsageError(f"--source-rank {preferred_leader} is not a rank of this job (0..{size - 1})")
+    if download_ranks is not None and download_ranks < 1:
+        raise UsageError(f"--download-ranks must be at least 1 (got {download_ranks})")
+    index: dict[tuple[str, str], int] = {}
+    group_of = []
+    for place in places:
+        group_of.append(index.setdefault(tuple(place), len(index)))  # type: ignore[arg-type]
+    members: list[list[int]] = [[] for _ in index]
+    for rank, group in enumerate(group_of):
+        members[group].append(rank)
+    leaders = [m[0] for m in members]
+    if preferred_leader is not None:
+        leaders[group_of[preferred_leader]] = preferred_leader
+    # Round-robin over groups, each group's leader first.
+    ordered = [[leaders[g], *(r for r in members[g] if r != leaders[g])] for g in range(len(members))]
+    round_robin = [m[depth] for depth in range(max(len(m) for m in ordered)) for m in ordered if depth < len(m)]
+    chosen = round_robin if download_ranks is None else round_robin[: min(download_ranks, size)]
+    return Topology(
+        group_of=tuple(group_of),
+        leaders=tuple(leaders),
+        downloaders=tuple(sorted(chosen)),
+        hosts=len({host for host, _ in places}),
+    )

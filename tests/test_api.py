@@ -1,0 +1,105 @@
+"""The Python API: ``azcp_cluster.stage()`` from an mpi4py program, and its option handling."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import azcp_cluster
+from azcp_cluster.api import OPTIONS, make_config
+from azcp_cluster.config import Config, MiB
+from azcp_cluster.errors import AzcpError, UsageError
+from tests.conftest import MPI_TIMEOUT, REPO, clean_env, mpiexec_path
+
+PROGRAM = REPO / "tests" / "programs" / "stage_then_train.py"
+
+
+def test_every_config_field_is_an_option_and_takes_its_default() -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(Config) if f.name not in ("source", "dest")}
+    assert set(OPTIONS) == set(defaults)
+    assert make_config("s", "d", defaults) == Config(source="s", dest="d")
+
+
+def test_options_are_converted_like_the_command_line() -> None:
+    cfg = make_config(
+        "s", "d", {"bcast_chunk": "2MiB", "shard_size": 3 * MiB, "include": "*.bin", "exclude": ["a", "b"]}
+    )
+    assert (cfg.bcast_chunk, cfg.shard_size, cfg.include, cfg.exclude) == (2 * MiB, 3 * MiB, ("*.bin",), ("a", "b"))
+    assert make_config("s", "d", {"read_timeout": 5}).read_timeout == 5.0
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"bcast_chunks": "1MiB"}, "unknown option(s) bcast_chunks"),
+        ({"bcast_chunk": "lots"}, "invalid size"),
+        ({"concurrency": "8"}, "option concurrency cannot be '8'"),
+        ({"verify": 1}, "option verify cannot be 1"),
+        ({"concurrency": True}, "option concurrency cannot be True"),
+        ({"include": [1]}, "include must be a glob"),
+        ({"compare": "sha"}, "--compare must be one of"),
+        ({"bcast_pipeline": 0}, "--bcast-pipeline must be between"),
+        ({"download_ranks": 0}, "--download-ranks must be at least 1"),
+    ],
+)
+def test_bad_options_raise_usage_error(options: dict[str, Any], words: str) -> None:
+    with pytest.raises(UsageError) as caught:
+        make_config("s", "d", options)
+    assert words in caught.value.message
+    assert caught.value.exit_code == 2
+
+
+def test_public_names_are_importable_lazily() -> None:
+    assert azcp_cluster.AzcpError is AzcpError
+    assert callable(azcp_cluster.stage) and azcp_cluster.Report.__name__ == "Report"
+    with pytest.raises(AttributeError):
+        azcp_cluster.no_such_name  # noqa: B018
+
+
+def _program(args: list[str], out: Path) -> list[dict[str, Any]]:
+    out.mkdir()
+    proc = subprocess.run(
+        [mpiexec_path(), "-n", "4", sys.executable, str(PROGRAM), args[0], args[1], str(out), *args[2:]],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=MPI_TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [json.loads((out / f"rank-{rank}.json").read_text()) for rank in range(4)]
+    assert [d["rank"] for d in lines] == [0, 1, 2, 3]
+    return lines
+
+
+@pytest.fixture()
+def source(tmp_path: Path) -> Path:
+    root = tmp_path / "weights"
+    (root / "shards").mkdir(parents=True)
+    (root / "config.json").write_text('{"layers": 2}')
+    for i in range(3):
+        (root / "shards" / f"{i}.bin").write_bytes(bytes([i]) * (MiB + 17 * i))
+    return root
+
+
+@pytest.mark.parametrize("how", ["default-comm", "--explicit-comm"])
+def test_stage_from_an_mpi4py_program(source: Path, tmp_path: Path, how: str) -> None:
+    extra = [how] if how.startswith("--") else []
+    lines = _program([str(source), str(tmp_path / "{rank}"), *extra], tmp_path / "out")
+    assert all(d["ok"] and d["files"] == 4 and d["writers"] == 4 and d["after"] == 4 for d in lines), lines
+    for rank in range(4):
+        assert (tmp_path / str(rank) / "shards" / "2.bin").read_bytes() == bytes([2]) * (MiB + 34)
+
+
+def test_a_failure_raises_the_same_typed_error_on_every_rank(source: Path, tmp_path: Path) -> None:
+    (tmp_path / "2").write_text("a file where rank 2's DEST should be")
+    lines = _program([str(source), str(tmp_path / "{rank}")], tmp_path / "out")
+    assert all(not d["ok"] for d in lines), lines
+    assert {(d["type"], d["code"]) for d in lines} == {("LocalFSError", 8)}
+    assert len({d["line"] for d in lines}) == 1 and "rank 2" in lines[0]["line"]
+    assert all(d["after"] == 4 for d in lines), "MPI still works after the failure"

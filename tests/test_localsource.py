@@ -1,0 +1,103 @@
+"""Listing a local SOURCE (azcp_cluster/localsource.py), on real directories."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from azcp_cluster.config import Config
+from azcp_cluster.errors import ListError, UsageError
+from azcp_cluster.localsource import check_overlap, list_local, local_etag, source_file
+from azcp_cluster.naming import MANIFEST_NAME, TEMP_SUFFIX
+
+
+def _cfg(**kw: object) -> Config:
+    return Config(source="x", dest="y", **kw)  # type: ignore[arg-type]
+
+
+def test_tree_is_listed_with_relative_paths_sizes_and_etags(tmp_path: Path) -> None:
+    (tmp_path / "sub" / "deep").mkdir(parents=True)
+    (tmp_path / "a.bin").write_bytes(b"12345")
+    (tmp_path / "sub" / "b c.txt").write_bytes(b"")
+    (tmp_path / "sub" / "deep" / "é.dat").write_bytes(b"xy")
+    (tmp_path / "emptydir").mkdir()
+    listing = list_local(str(tmp_path), _cfg())
+    assert [(f.path, f.size) for f in listing.files] == [("a.bin", 5), ("sub/b c.txt", 0), ("sub/deep/é.dat", 2)]
+    entry = listing.files[0]
+    assert entry.name == entry.path and entry.etag == local_etag(os.stat(tmp_path / "a.bin"))
+    assert entry.content_md5 == ""
+
+
+def test_etag_changes_with_mtime(tmp_path: Path) -> None:
+    f = tmp_path / "a"
+    f.write_bytes(b"same")
+    before = list_local(str(tmp_path), _cfg()).files[0].etag
+    os.utime(f, ns=(1, 10**18))
+    assert list_local(str(tmp_path), _cfg()).files[0].etag != before
+
+
+def test_single_file_is_listed_under_its_basename(tmp_path: Path) -> None:
+    (tmp_path / "w.safetensors").write_bytes(b"abc")
+    listing = list_local(str(tmp_path / "w.safetensors"), _cfg())
+    assert [(f.name, f.path, f.size) for f in listing.files] == [("w.safetensors", "w.safetensors", 3)]
+    assert source_file(str(tmp_path / "w.safetensors"), "w.safetensors", single=True) == str(tmp_path / "w.safetensors")
+    assert source_file("/data", "a/b", single=False) == "/data/a/b"
+
+
+def test_filters_apply_below_the_root(tmp_path: Path) -> None:
+    (tmp_path / "shards").mkdir()
+    for name in ("shards/0.bin", "shards/1.bin", "readme.md"):
+        (tmp_path / name).write_bytes(b"x")
+    listing = list_local(str(tmp_path), _cfg(include=("shards/*",), exclude=("*1.bin",)))
+    assert [f.path for f in listing.files] == ["shards/0.bin"] and listing.filtered_out == 2
+
+
+def test_symlinks_are_followed_and_loops_walked_once(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "f").write_bytes(b"data")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "link-to-file").symlink_to(real / "f")
+    (root / "dir").symlink_to(real)
+    (real / "loop").symlink_to(root)  # root/dir/loop -> root: must not recurse forever
+    paths = [f.path for f in list_local(str(root), _cfg()).files]
+    assert paths == ["dir/f", "link-to-file"]
+
+
+def test_special_files_and_the_tools_own_files_are_left_out(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / MANIFEST_NAME).write_text("{}")
+    (tmp_path / f".x{TEMP_SUFFIX}").write_bytes(b"half")
+    (tmp_path / "data").write_bytes(b"ok")
+    listing = list_local(str(tmp_path), _cfg())
+    assert [f.path for f in listing.files] == ["data"] and listing.filtered_out == 3
+
+
+def test_missing_and_unreadable_sources(tmp_path: Path) -> None:
+    with pytest.raises(ListError, match="cannot read SOURCE"):
+        list_local(str(tmp_path / "nope"), _cfg())
+    if os.getuid() != 0:  # root reads anything; the unreadable directory case needs a user
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0)
+        with pytest.raises(ListError, match="cannot list"):
+            list_local(str(tmp_path), _cfg())
+
+
+def test_device_source_is_refused() -> None:
+    with pytest.raises(UsageError, match="neither a regular file nor a directory"):
+        list_local("/dev/null", _cfg())
+
+
+@pytest.mark.parametrize(
+    ("source", "dest", "refused"),
+    [("/data", "/data", True), ("/data", "/data/copy", True), ("/data", "/data-copy", False), ("/", "/x", True)],
+)
+def test_dest_inside_source_is_refused(source: str, dest: str, refused: bool) -> None:
+    if refused:
+        with pytest.raises(UsageError, match="inside SOURCE"):
+            check_overlap(source, dest)
+    else:
+        check_overlap(source, dest)
