@@ -24,6 +24,7 @@ _LAZY = {
     "Report": ("azcp_cluster.report", "Report"),
     "AzcpError": ("azcp_cluster.errors", "AzcpError"),
     "UsageError": ("azcp_cluster.errors", "UsageError"),
+    "CredentialError": ("azcp_cluster.errors", "CredentialError"),
     "TopologyError": ("azcp_cluster.errors", "TopologyError"),
     "ListError": ("azcp_cluster.errors", "ListError"),
     "DiffError": ("azcp_cluster.errors", "DiffError"),

@@ -12,7 +12,7 @@ import dataclasses
 import io
 from typing import Any, TextIO
 
-from azcp_cluster.config import Config, parse_size
+from azcp_cluster.config import Config, parse_rate, parse_size
 from azcp_cluster.errors import AzcpError, UsageError
 from azcp_cluster.report import Report
 
@@ -30,6 +30,10 @@ def _convert(name: str, value: Any) -> Any:
     """``value`` as the Config field ``name`` holds it, or a :class:`UsageError` naming the option."""
     if name in _SIZES and isinstance(value, str):
         return parse_size(value)
+    if name == "max_bandwidth" and isinstance(value, str):
+        return parse_rate(value)
+    if name == "max_bandwidth" and (value is None or (isinstance(value, int | float) and not isinstance(value, bool))):
+        return None if value is None else float(value)
     if name in _GLOBS:
         globs = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list | tuple) else None
         if globs is None or not all(isinstance(g, str) for g in globs):
@@ -44,7 +48,7 @@ def _convert(name: str, value: Any) -> Any:
         return value
     if name in _FLOATS and (is_int or isinstance(value, float)):
         return float(value)
-    if name == "compare" and isinstance(value, str):
+    if name in ("compare", "auth") and isinstance(value, str):
         return value
     if name == "json_path" and (value is None or isinstance(value, str)):
         return value
@@ -73,6 +77,7 @@ def stage(
     comm: Any = None,
     out: TextIO | None = None,
     quiet: bool = False,
+    credential: Any = None,
     **options: Any,
 ) -> Report:
     """Stage ``source`` into ``dest`` on every node; collective over ``comm`` (default ``MPI.COMM_WORLD``).
@@ -82,6 +87,11 @@ def stage(
     underscores (``bcast_chunk="64MiB"``, ``compare="etag"``, ``verify=True``, ...; see
     :data:`OPTIONS`). The report lines go to ``out`` (default stdout) on rank 0 unless
     ``quiet``; ``json_path`` writes the JSON report there (rank 0), as ``--json`` does.
+
+    ``credential`` authorizes a blob source ahead of the URL and the environment: an
+    azure-core ``TokenCredential`` (any object with ``get_token(*scopes)``, e.g. from
+    azure-identity; each rank asks it for a token when it needs one) or a SAS string. It
+    cannot be combined with ``auth`` (the ``--auth`` option).
 
     Every rank returns the same :class:`Report`, or raises the same :class:`AzcpError`
     (its ``exit_code`` is the CLI's); the error's ``report`` attribute holds the partial report.
@@ -95,7 +105,7 @@ def stage(
         comm = MPI.COMM_WORLD
     sink = io.StringIO() if quiet else out
     try:
-        report = run(cfg, comm, out=sink)
+        report = run(cfg, comm, out=sink, credential=credential)
     except AzcpError as exc:
         partial = getattr(exc, "report", None)
         if cfg.json_path and comm.Get_rank() == 0 and isinstance(partial, Report):

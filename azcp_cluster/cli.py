@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from azcp_cluster import __version__
-from azcp_cluster.config import Config, parse_size
+from azcp_cluster.config import AUTH_METHODS, Config, parse_rate, parse_size
 from azcp_cluster.errors import EXIT_CODES, AzcpError, InternalError, UsageError, exit_code_for
 
 EPILOG = "exit codes:\n" + "\n".join(f"  {code}  {text}" for code, text in EXIT_CODES.items())
@@ -32,7 +32,10 @@ SOURCE  https://ACCOUNT.blob.core.windows.net/CONTAINER[/PREFIX][?SAS]  or the p
 DEST    a directory, created if missing; {rank} and {host} are expanded per rank.
 
 Credentials, first match wins: SAS in the URL, AZURE_STORAGE_CONNECTION_STRING,
-AZURE_STORAGE_ACCOUNT + AZURE_STORAGE_KEY, AZURE_STORAGE_SAS_TOKEN, anonymous.
+AZURE_STORAGE_ACCOUNT + AZURE_STORAGE_KEY, AZURE_STORAGE_SAS_TOKEN, then (https only)
+workload identity (AZURE_CLIENT_ID + AZURE_TENANT_ID + AZURE_FEDERATED_TOKEN_FILE), managed
+identity (IDENTITY_ENDPOINT or MSI_ENDPOINT set), the Azure CLI (az on PATH and logged in),
+anonymous. --auth METHOD (or AZCP_AUTH) forces one; on a VM, --auth managed-identity.
 Sizes read 64MiB, 1GiB, 512M (binary units) or plain bytes.
 """
 
@@ -47,6 +50,23 @@ class _Parser(argparse.ArgumentParser):
 def _size(text: str) -> int:
     try:
         return parse_size(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
+    if not 0 < value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds greater than zero (got {text!r})")
+    return value
+
+
+def _rate(text: str) -> float:
+    try:
+        return parse_rate(text)
     except UsageError as exc:
         raise argparse.ArgumentTypeError(exc.message) from None
 
@@ -114,7 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="only K ranks download from Azure, spread over the nodes (default: every rank); fewer clients "
         "for a throttled account",
     )
+    p.add_argument(
+        "--max-bandwidth",
+        type=_rate,
+        metavar="RATE",
+        help="cap the cluster's aggregate download, split over the downloading ranks: 25Gbps, 800Mb/s "
+        "(bits), 3GiB/s, 500MB/s (bytes) or bytes per second; stays under a storage account's egress "
+        "limit instead of meeting its 503s (default: no cap)",
+    )
     p.add_argument("--max-retries", type=int, default=5, help="retries per request before giving up (default 5)")
+    p.add_argument(
+        "--read-timeout",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="a request whose response sends nothing for this long is abandoned and retried (default 60)",
+    )
     p.add_argument(
         "--include",
         action="append",
@@ -138,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", metavar="PATH", dest="json_path", help="write the report as JSON to PATH (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal anyway)")
+    p.add_argument(
+        "--auth",
+        choices=AUTH_METHODS,
+        default="auto",
+        metavar="METHOD",
+        help="force one credential: " + ", ".join(AUTH_METHODS[1:]) + "; default auto (first match wins, or AZCP_AUTH)",
+    )
     return p
 
 
@@ -156,14 +198,17 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
         bcast_direct=not args.no_bcast_direct,
         shard_size=args.shard_size,
         max_retries=args.max_retries,
+        read_timeout=args.read_timeout,
         include=tuple(args.include),
         exclude=tuple(args.exclude),
         dry_run=args.dry_run,
         verify=args.verify,
         json_path=args.json_path,
         progress=not args.no_progress,
+        auth=args.auth,
         source_rank=args.source_rank,
         download_ranks=args.download_ranks,
+        max_bandwidth=args.max_bandwidth,
     ).validate()
 
 

@@ -36,6 +36,63 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 COMPARE_MODES = ("none", "size", "etag", "md5")
 
+# --auth: "auto" tries them in the documented order; any other forces that one.
+AUTH_METHODS = (
+    "auto",
+    "sas",
+    "connection-string",
+    "key",
+    "sas-token",
+    "workload-identity",
+    "managed-identity",
+    "azure-cli",
+    "anonymous",
+)
+
+# Rates: bits per second in decimal units as networks count them (Gbps, Gb/s), or bytes per
+# second (MB/s decimal, MiB/s binary); a plain number is bytes per second.
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*?)(?:/s|ps)?\s*$")
+_RATE_UNITS: dict[str, Fraction | int] = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": KiB,
+    "MiB": MiB,
+    "GiB": GiB,
+    "TiB": TiB,
+    "b": Fraction(1, 8),
+    "Kb": Fraction(10**3, 8),
+    "Mb": Fraction(10**6, 8),
+    "Gb": Fraction(10**9, 8),
+    "Tb": Fraction(10**12, 8),
+}
+
+
+def parse_rate(text: str) -> float:
+    """Parse ``25Gbps``, ``25Gb/s``, ``800Mbps``, ``3GiB/s``, ``500MB/s`` or bytes/s into bytes per second.
+
+    ``b`` is bits and ``B`` bytes, so the case of that letter matters; the prefix may be
+    written ``k`` or ``K``. Raises :class:`UsageError` on anything else or on zero.
+    """
+    match = _RATE_RE.match(text)
+    if not match:
+        raise UsageError(f"invalid rate {text!r} (expected e.g. 25Gbps, 800Mb/s, 3GiB/s or bytes per second)")
+    number, unit = match.groups()
+    if unit[:1] == "k":
+        unit = "K" + unit[1:]
+    if text.strip().endswith("ps") and unit and unit[-1] == "B":
+        raise UsageError(f"invalid rate {text!r}: 'ps' means bits per second, write e.g. 25Gbps or 3GB/s")
+    factor = _RATE_UNITS.get(unit)
+    if factor is None:
+        raise UsageError(f"invalid rate unit in {text!r} (use bps, Kbps, Mbps, Gbps, B/s, MB/s, MiB/s, GiB/s)")
+    value = Fraction(number) * factor
+    if value <= 0:
+        raise UsageError(f"rate {text!r} must be greater than zero")
+    return float(value)
+
 
 def parse_size(text: str) -> int:
     """Parse ``64MiB``, ``1GiB``, ``512M``, ``4k`` or plain bytes into a byte count.
@@ -92,6 +149,10 @@ class Config:
     source_rank: int | None = None
     # How many ranks download (default all), chosen round-robin over the nodes.
     download_ranks: int | None = None
+    # Cluster-wide download cap in bytes per second, split over the downloading ranks.
+    max_bandwidth: float | None = None
+    # Which credential: "auto" (first match wins) or one of AUTH_METHODS, forced.
+    auth: str = "auto"
     # Seconds before a request that sends no bytes is abandoned and retried.
     read_timeout: float = 60.0
     connect_timeout: float = 30.0
@@ -100,6 +161,8 @@ class Config:
         """Check ranges and combinations; raise :class:`UsageError` naming the option."""
         if self.compare not in COMPARE_MODES:
             raise UsageError(f"--compare must be one of {', '.join(COMPARE_MODES)}, not {self.compare!r}")
+        if self.auth not in AUTH_METHODS:
+            raise UsageError(f"--auth must be one of {', '.join(AUTH_METHODS)}, not {self.auth!r}")
         positive = {
             "--concurrency": self.concurrency,
             "--block-size": self.block_size,
@@ -117,6 +180,8 @@ class Config:
             raise UsageError(f"--source-rank must be zero or more (got {self.source_rank})")
         if self.download_ranks is not None and self.download_ranks < 1:
             raise UsageError(f"--download-ranks must be at least 1 (got {self.download_ranks})")
+        if self.max_bandwidth is not None and self.max_bandwidth <= 0:
+            raise UsageError(f"--max-bandwidth must be greater than zero (got {self.max_bandwidth})")
         if self.max_retries < 0:
             raise UsageError(f"--max-retries must be zero or more (got {self.max_retries})")
         if self.concurrency > 4096:

@@ -30,6 +30,8 @@ from azcp_cluster.localfs import fs_error, temp_path
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import Shard, round_up
 from azcp_cluster.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
+from azcp_cluster.throttle import Pacer
+from azcp_cluster.tls import ssl_context
 
 API_VERSION = "2023-11-03"
 # Size of one pool buffer. Buffers reused last-in first-out stay in the CPU caches while
@@ -110,8 +112,10 @@ class Downloader:
         peer_failed: Callable[[], bool] = lambda: False,
         on_bytes: Callable[[int], None] = lambda n: None,
         rng: random.Random | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self.files = files
+        self.pacer = pacer  # --max-bandwidth: this rank's share of the cap
         self.dest = dest
         self.auth = auth
         self.cfg = cfg
@@ -141,7 +145,10 @@ class Downloader:
         timeout = aiohttp.ClientTimeout(
             total=None, connect=self.cfg.connect_timeout, sock_connect=self.cfg.connect_timeout
         )
-        connector = aiohttp.TCPConnector(limit=self.cfg.concurrency, limit_per_host=0, ttl_dns_cache=300)
+        # REQUESTS_CA_BUNDLE / SSL_CERT_FILE name a private CA for the listing and these GETs alike.
+        connector = aiohttp.TCPConnector(
+            limit=self.cfg.concurrency, limit_per_host=0, ttl_dns_cache=300, ssl=ssl_context()
+        )
         async with aiohttp.ClientSession(
             connector=connector, timeout=timeout, auto_decompress=False, skip_auto_headers=("Accept-Encoding",)
         ) as session:
@@ -191,6 +198,9 @@ class Downloader:
         entry = self.files[block.file]
         attempt = 0
         while True:
+            if self.pacer is not None:
+                # Paced before the request: a retry is bytes sent again, so it pays again.
+                await asyncio.sleep(self.pacer.reserve(block.length))
             try:
                 await self._get_once(session, block, entry)
                 self.stats.bytes += block.length

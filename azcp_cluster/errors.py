@@ -49,6 +49,17 @@ class UsageError(AzcpError):
     stage = "arguments"
 
 
+class CredentialError(UsageError):
+    """A credential that cannot be used or yields no token, e.g. an unusable azure-identity source (exit 2).
+
+    A token that the service *rejects* is reported by the stage that used it (list: 3,
+    download: 5), like a wrong key or SAS.
+    """
+
+    exit_code = 2
+    stage = "credentials"
+
+
 class TopologyError(AzcpError):
     """Ranks laid out in a way the run cannot use, e.g. a --source-rank that cannot see SOURCE (exit 2)."""
 
@@ -103,6 +114,7 @@ ERROR_CLASSES: dict[str, type[AzcpError]] = {
     for cls in (
         InternalError,
         UsageError,
+        CredentialError,
         TopologyError,
         ListError,
         DiffError,
@@ -116,7 +128,7 @@ ERROR_CLASSES: dict[str, type[AzcpError]] = {
 EXIT_CODES: dict[int, str] = {
     0: "success (also when nothing needed copying)",
     1: "internal error",
-    2: "bad arguments or topology",
+    2: "bad arguments, credentials or topology",
     3: "listing the source failed",
     4: "comparing local copies failed",
     5: "download failed",

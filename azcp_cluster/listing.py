@@ -11,6 +11,7 @@ from azcp_cluster.errors import ListError
 from azcp_cluster.model import Listing
 from azcp_cluster.naming import RawEntry, directory_prefix, select
 from azcp_cluster.source import BlobSource
+from azcp_cluster.tls import sdk_verify
 
 
 def _raw(props: Any) -> RawEntry:
@@ -26,7 +27,7 @@ def _raw(props: Any) -> RawEntry:
     )
 
 
-def _explain(exc: Exception, source: BlobSource) -> ListError:
+def _explain(exc: Exception, source: BlobSource, origin: str = "") -> ListError:
     """A one-line cause for a listing failure; never echoes URLs (they may carry a SAS)."""
     from azure.core.exceptions import (
         ClientAuthenticationError,
@@ -37,6 +38,7 @@ def _explain(exc: Exception, source: BlobSource) -> ListError:
     )
 
     where = source.redacted()
+    used = f" ({origin}; --auth selects another)" if origin else ""
     if isinstance(exc, ResourceNotFoundError):
         code = getattr(exc, "error_code", None) or "NotFound"
         if str(code) == "ContainerNotFound":
@@ -44,9 +46,12 @@ def _explain(exc: Exception, source: BlobSource) -> ListError:
         return ListError(f"{where}: not found ({code})")
     if isinstance(exc, ClientAuthenticationError):
         code = getattr(exc, "error_code", None) or "AuthenticationFailed"
-        return ListError(f"{where}: access denied (HTTP {exc.status_code}, {code}); check the credentials")
+        return ListError(f"{where}: access denied (HTTP {exc.status_code}, {code}); check the credentials{used}")
     if isinstance(exc, HttpResponseError):
         code = getattr(exc, "error_code", None) or exc.reason
+        code = getattr(code, "value", code)  # an enum member: show Azure's own spelling
+        if exc.status_code in (401, 403):
+            return ListError(f"{where}: access denied (HTTP {exc.status_code}, {code}); check the credentials{used}")
         return ListError(f"{where}: listing failed (HTTP {exc.status_code}, {code})")
     if isinstance(exc, ServiceRequestError | ServiceResponseError):
         return ListError(f"cannot reach {source.endpoint}: {type(exc).__name__}")
@@ -62,6 +67,7 @@ def list_source(source: BlobSource, auth: Authorizer, cfg: Config) -> Listing:
         account_url=source.endpoint,
         container_name=source.container,
         credential=auth.sdk_credential(),
+        connection_verify=sdk_verify(),
         retry_total=cfg.max_retries,
         connection_timeout=cfg.connect_timeout,
         read_timeout=cfg.read_timeout,
@@ -82,4 +88,4 @@ def list_source(source: BlobSource, auth: Authorizer, cfg: Config) -> Listing:
     except ListError:
         raise
     except AzureError as exc:
-        raise _explain(exc, source) from None
+        raise _explain(exc, source, auth.credential.origin) from None

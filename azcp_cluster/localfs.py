@@ -36,11 +36,51 @@ def temp_path(dest: str, rel: str) -> str:
 
 
 def fs_error(exc: OSError, path: str, action: str) -> LocalFSError:
-    """Turn an OSError into the project's error, with the cause in words."""
+    """Turn an OSError into the project's error, with the cause in words.
+
+    A full disk or quota is flagged (``no_space``) so the run can add what it needed.
+    """
     cause = exc.strerror or str(exc)
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
     if exc.errno == errno.ENOSPC:
         cause = "no space left on device"
-    return LocalFSError(f"cannot {action}: {cause}", path=path)
+    error = LocalFSError(f"cannot {action}: {cause}", path=path)
+    error.no_space = full  # type: ignore[attr-defined]
+    return error
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem of ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def space_needed(dest: str, files: Iterable[tuple[str, int]]) -> int:
+    """Bytes that writing ``files`` (relative path, size) into ``dest`` will take from its free space.
+
+    A temporary file left by an interrupted run is truncated and rewritten: the blocks it
+    holds now come back first, so they do not count against the run.
+    """
+    total = 0
+    for rel, size in files:
+        try:
+            held = os.stat(temp_path(dest, rel)).st_blocks * 512
+        except OSError:
+            held = 0
+        total += max(0, size - held)
+    return total
+
+
+def check_space(dest: str, needed: int) -> None:
+    """Refuse to start writing ``needed`` bytes into ``dest`` if its filesystem has less free."""
+    try:
+        free = free_bytes(dest)
+    except OSError:
+        return  # a filesystem that cannot say: find out when writing
+    if needed > free:
+        raise LocalFSError(
+            f"not enough space for the files to copy: {needed} bytes needed, {free} bytes free", path=dest
+        )
 
 
 def ensure_dest(dest: str, create: bool = True) -> None:

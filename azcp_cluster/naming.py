@@ -9,7 +9,8 @@ The rules:
 * ``--include``/``--exclude`` globs match the path below the prefix (``*`` crosses ``/``);
   a file is kept if it matches some include (or there is none) and no exclude.
 * A name that would land outside DEST (``..``, ``.``, absolute, empty segments, NUL) is
-  refused, and so are two names where one is a file and the other needs it as a directory.
+  refused, and so are two names where one is a file and the other needs it as a directory,
+  and names too long for a Linux filesystem (a segment over 244 bytes, the path over 3072).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from azcp_cluster.model import FileEntry, Listing
 MANIFEST_NAME = ".azcp-manifest.json"
 # Suffix of the temporary names files are written under (see localfs.temp_path).
 TEMP_SUFFIX = ".azcp-part"
+# Linux filesystems take names of at most 255 bytes per segment (NAME_MAX); the temporary
+# name adds a dot and the suffix, and a path stays well below PATH_MAX (4096) with DEST.
+MAX_SEGMENT_BYTES = 255 - 1 - len(TEMP_SUFFIX)
+MAX_PATH_BYTES = 3072
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,14 @@ def check_relative_path(path: str, name: str) -> str:
         if segment in ("", ".", ".."):
             reason = "an empty segment" if segment == "" else f"a {segment!r} segment"
             raise ListError(f"name has {reason} and would land outside DEST or alias another file", path=name)
+        if len(segment.encode("utf-8", "surrogateescape")) > MAX_SEGMENT_BYTES:
+            raise ListError(
+                f"a path segment of {len(segment.encode('utf-8', 'surrogateescape'))} bytes is too long for the "
+                f"filesystem (at most {MAX_SEGMENT_BYTES}, leaving room for the temporary name)",
+                path=name,
+            )
+    if len(path.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES:
+        raise ListError(f"name is too long for the filesystem (more than {MAX_PATH_BYTES} bytes)", path=name)
     return path
 
 

@@ -23,8 +23,18 @@ from azcp_cluster import manifest
 from azcp_cluster.broadcast import Broadcaster
 from azcp_cluster.cluster import Cluster, StageOutcome, error_from_payload, error_payload
 from azcp_cluster.config import Config, format_bytes
-from azcp_cluster.errors import AzcpError, TopologyError, UsageError, VerifyError
-from azcp_cluster.localfs import ensure_dest, expand_dest, final_path, finalize, prepare, sync_dirs
+from azcp_cluster.errors import AzcpError, LocalFSError, TopologyError, UsageError, VerifyError
+from azcp_cluster.localfs import (
+    check_space,
+    ensure_dest,
+    expand_dest,
+    final_path,
+    finalize,
+    free_bytes,
+    prepare,
+    space_needed,
+    sync_dirs,
+)
 from azcp_cluster.localsource import check_overlap, list_local, source_file
 from azcp_cluster.model import Listing, decode_listing, encode_listing
 from azcp_cluster.plan import Plan, plan_transfers
@@ -83,18 +93,20 @@ def run(
     wall: Callable[[], float] = time.time,
     out: TextIO | None = None,
     host: str | None = None,
+    credential: Any = None,
 ) -> Report:
     """Run every stage on this rank (collectively with the others in ``comm``).
 
     Returns the report on every rank; raises the same typed :class:`AzcpError` on every
     rank if any rank fails (the error carries the partial report as ``.report``).
+    ``credential`` (a TokenCredential or a SAS) comes before the environment's.
     """
     env = os.environ if env is None else env
     out = sys.stdout if out is None else out
     cluster = Cluster(comm, clock)
     report = Report(ranks=cluster.size, dry_run=cfg.dry_run)
     started = clock()
-    state = _Run(cfg, cluster, report, env, wall, out, host or socket.gethostname(), started)
+    state = _Run(cfg, cluster, report, env, wall, out, host or socket.gethostname(), started, credential)
     try:
         state.execute()
     except AzcpError as exc:
@@ -119,8 +131,10 @@ class _Run:
         out: TextIO,
         host: str,
         started: float,
+        credential: Any = None,
     ) -> None:
         self.started = started
+        self.credential = credential  # the Python API's credential=, else None
         self.cfg = cfg
         self.cluster = cluster
         self.report = report
@@ -147,6 +161,7 @@ class _Run:
         self._list_seconds = 0.0
         self.have: np.ndarray = np.zeros(0, dtype=bool)  # per file: this rank's group already has it
         self.streamed_md5: dict[int, str] = {}  # --verify: file index -> MD5 hashed in flight
+        self.space_needed = 0  # bytes of the files this rank's node writes
 
     def close(self) -> None:
         """Free the leaders' communicator."""
@@ -209,7 +224,7 @@ class _Run:
                 source = parse_blob_url(cfg.source)
                 if not cfg.dry_run:
                     cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency))
-                auth = Authorizer(source, resolve_credential(source, self.env), self.wall)
+                auth = Authorizer(source, resolve_credential(source, self.env, cfg.auth, self.credential), self.wall)
             outcome.stats = {"place": (self.host, self.dest_identity), "sees": sees}
         result = cluster.conclude(t0, outcome)
         places = [st["place"] for st in result.stats]
@@ -267,6 +282,10 @@ class _Run:
         self.report.markers_skipped = listing.markers_skipped
         self.report.filtered_out = listing.filtered_out
         self.report.stages["list"] = StageFigures(self._list_seconds, 0)
+        if not listing.files and self.rank == 0:
+            # Not an error (an empty prefix is a valid, finished copy), but rarely intended.
+            what = "filters left no file" if listing.filtered_out else "SOURCE matched no files"
+            print(f"azcp-cluster: warning: {what}; nothing to copy", file=sys.stderr, flush=True)
         return listing
 
     def diff(self, listing: Listing) -> tuple[list[int], list[list[int]]]:
@@ -319,7 +338,14 @@ class _Run:
         broadcaster: Broadcaster | None = None
         with cluster.stage(outcome):
             if self.leader:
-                for index in self.missing_here(transfer):
+                missing = self.missing_here(transfer)
+                # Checked before anything is written, where the sizes are known.
+                self.space_needed = sum(listing.files[i].size for i in missing)
+                check_space(
+                    self.dest,
+                    space_needed(self.dest, [(listing.files[i].path, listing.files[i].size) for i in missing]),
+                )
+                for index in missing:
                     entry = listing.files[index]
                     prepare(self.dest, entry.path, entry.size)
                 if schedule:
@@ -352,6 +378,7 @@ class _Run:
     def download(self, listing: Listing, plan: Plan, auth: Authorizer) -> None:
         """Every downloader fetches its shards into its node's temporary files."""
         from azcp_cluster.download import Downloader, blocks_for
+        from azcp_cluster.throttle import Pacer, share
 
         cluster = self.cluster
         t0 = cluster.clock()
@@ -361,8 +388,19 @@ class _Run:
         with cluster.stage(outcome):
             stats = None
             if mine:
+                pacer = None
+                if self.cfg.max_bandwidth is not None:
+                    busy = sum(1 for load in plan.loads() if load)  # ranks that download at all
+                    rate = share(self.cfg.max_bandwidth, busy)
+                    pacer = Pacer(rate, burst=self.cfg.block_size, clock=cluster.clock)
                 downloader = Downloader(
-                    listing.files, self.dest, auth, self.cfg, peer_failed=cluster.peer_failed, on_bytes=progress.add
+                    listing.files,
+                    self.dest,
+                    auth,
+                    self.cfg,
+                    peer_failed=cluster.peer_failed,
+                    on_bytes=progress.add,
+                    pacer=pacer,
                 )
                 stats = downloader.run(blocks_for(mine, self.cfg.block_size))
             if stats is not None:
@@ -373,6 +411,7 @@ class _Run:
                     "refused": stats.direct_refused,
                 }
         progress.close()
+        self.explain_space(outcome)
         if outcome.error is not None:
             cluster.signal_failure(outcome)
         result = cluster.conclude(t0, outcome)
@@ -381,6 +420,7 @@ class _Run:
             causes.update(stats_of_rank.get("causes", {}))
         self.report.downloaded_bytes = result.total("bytes")
         self.report.retries = result.total("retries")
+        self.report.retries_by_rank = [int(st.get("retries", 0)) for st in result.stats]
         self.report.retry_causes = dict(causes)
         self.warn_direct(result.stats)
         self.report.stages["download"] = StageFigures(result.seconds, self.report.downloaded_bytes)
@@ -401,10 +441,21 @@ class _Run:
                 self.streamed_md5 = broadcaster.digests
                 outcome.stats = {"refused": stats.direct_refused}
         progress.close()
+        self.explain_space(outcome)
         result = cluster.conclude(t0, outcome)
         self.report.broadcast_bytes = total
         self.warn_direct(result.stats)
         self.report.stages["bcast"] = StageFigures(result.seconds, total)
+
+    def explain_space(self, outcome: StageOutcome) -> None:
+        """Add what this node needed and has free to a full-disk error raised while writing."""
+        error = outcome.error
+        if isinstance(error, LocalFSError) and getattr(error, "no_space", False):
+            try:
+                free = f"{free_bytes(self.dest)} bytes free"
+            except OSError:
+                free = "free space unknown"
+            error.message += f" ({self.space_needed} bytes needed on this node, {free})"
 
     def warn_direct(self, stats: list[dict[str, Any]]) -> None:
         """One line on rank 0 (once per run) when some rank's filesystem refused O_DIRECT."""
@@ -431,6 +482,7 @@ class _Run:
                 self.finalize(listing, transfer)
             # ru_maxrss is in KiB on Linux: the rank's peak resident memory of the whole run.
             outcome.stats = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        self.explain_space(outcome)
         result = cluster.conclude(t0, outcome)
         self.report.stages["bcast"].seconds += result.seconds
         self.report.peak_rss_bytes = max(int(st.get("rss", 0)) for st in result.stats)

@@ -41,6 +41,7 @@ class Report:
     broadcast_shards: int = 0
     retries: int = 0
     retry_causes: dict[str, int] = field(default_factory=dict)
+    retries_by_rank: list[int] = field(default_factory=list)  # index: rank
     exit_code: int = 0
     error: str | None = None
     dry_run: bool = False
@@ -101,6 +102,7 @@ def report_lines(report: Report) -> list[str]:
             lines.append(f"[verify] {report.verified_files} files T={st['verify'].seconds:.3f}s: all copies match")
         if report.retries:
             causes = ", ".join(f"{k}={v}" for k, v in sorted(report.retry_causes.items()))
-            lines.append(f"[cluster] retries: {report.retries} ({causes})")
+            ranks = ", ".join(f"{rank}:{n}" for rank, n in enumerate(report.retries_by_rank) if n)
+            lines.append(f"[cluster] retries: {report.retries} ({causes}) by rank {ranks}")
     lines.append(f"[total] T={st['total'].seconds:.3f}s")
     return lines

@@ -3,7 +3,8 @@
 Two URL styles name a blob container and an optional prefix:
 
 * virtual-host style: ``https://ACCOUNT.blob.core.windows.net/CONTAINER[/PREFIX][?SAS]``
-  (any ``ACCOUNT.blob.<suffix>`` host, so sovereign clouds work too);
+  (any ``ACCOUNT.blob.<suffix>`` host, so sovereign clouds and Azure Stack work too, and
+  ``ACCOUNT-secondary``, ``ACCOUNT.zNN.blob.storage.azure.net``, ``ACCOUNT.privatelink.blob...``);
 * path style: ``http(s)://HOST[:PORT]/ACCOUNT/CONTAINER[/PREFIX][?SAS]`` for the emulator
   and custom endpoints.
 
@@ -22,7 +23,9 @@ from azcp_cluster.errors import UsageError
 # plus "$root"/"$web" style system containers.
 _CONTAINER_RE = re.compile(r"^(\$[a-z]+|[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62})$")
 _ACCOUNT_RE = re.compile(r"^[a-z0-9]{3,24}$")
-_VHOST_RE = re.compile(r"^([a-z0-9]{3,24})\.blob\.(.+)$")
+# ACCOUNT[-secondary][.zNN|.privatelink].blob.SUFFIX: every cloud's suffix, the read-access
+# secondary, DNS-zone endpoints (ACCOUNT.z01.blob.storage.azure.net) and private link names.
+_VHOST_RE = re.compile(r"^([a-z0-9]{3,24})(?:-secondary)?(?:\.z[0-9]{2}|\.privatelink)?\.blob\.(.+)$")
 
 
 @dataclass(frozen=True)

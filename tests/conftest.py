@@ -47,8 +47,8 @@ class Result:
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The test process environment without Azure credentials, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AZURE_")}
+    """The test process environment without Azure credentials (or a forced --auth), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AZURE_") and k != "AZCP_AUTH"}
     env.update(extra or {})
     return env
 
@@ -61,6 +61,7 @@ def run_cli(
     json_path: Path | None = None,
     timeout: float = MPI_TIMEOUT,
     program: list[str] | None = None,
+    cwd: Path | None = None,
 ) -> Result:
     """Run ``azcp-cluster ARGS`` under ``mpiexec -n N`` (n=0: without mpiexec).
 
@@ -71,7 +72,7 @@ def run_cli(
         cmd += ["--json", str(json_path)]
     if n:
         cmd = [mpiexec_path(), "-n", str(n), *cmd]
-    proc = subprocess.run(cmd, env=clean_env(env), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=clean_env(env), capture_output=True, text=True, timeout=timeout, cwd=cwd)
     doc = None
     if json_path is not None and json_path.exists():
         doc = json.loads(json_path.read_text())

@@ -251,3 +251,13 @@ def test_is_present_reports_an_unreadable_copy_as_an_error(tmp_path: Path) -> No
     with pytest.raises(DiffError, match="cannot inspect"):
         is_present(str(tmp_path), "loop", 1)
     assert is_present(str(tmp_path), "missing/file", 1) is False
+
+
+def test_space_needed_counts_what_leftover_temporary_files_give_back(tmp_path: Path) -> None:
+    from azcp_cluster.localfs import space_needed
+
+    assert space_needed(str(tmp_path), [("a.bin", 1 << 20), ("sub/b.bin", 4096)]) == (1 << 20) + 4096
+    (tmp_path / ".a.bin.azcp-part").write_bytes(b"x" * (1 << 19))  # half of a.bin, from a crashed run
+    assert space_needed(str(tmp_path), [("a.bin", 1 << 20)]) == 1 << 19
+    (tmp_path / ".a.bin.azcp-part").write_bytes(b"x" * (2 << 20))  # larger than the new size
+    assert space_needed(str(tmp_path), [("a.bin", 1 << 20)]) == 0

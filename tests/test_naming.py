@@ -275,3 +275,16 @@ def test_names_reserved_by_the_tool_are_refused(name: str) -> None:
 def test_manifest_name_is_fine_below_the_top() -> None:
     listing = select("p", None, [RawEntry("p/sub/.azcp-manifest.json", 1)])
     assert [f.path for f in listing.files] == ["sub/.azcp-manifest.json"]
+
+
+def test_names_too_long_for_the_filesystem_are_refused() -> None:
+    from azcp_cluster.naming import MAX_PATH_BYTES, MAX_SEGMENT_BYTES, TEMP_SUFFIX, check_relative_path
+
+    ok = "d/" + "n" * MAX_SEGMENT_BYTES
+    assert check_relative_path(ok, ok) == ok
+    assert len(("." + "n" * MAX_SEGMENT_BYTES + TEMP_SUFFIX).encode()) == 255  # the temporary name fits
+    for bad in ("d/" + "n" * (MAX_SEGMENT_BYTES + 1), "é" * (MAX_SEGMENT_BYTES // 2 + 1), "/".join(["x" * 200] * 16)):
+        assert len(bad.encode()) > MAX_SEGMENT_BYTES
+        with pytest.raises(ListError, match="too long for the filesystem"):
+            check_relative_path(bad, bad)
+    assert len("/".join(["x" * 200] * 16)) > MAX_PATH_BYTES

@@ -436,3 +436,21 @@ def test_verify_names_the_corrupt_file_and_rank(
     assert len(errors) == 1, result.stderr
     assert "nested/deeper/still/leaf.bin" in errors[0] and "rank(s) 2 " in errors[0]
     assert result.json is not None and result.json["exit_code"] == 7
+
+
+def test_max_bandwidth_caps_the_aggregate_download(
+    emulator: azurite.Emulator, dataset: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    container, expected = dataset
+    cap = 4 * MiB  # bytes per second for the whole job
+    block = 256 * 1024  # each rank may burst one block
+    args = [emulator.url(container, "ckpt"), str(tmp_path / "{rank}"), "--block-size", "256KiB"]
+    result = run_cli([*args, "--max-bandwidth", "4MiB/s"], env=emulator.key_env(), json_path=tmp_path / "r.json")
+    assert result.returncode == 0, result.output
+    doc = result.json
+    assert doc is not None
+    busy = sum(1 for load in doc["plan_loads"] if load)
+    floor = (doc["downloaded_bytes"] - busy * block) / cap
+    assert floor > 1.0, "the dataset must be large enough for the cap to show"
+    assert doc["stages"]["download"]["seconds"] >= 0.9 * floor, doc["stages"]["download"]
+    _assert_copies(tmp_path, expected)

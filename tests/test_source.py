@@ -248,3 +248,45 @@ def test_is_url(text: str, expected: bool) -> None:
 def test_virtual_host_with_an_invalid_account_is_refused(url: str) -> None:
     with pytest.raises(UsageError, match="not a storage account name"):
         parse_blob_url(url)
+
+
+# ---------------------------------------------------------------------------------------
+# Other clouds and custom endpoints
+
+
+@pytest.mark.parametrize(
+    ("url", "endpoint", "account"),
+    [
+        ("https://acct.blob.core.usgovcloudapi.net/data/x", "https://acct.blob.core.usgovcloudapi.net", "acct"),
+        ("https://acct.blob.core.chinacloudapi.cn/data/x", "https://acct.blob.core.chinacloudapi.cn", "acct"),
+        ("https://acct.blob.local.azurestack.external/data/x", "https://acct.blob.local.azurestack.external", "acct"),
+        ("https://acct.z42.blob.storage.azure.net/data/x", "https://acct.z42.blob.storage.azure.net", "acct"),
+        (
+            "https://acct.privatelink.blob.core.windows.net/data/x",
+            "https://acct.privatelink.blob.core.windows.net",
+            "acct",
+        ),
+        ("https://acct-secondary.blob.core.windows.net/data/x", "https://acct-secondary.blob.core.windows.net", "acct"),
+        # Path style: a custom endpoint (a proxy, a gateway) names the account in the path.
+        ("https://storage.example.com:8443/acct/data/x", "https://storage.example.com:8443/acct", "acct"),
+        ("https://10.1.2.3/acct/data/x", "https://10.1.2.3/acct", "acct"),
+    ],
+)
+def test_other_clouds_and_custom_endpoints(url: str, endpoint: str, account: str) -> None:
+    src = parse_blob_url(f"{url}?{SAS}")
+    assert (src.endpoint, src.account, src.container, src.prefix, src.sas) == (endpoint, account, "data", "x", SAS)
+    assert src.container_url == f"{endpoint}/data"
+    assert SECRET not in src.redacted()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://acct.z1.blob.storage.azure.net/data",  # zone numbers have two digits
+        "https://acct.other.blob.core.windows.net/data",
+        "https://acct-primary.blob.core.windows.net/data",
+    ],
+)
+def test_unknown_host_forms_with_blob_are_refused(url: str) -> None:
+    with pytest.raises(UsageError, match="not a storage account name"):
+        parse_blob_url(url)

@@ -27,11 +27,14 @@ class Emulator:
     host: str
     port: int
     pid: int
+    scheme: str = "http"
+    # HTTPS: the PEM certificate clients must trust (the emulator's own, self-signed).
+    ca_file: str | None = None
 
     @property
     def endpoint(self) -> str:
         """Path-style service URL of the development account."""
-        return f"http://{self.host}:{self.port}/{ACCOUNT}"
+        return f"{self.scheme}://{self.host}:{self.port}/{ACCOUNT}"
 
     def url(self, container: str, prefix: str = "") -> str:
         """SOURCE URL for a container and prefix."""
@@ -41,7 +44,7 @@ class Emulator:
     def connection_string(self) -> str:
         """Connection string for the development account on this emulator."""
         return (
-            f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={ACCOUNT_KEY};"
+            f"DefaultEndpointsProtocol={self.scheme};AccountName={ACCOUNT};AccountKey={ACCOUNT_KEY};"
             f"BlobEndpoint={self.endpoint};"
         )
 
@@ -88,14 +91,24 @@ def running(
     extra_args: tuple[str, ...] = (),
     env: Mapping[str, str] | None = None,
     cpus: set[int] | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+    oauth: str | None = None,
 ) -> Iterator[Emulator]:
     """Run an in-memory emulator for the duration of the block; stop it by PID afterwards.
 
     ``cpus`` pins the emulator (and every thread it starts) to those CPUs, so a benchmark can
-    keep the server off the cores it measures the client on.
+    keep the server off the cores it measures the client on. ``cert`` and ``key`` (PEM
+    files) serve HTTPS instead of HTTP; ``oauth="basic"`` also accepts bearer tokens (HTTPS
+    only; Azurite checks their audience, issuer and lifetime, not their signature).
     """
+    if (cert is None) != (key is None):
+        raise ValueError("cert and key go together")
+    if oauth is not None and cert is None:
+        raise ValueError("the emulator takes OAuth tokens over HTTPS only: pass cert and key")
     port = port or free_port(host)
     pin = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
+    tls = ("--cert", cert, "--key", key) if cert is not None and key is not None else ()
     args = [
         *pin,
         find_binary(),
@@ -108,6 +121,8 @@ def running(
         "--loose",
         "--disableTelemetry",
         "--silent",
+        *tls,
+        *(("--oauth", oauth) if oauth else ()),
         *extra_args,
     ]
     proc = subprocess.Popen(
@@ -119,7 +134,7 @@ def running(
     )
     try:
         _wait_listening(host, port, proc, timeout=30)
-        yield Emulator(host=host, port=port, pid=proc.pid)
+        yield Emulator(host=host, port=port, pid=proc.pid, scheme="https" if cert else "http", ca_file=cert)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -135,7 +150,8 @@ def container_client(emulator: Emulator, container: str, create: bool = True):  
     from azure.core.exceptions import ResourceExistsError
     from azure.storage.blob import BlobServiceClient
 
-    service = BlobServiceClient.from_connection_string(emulator.connection_string)
+    verify: str | bool = emulator.ca_file or True
+    service = BlobServiceClient.from_connection_string(emulator.connection_string, connection_verify=verify)
     client = service.get_container_client(container)
     if create:
         with suppress(ResourceExistsError):

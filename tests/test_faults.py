@@ -1,0 +1,192 @@
+"""Faults on the wire: the job runs through a fault-injecting proxy in front of the real Azurite.
+
+Each fault kind hits some ranged GETs of one blob; the copy must still complete byte-identical
+on every rank, with the retries counted by cause. A blob replaced during the copy must end the
+job with exit 5 and one line naming it, and leave no wrong file under a final name.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from azcp_cluster.cli import config_from_args
+from azcp_cluster.config import MiB
+from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.devtools.faultproxy import FaultProxy, Rule, Seen
+from azcp_cluster.errors import UsageError
+from tests.conftest import Result, run_cli, tree_of
+
+RANKS = 4
+SIZES = {"a.bin": 1 * MiB + 1, "b.bin": 2 * MiB - 5, "c.bin": 4 * MiB + 17, "sub/d.bin": 6 * MiB}
+VICTIM = "c.bin"  # the blob the faults hit: five 1 MiB blocks
+OPTIONS = ["--block-size", "1MiB", "--no-progress"]
+READ_TIMEOUT = 2.0  # for the stall case; the proxy stalls for longer
+STALL = 6.0
+
+# Fault kind -> the retry cause the tool reports for it. aiohttp raises ClientPayloadError for
+# a body cut short, whether by a reset or by a clean close before Content-Length.
+CAUSES = {
+    "503": "503",
+    "500": "500",
+    "reset": "ClientPayloadError",
+    "stall": "timeout",
+    "truncate": "ClientPayloadError",
+}
+
+
+def _dataset(emulator: azurite.Emulator) -> tuple[str, dict[str, bytes]]:
+    """A fresh container with the files under prefix d/; returns it and path -> content."""
+    container = "f" + uuid.uuid4().hex[:20]
+    files = {path: pseudo_random(size, f"{container}/{path}") for path, size in SIZES.items()}
+    azurite.upload(emulator, container, {f"d/{path}": data for path, data in files.items()})
+    return container, files
+
+
+@dataclass
+class Outcome:
+    """One faulted run: the CLI's result, what the proxy did, and the expected files."""
+
+    result: Result
+    log: list[Seen]
+    injected: int
+    proxy_errors: list[str]
+    expected: dict[str, bytes]
+    dest: Path
+
+
+@pytest.fixture(scope="module")
+def faulted(emulator: azurite.Emulator, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
+    """One run of the job per fault kind (two faulted requests each), shared by the tests below."""
+    outcomes = {}
+    for kind in CAUSES:
+        container, expected = _dataset(emulator)
+        dest = tmp_path_factory.mktemp(f"fault-{kind}")
+        rules = [Rule(kind, blob=f"d/{VICTIM}", nth=2, times=2, stall=STALL)]
+        extra = ["--read-timeout", str(READ_TIMEOUT)] if kind == "stall" else []
+        with FaultProxy(emulator, rules) as proxy:
+            result = run_cli(
+                [proxy.url(container, "d"), str(dest / "{rank}"), *OPTIONS, *extra],
+                env=emulator.key_env(),
+                json_path=dest / "report.json",
+            )
+        outcomes[kind] = Outcome(result, proxy.log, proxy.injected, proxy.errors, expected, dest)
+    return outcomes
+
+
+@pytest.mark.parametrize("kind", list(CAUSES))
+def test_copy_survives_the_fault_and_counts_the_retries(faulted: dict[str, Outcome], kind: str) -> None:
+    out = faulted[kind]
+    assert out.result.returncode == 0, out.result.output
+    assert out.proxy_errors == []
+    assert out.injected == 2, out.log
+    assert [s.blob for s in out.log if s.fault] == [f"d/{VICTIM}"] * 2
+    for rank in range(RANKS):
+        assert tree_of(out.dest / str(rank)) == out.expected, f"rank {rank}"
+    assert not list(out.dest.rglob("*.azcp-part"))
+    doc = out.result.json
+    assert doc is not None and doc["exit_code"] == 0
+    # Each faulted request is retried once, and nothing else is (with the short read timeout
+    # of the stall case, a slow but healthy response on a loaded machine may time out too).
+    causes = doc["retry_causes"]
+    if kind == "stall":
+        assert set(causes) == {"timeout"} and doc["retries"] == causes["timeout"] >= out.injected
+    else:
+        assert doc["retries"] == out.injected
+        assert causes == {CAUSES[kind]: out.injected}
+    assert f"[cluster] retries: {doc['retries']} ({CAUSES[kind]}={doc['retries']}) by rank" in out.result.stdout
+    assert len(doc["retries_by_rank"]) == 4 and sum(doc["retries_by_rank"]) == doc["retries"]
+    # Every faulted range was asked for again, and the listing went through untouched.
+    for seen in out.log:
+        if seen.fault:
+            assert any(s.range == seen.range and s.at > seen.at and not s.fault for s in out.log if s.blob == seen.blob)
+    assert any(s.method == "GET" and not s.blob for s in out.log)  # the listing (comp=list)
+
+
+def test_retry_after_is_honoured(faulted: dict[str, Outcome]) -> None:
+    """After a 503 with Retry-After: 1 the range comes back no sooner than 1 s (the backoff alone: 0.25-0.5 s)."""
+    log = faulted["503"].log
+    busy = [s for s in log if s.fault == "503"]
+    assert len(busy) == 2
+    for seen in busy:
+        retried = [s.at for s in log if s.blob == seen.blob and s.range == seen.range and s.at > seen.at]
+        assert retried, f"{seen.range} was not retried"
+        assert min(retried) - seen.at >= 1.0
+
+
+def test_stalled_body_is_abandoned_after_the_read_timeout(faulted: dict[str, Outcome]) -> None:
+    """The proxy stalls for 6 s; with --read-timeout 2 the tool gives up on the body and retries before that."""
+    log = faulted["stall"].log
+    for seen in (s for s in log if s.fault == "stall"):
+        retried = min(s.at for s in log if s.blob == seen.blob and s.range == seen.range and s.at > seen.at)
+        assert READ_TIMEOUT <= retried - seen.at < STALL
+
+
+def test_blob_replaced_during_the_copy_exits_5_and_leaves_no_wrong_file(
+    emulator: azurite.Emulator, tmp_path: Path
+) -> None:
+    container, expected = _dataset(emulator)
+    replaced: list[bool] = []
+
+    def replace_victim() -> None:  # same size, new content, new ETag: only the ETag can tell
+        azurite.upload(emulator, container, {f"d/{VICTIM}": pseudo_random(SIZES[VICTIM], "the new version")})
+        replaced.append(True)
+
+    with FaultProxy(emulator, [Rule("pass", blob=f"d/{VICTIM}", before=replace_victim)]) as proxy:
+        result = run_cli(
+            [proxy.url(container, "d"), str(tmp_path / "{rank}"), *OPTIONS],
+            env=emulator.key_env(),
+            json_path=tmp_path / "report.json",
+        )
+    assert replaced == [True] and proxy.injected == 1 and proxy.errors == []
+    assert result.returncode == 5, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    assert len(errors) == 1, result.stderr
+    assert f"d/{VICTIM}" in errors[0] and "changed" in errors[0]
+    assert "Traceback" not in result.output
+    assert result.json is not None and result.json["exit_code"] == 5 and VICTIM in result.json["error"]
+    for rank in range(RANKS):
+        got = tree_of(tmp_path / str(rank))
+        assert VICTIM not in got, f"rank {rank}: the changed blob stands under its final name"
+        for path, data in got.items():
+            if not path.endswith(".azcp-part"):  # temporary names may stay; final names must be right
+                assert data == expected[path], f"rank {rank}: {path} is under its final name but wrong"
+
+
+def test_proxy_passes_listing_and_properties_and_counts_ranged_gets(emulator: azurite.Emulator) -> None:
+    """Through the azure SDK (no retries): only the picked ranged GET fails, with Azure's 503 shape."""
+    from azure.core.exceptions import HttpResponseError
+    from azure.storage.blob import BlobServiceClient
+
+    container, expected = _dataset(emulator)
+    rule = Rule("503", blob="d/b*", nth=2)
+    with FaultProxy(emulator, [rule]) as proxy:
+        through_proxy = emulator.connection_string.replace(emulator.endpoint, proxy.endpoint)
+        service = BlobServiceClient.from_connection_string(through_proxy, retry_total=0)
+        client = service.get_container_client(container)
+        assert sorted(b.name for b in client.list_blobs(name_starts_with="d/")) == sorted(f"d/{p}" for p in SIZES)
+        blob = client.get_blob_client("d/b.bin")
+        assert blob.get_blob_properties().size == SIZES["b.bin"]
+        assert blob.download_blob(offset=10, length=1000).readall() == expected["b.bin"][10:1010]
+        with pytest.raises(HttpResponseError) as busy:
+            blob.download_blob(offset=0, length=100).readall()
+        assert busy.value.status_code == 503 and busy.value.error_code == "ServerBusy"
+        assert busy.value.response.headers["Retry-After"] == "1"
+        assert blob.download_blob(offset=5, length=7).readall() == expected["b.bin"][5:12]
+        other = client.get_blob_client("d/a.bin").download_blob(offset=0, length=64).readall()
+        assert other == expected["a.bin"][:64]
+    assert proxy.injected == 1 and rule.seen == 3 and proxy.errors == []
+    assert [s.fault for s in proxy.log if s.method == "GET" and s.blob == "d/b.bin"] == ["", "503", ""]
+
+
+def test_read_timeout_option() -> None:
+    args = ["http://127.0.0.1:1/acct/c", "/tmp/x"]
+    assert config_from_args(args).read_timeout == 60.0
+    assert config_from_args([*args, "--read-timeout", "2.5"]).read_timeout == 2.5
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(UsageError, match="--read-timeout"):
+            config_from_args([*args, "--read-timeout", bad])

@@ -1,0 +1,152 @@
+"""What is lost when things go wrong (nothing): full disks, a killed rank. Real filesystems, real MPI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from azcp_cluster.config import MiB
+from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.naming import TEMP_SUFFIX
+from tests.conftest import MPI_TIMEOUT, clean_env, mpiexec_path, run_cli, tree_of
+
+RANKS = 4
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+
+
+def _write_tree(root: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+
+
+@contextmanager
+def small_filesystem(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``where`` (made here), unmounted afterwards."""
+    where.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True, timeout=30)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False, timeout=30)
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("azcp-cluster: error")]
+
+
+def _assert_nothing_partial(base: Path, expected: dict[str, bytes]) -> None:
+    """Every file under a final name anywhere below ``base`` is complete and correct."""
+    for path in base.rglob("*"):
+        if path.is_file() and not path.name.endswith(TEMP_SUFFIX) and path.name != ".azcp-manifest.json":
+            rel = path.relative_to(base).as_posix().split("/", 1)[1]
+            assert path.read_bytes() == expected[rel], f"{path} stands under its final name but is not complete"
+
+
+@needs_root
+def test_too_little_space_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    files = {f"shard-{i}.bin": pseudo_random(2 * MiB, f"s{i}") for i in range(4)}  # 8 MiB
+    _write_tree(tmp_path / "src", files)
+    with small_filesystem(tmp_path / "small", "4m") as small:
+        (tmp_path / "d").mkdir()
+        for rank in range(RANKS):
+            target = small if rank == 2 else tmp_path / "disk" / str(rank)
+            target.mkdir(parents=True, exist_ok=True)
+            (tmp_path / "d" / str(rank)).symlink_to(target)
+        result = run_cli([str(tmp_path / "src"), str(tmp_path / "d" / "{rank}")])
+        assert result.returncode == 8, result.output
+        (line,) = _errors(result.stderr)
+        assert f"rank 2: '{tmp_path / 'd' / '2'}'" in line, line
+        assert f"{8 * MiB} bytes needed" in line and "bytes free" in line, line
+        assert list(small.iterdir()) == [], "nothing may be written when the space check fails"
+        assert not list((tmp_path / "disk").rglob("*.bin")), "no rank writes anything"
+
+
+@needs_root
+def test_disk_full_during_the_copy_exits_8_with_needed_and_free(tmp_path: Path) -> None:
+    # Two "nodes" (ranks 1 and 2) share one 10 MiB filesystem; each checks 7 MiB against 10 MiB
+    # free and starts, then the second copy runs out of space in the middle.
+    files = {f"part-{i}.bin": pseudo_random(7 * MiB // 4, f"p{i}") for i in range(4)}
+    _write_tree(tmp_path / "src", files)
+    with small_filesystem(tmp_path / "small", "10m") as small:
+        (tmp_path / "d").mkdir()
+        for rank in range(RANKS):
+            target = small / str(rank) if rank in (1, 2) else tmp_path / "disk" / str(rank)
+            target.mkdir(parents=True, exist_ok=True)
+            (tmp_path / "d" / str(rank)).symlink_to(target)
+        result = run_cli([str(tmp_path / "src"), str(tmp_path / "d" / "{rank}"), "--bcast-chunk", "1MiB"])
+        assert result.returncode == 8, result.output
+        (line,) = _errors(result.stderr)
+        assert "no space left on device" in line, line
+        assert any(f"rank {r}: '{tmp_path / 'd' / str(r)}/" in line for r in (1, 2)), line
+        assert f"{7 * MiB} bytes needed on this node" in line and "bytes free" in line, line
+        assert "Traceback" not in result.output
+        _assert_nothing_partial(tmp_path / "d", files)
+
+
+def _pid_of_rank(tag: str, rank: int) -> int | None:
+    wanted = {f"AZCP_TEST_TAG={tag}".encode(), f"PMI_RANK={rank}".encode()}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = set(Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if wanted <= environ:
+            return int(entry)
+    return None
+
+
+def test_a_rank_killed_during_the_broadcast_ends_the_job_and_the_rerun_finishes(tmp_path: Path) -> None:
+    old = {f"old/{i}.bin": pseudo_random(256 * 1024, f"o{i}") for i in range(3)}
+    big = {"big.bin": pseudo_random(256 * MiB, "big")}
+    files = {**old, **big}
+    _write_tree(tmp_path / "src", files)
+    dest = str(tmp_path / "d" / "{rank}")
+    first = run_cli([str(tmp_path / "src"), dest, "--include", "old/*"])
+    assert first.returncode == 0, first.output
+
+    tag = uuid.uuid4().hex
+    cmd = [
+        mpiexec_path(), "-n", str(RANKS), sys.executable, "-m", "azcp_cluster", str(tmp_path / "src"), dest,
+        "--bcast-chunk", "1MiB", "--bcast-pipeline", "2", "--no-progress",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=clean_env({"AZCP_TEST_TAG": tag}), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        # The broadcast starts right after rank 3's temporary file for big.bin is created.
+        marker = tmp_path / "d" / "3" / f".big.bin{TEMP_SUFFIX}"
+        deadline = time.monotonic() + 60
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        victim = _pid_of_rank(tag, 3)
+        assert victim is not None and proc.poll() is None, "the run ended before the broadcast could be hit"
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        proc.wait(timeout=30)
+        ended_after = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out, err = proc.communicate()
+    assert proc.returncode != 0, (out, err)
+    assert ended_after < 30
+    _assert_nothing_partial(tmp_path / "d", files)
+    assert not any((tmp_path / "d" / str(r) / "big.bin").exists() for r in range(RANKS))
+
+    rerun = run_cli([str(tmp_path / "src"), dest, "--bcast-chunk", "4MiB"], json_path=tmp_path / "r.json")
+    assert rerun.returncode == 0, rerun.output
+    assert rerun.json is not None
+    assert rerun.json["skipped_files"] == len(old) and rerun.json["broadcast_bytes"] == len(big["big.bin"])
+    for rank in range(RANKS):
+        assert tree_of(tmp_path / "d" / str(rank)) == files
+    assert MPI_TIMEOUT > 30
