@@ -7,7 +7,10 @@ waits for each job and checks its state and exit code (``scontrol show job``: th
 accounting database) and the files it staged from the emulator. Every daemon is stopped by
 its PID and the directory removed afterwards.
 
-Slow (about 30 s): run it with ``./scripts/slurm-test``, which installs the Debian packages
+It also runs examples/slurm/download-then-train.sbatch and apptainer.sbatch, with pyxis's
+options, ``apptainer`` and ``torchrun`` stubbed on PATH (no container runtime, no GPU).
+
+Slow (about a minute): run it with ``./scripts/slurm-test``, which installs the Debian packages
 (slurmctld, slurmd, slurm-client, munge) and runs ``pytest -m slow tests/test_slurm.py``.
 """
 
