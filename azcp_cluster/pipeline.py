@@ -161,7 +161,7 @@ class _Run:
         self._list_seconds = 0.0
         self.have: np.ndarray = np.zeros(0, dtype=bool)  # per file: this rank's group already has it
         self.streamed_md5: dict[int, str] = {}  # --verify: file index -> MD5 hashed in flight
-        self.space_needed = 0  # bytes of the files this rank's node writes
+        self.bytes_to_write = 0  # bytes of the files this rank's node writes (for a full-disk message)
 
     def close(self) -> None:
         """Free the leaders' communicator."""
@@ -340,7 +340,7 @@ class _Run:
             if self.leader:
                 missing = self.missing_here(transfer)
                 # Checked before anything is written, where the sizes are known.
-                self.space_needed = sum(listing.files[i].size for i in missing)
+                self.bytes_to_write = sum(listing.files[i].size for i in missing)
                 check_space(
                     self.dest,
                     space_needed(self.dest, [(listing.files[i].path, listing.files[i].size) for i in missing]),
@@ -455,7 +455,7 @@ class _Run:
                 free = f"{free_bytes(self.dest)} bytes free"
             except OSError:
                 free = "free space unknown"
-            error.message += f" ({self.space_needed} bytes needed on this node, {free})"
+            error.message += f" ({self.bytes_to_write} bytes needed on this node, {free})"
 
     def warn_direct(self, stats: list[dict[str, Any]]) -> None:
         """One line on rank 0 (once per run) when some rank's filesystem refused O_DIRECT."""

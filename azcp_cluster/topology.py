@@ -45,10 +45,6 @@ class Topology:
         """World ranks of ``group``, ascending."""
         return [r for r, g in enumerate(self.group_of) if g == group]
 
-    def leader_index(self, rank: int) -> int:
-        """Position of ``rank``'s group leader among the leaders (its rank in the broadcast)."""
-        return self.group_of[rank]
-
 
 def group_ranks(
     places: Sequence[tuple[str, str]],

@@ -93,3 +93,12 @@ def tree_of(root: Path, manifest: bool = False) -> dict[str, bytes]:
         for p in sorted(root.rglob("*"))
         if p.is_file() and (manifest or p.relative_to(root).as_posix() != MANIFEST_NAME)
     }
+
+
+def assert_copies(base: Path, expected: dict[str, bytes], ranks: int = 4) -> None:
+    """``base/0`` .. ``base/{ranks-1}`` each hold exactly ``expected`` (the manifest aside)."""
+    for rank in range(ranks):
+        got = tree_of(base / str(rank))
+        assert sorted(got) == sorted(expected), f"rank {rank} has a different file set"
+        for path, data in expected.items():
+            assert got[path] == data, f"rank {rank}: {path} differs"

@@ -13,7 +13,7 @@ from azcp_cluster.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import tricky_tree, with_traps
 from azcp_cluster.naming import MANIFEST_NAME
-from tests.conftest import run_cli, tree_of
+from tests.conftest import assert_copies, run_cli, tree_of
 
 RANKS = 4
 
@@ -32,14 +32,6 @@ def dataset(emulator: azurite.Emulator) -> tuple[str, dict[str, bytes]]:
     return container, expected
 
 
-def _assert_copies(tmp: Path, expected: dict[str, bytes], ranks: int = RANKS) -> None:
-    for rank in range(ranks):
-        got = tree_of(tmp / str(rank))
-        assert sorted(got) == sorted(expected), f"rank {rank} has a different file set"
-        for path, data in expected.items():
-            assert got[path] == data, f"rank {rank}: {path} differs"
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -56,7 +48,7 @@ def test_copies_tree_to_every_rank_and_rerun_moves_nothing(
     report = tmp_path / "report.json"
     first = run_cli([emulator.url(container, "ckpt"), dest, *options], env=emulator.key_env(), json_path=report)
     assert first.returncode == 0, first.output
-    _assert_copies(tmp_path, expected)
+    assert_copies(tmp_path, expected)
     doc = first.json
     assert doc is not None
     total = sum(len(d) for d in expected.values())
@@ -82,7 +74,7 @@ def test_copies_tree_to_every_rank_and_rerun_moves_nothing(
     assert again["downloaded_bytes"] == 0
     assert again["broadcast_bytes"] == 0
     assert again["skipped_files"] == again["files"] == len(expected)
-    _assert_copies(tmp_path, expected)
+    assert_copies(tmp_path, expected)
 
 
 def test_no_temporary_files_remain(
@@ -113,7 +105,7 @@ def test_a_file_missing_on_one_rank_comes_from_a_peer(
     assert doc["downloaded_bytes"] == 0
     assert doc["broadcast_bytes"] == len(expected["chunk.bin"]) + len(expected["page.bin"])
     assert "[diff] 2 to transfer (2 peer, 0 azure)" in result.stdout
-    _assert_copies(tmp_path, expected)
+    assert_copies(tmp_path, expected)
 
 
 def test_compare_none_copies_everything_again(
@@ -150,7 +142,7 @@ def test_include_and_exclude(emulator: azurite.Emulator, dataset: tuple[str, dic
         if (k.startswith("small/") or k.endswith(".txt")) and not k.startswith("small/part-000")
     }
     assert wanted and len(wanted) < len(expected)
-    _assert_copies(tmp_path, wanted)
+    assert_copies(tmp_path, wanted)
 
 
 def test_exact_blob_prefix_copies_that_blob(emulator: azurite.Emulator, tmp_path: Path) -> None:
@@ -236,7 +228,7 @@ def test_download_ranks_limits_who_downloads(
     assert doc is not None and doc["download_ranks"] == 2
     assert doc["plan_loads"][2:] == [0, 0] and all(doc["plan_loads"][:2])
     assert "2 downloading" in result.stdout
-    _assert_copies(tmp_path, expected)
+    assert_copies(tmp_path, expected)
 
 
 def test_missing_container_exits_3(emulator: azurite.Emulator, tmp_path: Path) -> None:
@@ -355,7 +347,7 @@ def test_broadcast_settings_give_identical_copies(
         json_path=tmp_path / "r.json",
     )
     assert result.returncode == 0, result.output
-    _assert_copies(tmp_path, expected)
+    assert_copies(tmp_path, expected)
     assert result.json is not None
     if "--verify" in options:
         assert f"[verify] {len(expected)} files" in result.stdout
@@ -417,7 +409,7 @@ def test_compare_md5_finds_a_corrupt_copy_and_a_peer_repairs_it(
     assert result.returncode == 0, result.output
     assert result.json is not None
     assert result.json["peer_files"] == 1 and result.json["downloaded_bytes"] == 0
-    _assert_copies(tmp_path, expected)
+    assert_copies(tmp_path, expected)
 
 
 def test_verify_names_the_corrupt_file_and_rank(
@@ -453,4 +445,4 @@ def test_max_bandwidth_caps_the_aggregate_download(
     floor = (doc["downloaded_bytes"] - busy * block) / cap
     assert floor > 1.0, "the dataset must be large enough for the cap to show"
     assert doc["stages"]["download"]["seconds"] >= 0.9 * floor, doc["stages"]["download"]
-    _assert_copies(tmp_path, expected)
+    assert_copies(tmp_path, expected)

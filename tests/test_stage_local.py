@@ -10,7 +10,7 @@ import pytest
 
 from azcp_cluster.config import MiB
 from azcp_cluster.devtools.datasets import tricky_tree
-from tests.conftest import REPO, run_cli, tree_of
+from tests.conftest import REPO, assert_copies, run_cli, tree_of
 
 RANKS = 4
 AUDIT = [str(REPO / "tests" / "programs" / "audit_opens.py")]
@@ -28,14 +28,6 @@ def source_tree(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[st
     return root, tree
 
 
-def _assert_copies(base: Path, expected: dict[str, bytes], ranks: int = RANKS) -> None:
-    for rank in range(ranks):
-        got = tree_of(base / str(rank))
-        assert sorted(got) == sorted(expected), f"rank {rank} has a different file set"
-        for path, data in expected.items():
-            assert got[path] == data, f"rank {rank}: {path} differs"
-
-
 def _total_seconds(stdout: str) -> float:
     match = re.search(r"^\[total\] T=([0-9.]+)s$", stdout, re.M)
     assert match, stdout
@@ -49,7 +41,7 @@ def test_tree_reaches_every_rank_and_a_rerun_is_a_fast_no_op(
     args = [str(root), str(tmp_path / "{rank}"), "--bcast-chunk", "1MiB", "--shard-size", "2MiB"]
     first = run_cli(args, json_path=tmp_path / "first.json")
     assert first.returncode == 0, first.output
-    _assert_copies(tmp_path, tree)
+    assert_copies(tmp_path, tree)
     doc = first.json
     assert doc is not None
     assert doc["files"] == len(tree) and doc["bytes"] == sum(map(len, tree.values()))
@@ -62,7 +54,7 @@ def test_tree_reaches_every_rank_and_a_rerun_is_a_fast_no_op(
     assert second.json is not None
     assert second.json["broadcast_bytes"] == 0 and second.json["skipped_files"] == second.json["files"]
     assert _total_seconds(second.stdout) < 0.5, second.stdout
-    _assert_copies(tmp_path, tree)
+    assert_copies(tmp_path, tree)
 
 
 def test_single_file_source(source_tree: tuple[Path, dict[str, bytes]], tmp_path: Path) -> None:
@@ -70,7 +62,7 @@ def test_single_file_source(source_tree: tuple[Path, dict[str, bytes]], tmp_path
     name = max(tree, key=lambda k: len(tree[k]))
     result = run_cli([str(root / name), str(tmp_path / "{rank}"), "--bcast-chunk", "1MiB"])
     assert result.returncode == 0, result.output
-    _assert_copies(tmp_path, {os.path.basename(name): tree[name]})
+    assert_copies(tmp_path, {os.path.basename(name): tree[name]})
 
 
 @pytest.mark.parametrize("source_rank", [None, 2])
@@ -87,7 +79,7 @@ def test_only_the_reader_opens_the_source(
         program=AUDIT,
     )
     assert result.returncode == 0, result.output
-    _assert_copies(tmp_path / "d", tree)
+    assert_copies(tmp_path / "d", tree)
     reader = 0 if source_rank is None else source_rank
     opened = {r: (logs / f"rank-{r}.log").read_text() if (logs / f"rank-{r}.log").exists() else "" for r in range(4)}
     assert all(opened[r] == "" for r in range(RANKS) if r != reader), opened
@@ -122,7 +114,7 @@ def test_a_file_one_rank_lacks_comes_from_a_peer(source_tree: tuple[Path, dict[s
     assert result.returncode == 0, result.output
     assert "[diff] 1 to transfer (1 peer, 0 source)" in result.stdout
     assert result.json is not None and result.json["broadcast_bytes"] == len(tree[victim])
-    _assert_copies(tmp_path, tree)
+    assert_copies(tmp_path, tree)
 
 
 def test_verify_and_compare_etag_on_a_local_source(source_tree: tuple[Path, dict[str, bytes]], tmp_path: Path) -> None:
@@ -137,7 +129,7 @@ def test_verify_and_compare_etag_on_a_local_source(source_tree: tuple[Path, dict
     second = run_cli(args)
     assert second.returncode == 0, second.output
     assert "[diff] 1 to transfer" in second.stdout
-    _assert_copies(tmp_path, tree)
+    assert_copies(tmp_path, tree)
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ def test_block_placement_two_nodes_of_four() -> None:
     places = [("n1", "/d")] * 4 + [("n2", "/d")] * 4
     topo = group_ranks(places)
     assert topo.leaders == (0, 4) and topo.group_of == (0, 0, 0, 0, 1, 1, 1, 1)
-    assert topo.members(1) == [4, 5, 6, 7] and topo.leader_index(6) == 1
+    assert topo.members(1) == [4, 5, 6, 7] and topo.group_of[6] == 1
     # Downloaders round-robin over the nodes: leaders first, then each node's next rank.
     assert group_ranks(places, download_ranks=2).downloaders == (0, 4)
     assert group_ranks(places, download_ranks=3).downloaders == (0, 1, 4)
