@@ -1,15 +1,16 @@
 """Download one rank's share of the plan: ranged GETs pinned to the listed ETag.
 
-asyncio + aiohttp with ``--concurrency`` requests in flight, each for one ``--block-size``
-range. The body is never handled byte by byte in Python: the ``bytes`` pieces aiohttp hands over are
-copied once into page-aligned buffers taken from a pool allocated at the start, and each
-full buffer is written with O_DIRECT on a thread (the GIL is released during the write)
-while the event loop keeps reading the responses.
+asyncio with ``--concurrency`` requests in flight, each for one ``--block-size`` range, on
+keep-alive connections (:mod:`azcp_cluster.http1`). The body is never handled in Python:
+the socket (or the TLS layer) writes it straight into page-aligned buffers taken from a
+pool allocated before the stage, and each batch of full buffers is written with O_DIRECT
+on a thread (the GIL is released during the write) while the event loop keeps reading.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import random
 import threading
@@ -18,14 +19,13 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import aiohttp
 import numpy as np
-from yarl import URL
 
 from azcp_cluster.config import Config, MiB
 from azcp_cluster.credentials import Authorizer
 from azcp_cluster.directio import ALIGN, DirectFile, aligned_buffer
 from azcp_cluster.errors import DownloadError
+from azcp_cluster.http1 import Connection, Head, ProtocolError, request_bytes
 from azcp_cluster.localfs import fs_error, temp_path
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import Shard, round_up
@@ -34,30 +34,33 @@ from azcp_cluster.throttle import Pacer
 from azcp_cluster.tls import ssl_context
 
 API_VERSION = "2023-11-03"
-# Size of one pool buffer. Buffers reused last-in first-out stay in the CPU caches while
-# they fill; 4 MiB ones did not, and the copy then cost a third of the throughput.
-FLUSH_BYTES = 1 * MiB
-# Full buffers of one response written by one pwritev: O_DIRECT costs CPU per call
-# (0.19 CPU-s/GiB at 1 MiB, 0.09 at 4 MiB here), so fewer, larger writes.
-WRITE_BATCH = 4
-# The pool: two buffers per request in flight plus these spares; (2 x concurrency + 16) x
-# 1 MiB in all (144 MiB at the default 64). A request that finds the pool empty hands its
-# partial batch to the writers first, so it never waits while holding buffers.
-SPARE_BUFFERS = 16
-# O_DIRECT writes are synchronous: a few threads keep several in flight.
-WRITER_THREADS = 2
+# One pool buffer: the body is received into it, and it is written with one O_DIRECT call
+# when full. O_DIRECT costs CPU per call (0.19 CPU-s/GiB at 1 MiB, 0.09 at 4 MiB here), and
+# the disk keeps pace better with fewer, larger writes; 2 MiB keeps the pool's memory at
+# what it was when bodies were copied into 1 MiB buffers.
+BUFFER_BYTES = 2 * MiB
+# The pool: one buffer per request in flight plus these spares, so that every request can
+# receive while the writers write ((concurrency + 8) x 2 MiB: 144 MiB at the default 64).
+# A request holds at most one buffer and takes the next only after handing the full one
+# to the writers, so it never waits for a buffer while holding one.
+SPARE_BUFFERS = 8
+# O_DIRECT writes are synchronous: a few threads keep several in flight. Four, not two: a
+# thread whose write has finished waits for the GIL while the event loop runs, and the
+# disk idles unless others have writes queued (2 -> 4 took the benchmark's download from
+# about 750 to about 820 MiB/s against a disk that does about 900 alone).
+WRITER_THREADS = 4
 # How often the event loop checks whether another rank failed.
 PEER_POLL_SECONDS = 0.1
 
 
 def pool_buffers(concurrency: int) -> int:
-    """Buffers in the download pool: two per request in flight, plus spares."""
-    return 2 * concurrency + SPARE_BUFFERS
+    """Buffers in the download pool: one per request in flight, plus spares."""
+    return concurrency + SPARE_BUFFERS
 
 
 def pool_bytes(concurrency: int) -> int:
     """Memory the download pool takes at most (stated in the README, checked at start-up)."""
-    return pool_buffers(concurrency) * FLUSH_BYTES
+    return pool_buffers(concurrency) * BUFFER_BYTES
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ class Downloader:
         on_bytes: Callable[[int], None] = lambda n: None,
         rng: random.Random | None = None,
         pacer: Pacer | None = None,
+        pool: WritePool | None = None,
     ) -> None:
         self.files = files
         self.pacer = pacer  # --max-bandwidth: this rank's share of the cap
@@ -124,8 +128,10 @@ class Downloader:
         self.rng = rng or random.Random()
         self.stats = DownloadStats()
         self._active: set[_Watch] = set()
-        self.flush_bytes = max(ALIGN, min(FLUSH_BYTES, round_up(cfg.block_size, ALIGN)))
-        self._writes = _WriterPool(WRITER_THREADS, pool_buffers(cfg.concurrency), self.flush_bytes)
+        # A pool made by the caller (the pipeline makes it at allocation, before the stage's
+        # clock starts) stays the caller's to close; one made here is closed by run().
+        self._own_pool = pool is None
+        self._writes = pool if pool is not None else WritePool(cfg)
 
     def run(self, blocks: Sequence[Block]) -> DownloadStats:
         """Download every block; raise :class:`DownloadError` (or PeerFailed) on failure."""
@@ -133,44 +139,39 @@ class Downloader:
             if blocks:
                 asyncio.run(self._run(blocks))
         finally:
-            self._writes.close()
+            if self._own_pool:
+                self._writes.close()
         return self.stats
 
     async def _run(self, blocks: Sequence[Block]) -> None:
+        self._writes.bind(asyncio.get_running_loop())
         queue: asyncio.Queue[Block] = asyncio.Queue()
         for block in blocks:
             queue.put_nowait(block)
-        # No per-read timeout: aiohttp would re-arm a timer for every piece received. The
-        # watchdog finds stalled bodies instead, with one scan of the active requests a tick.
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=self.cfg.connect_timeout, sock_connect=self.cfg.connect_timeout
-        )
-        # REQUESTS_CA_BUNDLE / SSL_CERT_FILE name a private CA for the listing and these GETs alike.
-        connector = aiohttp.TCPConnector(
-            limit=self.cfg.concurrency, limit_per_host=0, ttl_dns_cache=300, ssl=ssl_context()
-        )
-        async with aiohttp.ClientSession(
-            connector=connector, timeout=timeout, auto_decompress=False, skip_auto_headers=("Accept-Encoding",)
-        ) as session:
-            workers = [
-                asyncio.create_task(self._worker(session, queue)) for _ in range(min(self.cfg.concurrency, len(blocks)))
-            ]
-            watcher = asyncio.create_task(self._watch_peers())
-            try:
-                pending: set[asyncio.Task[None]] = {*workers, watcher}
-                while any(not w.done() for w in workers):
-                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
-                        error = task.exception()
-                        if error is not None:
-                            raise error
-            finally:
-                for task in [*workers, watcher]:
-                    task.cancel()
-                await asyncio.gather(*workers, watcher, return_exceptions=True)
+        # REQUESTS_CA_BUNDLE / SSL_CERT_FILE name a private CA for the listing and these GETs
+        # alike. Loading the CA store takes about 40 ms: not paid where it is not used (http).
+        https = self.auth.source.endpoint.lower().startswith("https:")
+        self._tls = ssl_context() if https else None
+        workers = [asyncio.create_task(self._worker(queue)) for _ in range(min(self.cfg.concurrency, len(blocks)))]
+        watcher = asyncio.create_task(self._watch_peers())
+        try:
+            pending: set[asyncio.Task[None]] = {*workers, watcher}
+            while any(not w.done() for w in workers):
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    error = task.exception()
+                    if error is not None:
+                        raise error
+        finally:
+            for task in [*workers, watcher]:
+                task.cancel()
+            await asyncio.gather(*workers, watcher, return_exceptions=True)
 
     async def _watch_peers(self) -> None:
-        """Stop when another rank fails; close bodies that sent nothing for read_timeout."""
+        """Stop when another rank fails; drop connections whose body sent nothing for read_timeout.
+
+        No per-read timer: one scan of the active requests a tick finds stalled bodies.
+        """
         from azcp_cluster.cluster import PeerFailed
 
         while True:
@@ -178,23 +179,28 @@ class Downloader:
             if self.peer_failed():
                 raise PeerFailed()
             for watch in list(self._active):
-                if watch.received != watch.seen:
-                    watch.seen, watch.idle = watch.received, 0.0
+                received = watch.conn.received
+                if received != watch.seen:
+                    watch.seen, watch.idle = received, 0.0
                     continue
                 watch.idle += PEER_POLL_SECONDS
                 if watch.idle >= self.cfg.read_timeout and not watch.stalled:
                     watch.stalled = True
-                    watch.resp.close()  # the pending read fails and the block is retried
+                    watch.conn.abort()  # the pending read fails and the block is retried
 
-    async def _worker(self, session: aiohttp.ClientSession, queue: asyncio.Queue[Block]) -> None:
-        while True:
-            try:
-                block = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            await self._fetch(session, block)
+    async def _worker(self, queue: asyncio.Queue[Block]) -> None:
+        link = _Link()  # this worker's keep-alive connection, reused from block to block
+        try:
+            while True:
+                try:
+                    block = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                await self._fetch(link, block)
+        finally:
+            link.drop()
 
-    async def _fetch(self, session: aiohttp.ClientSession, block: Block) -> None:
+    async def _fetch(self, link: _Link, block: Block) -> None:
         entry = self.files[block.file]
         attempt = 0
         while True:
@@ -202,17 +208,17 @@ class Downloader:
                 # Paced before the request: a retry is bytes sent again, so it pays again.
                 await asyncio.sleep(self.pacer.reserve(block.length))
             try:
-                await self._get_once(session, block, entry)
+                await self._get_once(link, block, entry)
                 self.stats.bytes += block.length
                 return
             except _Retryable as exc:
                 cause, retry_after = exc.cause, exc.retry_after
-            except (aiohttp.ClientError, ConnectionError) as exc:
-                # Broken bodies, resets, malformed responses from a proxy: all retried. The
-                # cause is the class name only: aiohttp's messages carry the URL and its SAS.
-                cause, retry_after = type(exc).__name__, None
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError:  # before OSError: it is one on Python 3.11+
                 cause, retry_after = "timeout", None
+            except (OSError, ProtocolError) as exc:
+                # Refused or reset connections, TLS failures, malformed responses from a
+                # proxy: all retried, on a new connection. The cause is the class name only.
+                cause, retry_after = type(exc).__name__, None
             if attempt >= self.cfg.max_retries:
                 raise DownloadError(
                     f"giving up after {attempt} retries of bytes {block.offset}-{block.offset + block.length - 1}: "
@@ -224,7 +230,7 @@ class Downloader:
             await asyncio.sleep(backoff_delay(attempt, retry_after, self.rng))
             attempt += 1
 
-    async def _get_once(self, session: aiohttp.ClientSession, block: Block, entry: FileEntry) -> None:
+    async def _get_once(self, link: _Link, block: Block, entry: FileEntry) -> None:
         headers = {
             "x-ms-version": API_VERSION,
             "Range": f"bytes={block.offset}-{block.offset + block.length - 1}",
@@ -232,31 +238,37 @@ class Downloader:
         if entry.etag:
             headers["If-Match"] = entry.etag
         headers.update(self.auth.headers())
-        url = URL(self.auth.blob_url(entry.name), encoded=True)
+        url = self.auth.blob_url(entry.name)
+        request = request_bytes(url, headers)
         self.stats.requests += 1
-        # One timer per request for the headers; the body is watched by the watchdog.
-        resp = await asyncio.wait_for(session.get(url, headers=headers, allow_redirects=False), self.cfg.read_timeout)
-        watch = _Watch(resp)
+        conn = link.conn
+        if conn is None or not conn.reusable:
+            link.drop()
+            conn = link.conn = await asyncio.wait_for(Connection.open(url, self._tls), self.cfg.connect_timeout)
+        watch = _Watch(conn)
         self._active.add(watch)
         try:
-            if resp.status not in (200, 206):
-                self._raise_for_status(resp, entry)
-            if resp.status == 200 and not (block.offset == 0 and block.length == entry.size):
+            # One timer per request for the head; the body is watched by the watchdog.
+            head = await asyncio.wait_for(conn.request(request), self.cfg.read_timeout)
+            if head.status not in (200, 206):
+                self._raise_for_status(head, entry)
+            if head.status == 200 and not (block.offset == 0 and block.length == entry.size):
                 raise DownloadError("server ignored the Range header (HTTP 200 for a ranged GET)", path=entry.name)
-            await self._stream_body(resp, block, entry, watch)
-        except (aiohttp.ClientError, ConnectionError, _Retryable):
+            await self._stream_body(conn, head, block, entry)
+        except (OSError, ProtocolError, _Retryable):
             if watch.stalled:
                 raise _Retryable("timeout") from None
             raise
         finally:
             self._active.discard(watch)
-            resp.release()
+            if not conn.reusable:  # an error response, a broken body, a cancelled request
+                link.drop()
 
-    def _raise_for_status(self, resp: aiohttp.ClientResponse, entry: FileEntry) -> None:
-        status = resp.status
-        code = resp.headers.get("x-ms-error-code", resp.reason or "")
+    def _raise_for_status(self, head: Head, entry: FileEntry) -> None:
+        status = head.status
+        code = head.headers.get("x-ms-error-code", head.reason)
         if status in RETRYABLE_STATUS:
-            retry_after = parse_retry_after(resp.headers.get("Retry-After"), time.time())
+            retry_after = parse_retry_after(head.headers.get("retry-after"), time.time())
             raise _Retryable(str(status), retry_after)
         if status == 412:
             raise DownloadError(
@@ -270,70 +282,40 @@ class Downloader:
             raise DownloadError(f"access denied (HTTP {status}, {code}); check the credentials", path=entry.name)
         raise DownloadError(f"unexpected HTTP {status} ({code})", path=entry.name)
 
-    async def _stream_body(self, resp: aiohttp.ClientResponse, block: Block, entry: FileEntry, watch: _Watch) -> None:
-        length = resp.content_length
-        if length is not None and length != block.length:
+    async def _stream_body(self, conn: Connection, head: Head, block: Block, entry: FileEntry) -> None:
+        length = head.content_length
+        if length != block.length:
             raise _Retryable(f"wrong length {length}")
         path = temp_path(self.dest, entry.path)
         try:
             target = DirectFile(path)
         except OSError as exc:
             raise fs_error(exc, path, "open temporary file") from None
-        # The body is copied once, from aiohttp's pieces into small page-aligned buffers
-        # (small so they stay in cache while they fill), and each full buffer goes to the
-        # writer threads, which write it with O_DIRECT and put it back in the pool.
+        # The body is received straight into page-aligned buffers from the pool (no copy in
+        # Python), and each full buffer goes to the writer threads, which write it with
+        # O_DIRECT and put it back in the pool.
         tracker = _BlockWrites(asyncio.get_running_loop())
         writes = self._writes
-        batch: list[np.ndarray] = []  # full buffers not yet handed to the writers
         buf: np.ndarray | None = None
         try:
-            buf = await writes.take()
-            view_out = memoryview(buf)  # type: ignore[arg-type]
-            filled = 0
-            batch_at = block.offset  # file offset of batch[0]
-            received = 0
-            while True:
-                piece = await resp.content.readany()
-                if not piece:
-                    break
-                received += len(piece)
-                watch.received = received
-                if received > block.length:
-                    raise _Retryable("body longer than the range")
-                size = len(piece)
-                if size < self.flush_bytes - filled:  # the common case: the piece fits
-                    view_out[filled : filled + size] = piece
-                    filled += size
-                    continue
-                view_in = memoryview(piece)
-                while view_in:
-                    take = min(len(view_in), self.flush_bytes - filled)
-                    view_out[filled : filled + take] = view_in[:take]
-                    filled += take
-                    view_in = view_in[take:]
-                    if filled == self.flush_bytes:
-                        batch.append(buf)
-                        buf = None
-                        # Hand the batch over when it is complete, or early when the pool
-                        # is empty: a request never waits for buffers while holding some.
-                        if len(batch) == WRITE_BATCH or not writes.free:
-                            writes.submit(target, batch, self.flush_bytes, batch_at, tracker)
-                            batch_at += len(batch) * self.flush_bytes
-                            batch = []
-                        filled = 0
-                        buf = await writes.take()
-                        view_out = memoryview(buf)  # type: ignore[arg-type]
-            if received != block.length:
-                raise _Retryable("truncated body")
-            if filled:
-                batch.append(buf)
+            left, offset = block.length, block.offset
+            while left:
+                buf = await writes.take()
+                view = memoryview(buf)  # type: ignore[arg-type]
+                want = min(writes.size, left)
+                got = 0
+                while got < want:
+                    try:
+                        got += await conn.read_into(view[got:want])
+                    except OSError:
+                        raise _Retryable("truncated body") from None
+                writes.submit(target, buf, want, offset, tracker)
                 buf = None
-            if batch:
-                writes.submit(target, batch, filled or self.flush_bytes, batch_at, tracker)
-                batch = []
+                offset += want
+                left -= want
         finally:
-            for unused in batch if buf is None else [*batch, buf]:
-                writes.give_back(unused)
+            if buf is not None:
+                writes.give_back(buf)
             await tracker.wait()
             if target.refused:
                 self.stats.direct_refused = path
@@ -345,15 +327,29 @@ class Downloader:
         self.on_bytes(block.length)
 
 
+class _Link:
+    """A worker's connection, kept open between its requests while the server allows."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self) -> None:
+        self.conn: Connection | None = None
+
+    def drop(self) -> None:
+        """Close the connection, if any; the next request opens a new one."""
+        if self.conn is not None:
+            self.conn.abort()
+            self.conn = None
+
+
 class _Watch:
     """Progress of one response body, for the stall watchdog."""
 
-    __slots__ = ("idle", "received", "resp", "seen", "stalled")
+    __slots__ = ("conn", "idle", "seen", "stalled")
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self.resp = resp
-        self.received = 0
-        self.seen = 0
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.seen = conn.received
         self.idle = 0.0
         self.stalled = False
 
@@ -395,47 +391,86 @@ class _BlockWrites:
         await self.done
 
 
-class _WriterPool:
+class WritePool:
     """Writer threads fed through a queue, and the pool of aligned buffers they recycle.
 
-    Submitting costs a queue put (no event-loop wake-up per buffer); the event loop is
-    woken once per block, when the block's last write has finished.
+    Made before the download starts (its memory mapped up front, so the stage pays no page
+    faults for it) and closed after it. Submitting costs a queue put (no event-loop wake-up
+    per buffer); the event loop is woken once per block, when the block's last write has
+    finished, and once per finished write while a request waits for a buffer. Buffers are
+    reused last-in first-out, so the ones in use stay warm in the caches.
     """
 
-    def __init__(self, threads: int, buffers: int, size: int) -> None:
-        self.free: deque[np.ndarray] = deque(aligned_buffer(size) for _ in range(buffers))
-        self.jobs: queue.SimpleQueue[tuple[DirectFile, list[np.ndarray], int, int, _BlockWrites] | None] = (
-            queue.SimpleQueue()
-        )
+    def __init__(self, cfg: Config, threads: int = WRITER_THREADS, populate: bool = False) -> None:
+        self.size = max(ALIGN, min(BUFFER_BYTES, round_up(cfg.block_size, ALIGN)))
+        buffers = pool_buffers(cfg.concurrency)
+        self.free: deque[np.ndarray] = deque(aligned_buffer(self.size, populate) for _ in range(buffers))
+        self.lock = threading.Lock()
+        self.waiters: deque[asyncio.Future[None]] = deque()  # requests waiting for a buffer
+        self.loop: asyncio.AbstractEventLoop | None = None  # the event loop of the current run
+        self.jobs: queue.SimpleQueue[tuple[DirectFile, np.ndarray, int, int, _BlockWrites] | None] = queue.SimpleQueue()
         self.threads = [
             threading.Thread(target=self._loop, name=f"azcp-writer-{i}", daemon=True) for i in range(threads)
         ]
         for thread in self.threads:
             thread.start()
 
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Use ``loop`` for wake-ups (each download runs its own event loop)."""
+        self.loop = loop
+
     async def take(self) -> np.ndarray:
-        """A free buffer; waits (briefly, repeatedly) while every buffer is being written."""
-        while not self.free:
-            await asyncio.sleep(0.0005)
-        return self.free.pop()
+        """A free buffer; while every buffer is being written, waits for a writer to return one.
+
+        No polling: a request polling every half millisecond cost CPU exactly when the
+        disk, not the network, set the pace.
+        """
+        while True:
+            if self.free:
+                return self.free.pop()
+            assert self.loop is not None
+            with self.lock:  # a writer returning buffers either sees this waiter or we see its buffers
+                if self.free:
+                    continue
+                waiter: asyncio.Future[None] = self.loop.create_future()
+                self.waiters.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                with self.lock:
+                    woken = waiter not in self.waiters
+                    if not woken:
+                        self.waiters.remove(waiter)
+                if woken:
+                    self._wake()  # woken, then cancelled: pass the wake-up on to another request
+                raise
 
     def give_back(self, buf: np.ndarray) -> None:
-        """Return an unused buffer to the pool."""
+        """Return an unused buffer to the pool (on the event loop)."""
         self.free.append(buf)
+        if self.waiters:
+            self._wake()
 
-    def submit(self, target: DirectFile, bufs: list[np.ndarray], last: int, offset: int, tracker: _BlockWrites) -> None:
-        """Queue full ``bufs`` (the last one filled to ``last`` bytes) for one write at ``offset``.
+    def _wake(self) -> None:
+        """On the event loop: wake as many waiting requests as there are free buffers."""
+        with self.lock:
+            ready = min(len(self.free), len(self.waiters))
+            woken = [self.waiters.popleft() for _ in range(ready)]
+        for waiter in woken:
+            if not waiter.done():
+                waiter.set_result(None)
 
-        The buffers come back to the pool once written.
-        """
+    def submit(self, target: DirectFile, buf: np.ndarray, length: int, offset: int, tracker: _BlockWrites) -> None:
+        """Queue ``buf[:length]`` for writing at ``offset``; ``buf`` comes back to the pool once written."""
         tracker.started()
-        self.jobs.put((target, bufs, last, offset, tracker))
+        self.jobs.put((target, buf, length, offset, tracker))
 
     def close(self) -> None:
-        """Stop the threads once the queued writes are done."""
-        for _ in self.threads:
+        """Stop the threads once the queued writes are done (idempotent)."""
+        threads, self.threads = self.threads, []
+        for _ in threads:
             self.jobs.put(None)
-        for thread in self.threads:
+        for thread in threads:
             thread.join()
 
     def _loop(self) -> None:
@@ -443,15 +478,20 @@ class _WriterPool:
             job = self.jobs.get()
             if job is None:
                 return
-            target, bufs, last, offset, tracker = job
+            target, buf, length, offset, tracker = job
             error: BaseException | None = None
             try:
-                target.write_many([*bufs[:-1], bufs[-1][:last]], offset)
+                target.write_at(buf[:length], offset)
             except BaseException as exc:  # a writer that died would leave its block waiting forever
                 error = exc
             finally:
-                self.free.extend(bufs)
+                with self.lock:
+                    self.free.append(buf)
+                    wake = self.loop if self.waiters else None
+                if wake is not None:
+                    with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
+                        wake.call_soon_threadsafe(self._wake)
                 tracker.finished(error)
 
 
-__all__ = ["Block", "DownloadStats", "Downloader", "blocks_for"]
+__all__ = ["Block", "DownloadStats", "Downloader", "WritePool", "blocks_for"]

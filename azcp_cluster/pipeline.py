@@ -46,6 +46,7 @@ from azcp_cluster.topology import Topology, group_ranks
 
 if TYPE_CHECKING:
     from azcp_cluster.credentials import Authorizer
+    from azcp_cluster.download import WritePool
 
 
 def _attach(error: AzcpError, report: Report) -> AzcpError:
@@ -162,9 +163,13 @@ class _Run:
         self.have: np.ndarray = np.zeros(0, dtype=bool)  # per file: this rank's group already has it
         self.streamed_md5: dict[int, str] = {}  # --verify: file index -> MD5 hashed in flight
         self.bytes_to_write = 0  # bytes of the files this rank's node writes (for a full-disk message)
+        self.write_pool: WritePool | None = None  # the download's buffers and writers (allocate stage)
 
     def close(self) -> None:
-        """Free the leaders' communicator."""
+        """Stop the download writer threads; free the leaders' communicator."""
+        if self.write_pool is not None:
+            self.write_pool.close()
+            self.write_pool = None
         if self.node_comm is not None:
             self.node_comm.Free()
             self.node_comm = None
@@ -187,7 +192,7 @@ class _Run:
             return
         # The broadcast runs between leaders: a shard goes out from its owner's leader.
         schedule = bcast_schedule(plan, self.cfg.bcast_chunk, root_of=topo.group_of)
-        broadcaster = self.allocate(listing, transfer, schedule)
+        broadcaster = self.allocate(listing, transfer, schedule, plan)
         if not self.local:
             assert auth is not None
             self.download(listing, plan, auth)
@@ -324,8 +329,9 @@ class _Run:
         report.stages["diff"] = StageFigures(result.seconds, 0)
         return transfer, holders
 
-    def allocate(self, listing: Listing, transfer: list[int], schedule: list[Chunk]) -> Broadcaster | None:
-        """Create the temporary files and the broadcast slots, in an agreement of their own.
+    def allocate(self, listing: Listing, transfer: list[int], schedule: list[Chunk], plan: Plan) -> Broadcaster | None:
+        """Create the temporary files, the download buffers and the broadcast slots, in an
+        agreement of their own.
 
         Before any download: a node's other ranks write into the temporary files its leader
         creates here. A rank that cannot get its memory fails here, before anything is
@@ -337,6 +343,12 @@ class _Run:
         outcome = StageOutcome()
         broadcaster: Broadcaster | None = None
         with cluster.stage(outcome):
+            if not self.local and plan.owned_by(self.rank):
+                from azcp_cluster.download import WritePool
+
+                # Mapped now, with its writer threads started: the download stage then
+                # measures the transfer, not page faults and thread start-up.
+                self.write_pool = WritePool(self.cfg, populate=True)
             if self.leader:
                 missing = self.missing_here(transfer)
                 # Checked before anything is written, where the sizes are known.
@@ -401,6 +413,7 @@ class _Run:
                     peer_failed=cluster.peer_failed,
                     on_bytes=progress.add,
                     pacer=pacer,
+                    pool=self.write_pool,
                 )
                 stats = downloader.run(blocks_for(mine, self.cfg.block_size))
             if stats is not None:
@@ -411,6 +424,9 @@ class _Run:
                     "refused": stats.direct_refused,
                 }
         progress.close()
+        if self.write_pool is not None:  # its memory is not needed by the broadcast
+            self.write_pool.close()
+            self.write_pool = None
         self.explain_space(outcome)
         if outcome.error is not None:
             cluster.signal_failure(outcome)

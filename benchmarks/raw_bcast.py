@@ -53,7 +53,7 @@ def main() -> int:
     started = time.perf_counter()
     try:
         for off, length in chunks:
-            os.pwrite(fd, buf[: -(-length // 4096) * 4096], off)
+            os.pwrite(fd, buf[: -(-length // 4096) * 4096].data, off)
         os.fsync(fd)
     finally:
         os.close(fd)

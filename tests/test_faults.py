@@ -28,14 +28,14 @@ OPTIONS = ["--block-size", "1MiB", "--no-progress"]
 READ_TIMEOUT = 2.0  # for the stall case; the proxy stalls for longer
 STALL = 6.0
 
-# Fault kind -> the retry cause the tool reports for it. aiohttp raises ClientPayloadError for
-# a body cut short, whether by a reset or by a clean close before Content-Length.
+# Fault kind -> the retry cause the tool reports for it. A body cut short is one cause,
+# whether by a reset or by a clean close before Content-Length.
 CAUSES = {
     "503": "503",
     "500": "500",
-    "reset": "ClientPayloadError",
+    "reset": "truncated body",
     "stall": "timeout",
-    "truncate": "ClientPayloadError",
+    "truncate": "truncated body",
 }
 
 

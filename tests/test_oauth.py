@@ -2,7 +2,7 @@
 
 The test makes its own certificate (cryptography, a dependency of azure-identity) for
 127.0.0.1, serves the emulator with it and ``--oauth basic``, and points ``SSL_CERT_FILE`` and
-``REQUESTS_CA_BUNDLE`` at it, so the listing (requests) and the ranged GETs (aiohttp) both
+``REQUESTS_CA_BUNDLE`` at it, so the listing (requests) and the ranged GETs (http1, over asyncio TLS) both
 trust it. The container is private: a request without a valid token is refused.
 
 * the Python API with a test TokenCredential (tests/programs/stage_with_token.py): every

@@ -1,0 +1,305 @@
+"""A minimal HTTP/1.1 client for ranged GETs whose body lands straight in the caller's buffers.
+
+Why not aiohttp for the body: its protocol hands every socket read to its parser as a fresh
+``bytes`` object (one copy), and the body then has to be copied again into the page-aligned
+buffers O_DIRECT needs. On a client that is CPU-bound (a node pulling at line rate, or the
+benchmark's one core), those two copies and their allocations were most of the difference
+between the tool and a loop that reads and drops the bodies. Here the connection is an
+:class:`asyncio.BufferedProtocol`: the kernel (or the TLS layer) writes the body directly
+into the buffer the caller passes to :meth:`Connection.read_into`.
+
+What it does: GET with keep-alive over TCP or TLS, one request at a time per connection, a
+``Content-Length`` body. What it refuses (as :class:`ProtocolError`, which the caller retries
+on a new connection): a malformed or oversized head, a chunked or unsized success body.
+Error responses are not read: the caller takes the status and headers and the connection
+is closed. The pure part (:func:`parse_head`, :func:`request_bytes`) has no I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+HEAD_LIMIT = 64 * 1024  # status line and headers; Azure's are under 2 KiB
+_END = b"\r\n\r\n"
+
+
+class ProtocolError(Exception):
+    """The server's response cannot be used (malformed, unsized, too large a head)."""
+
+
+@dataclass(frozen=True)
+class Head:
+    """Status line and headers of a response (header names lower-cased)."""
+
+    version: str
+    status: int
+    reason: str
+    headers: dict[str, str]
+
+    @property
+    def content_length(self) -> int | None:
+        """The body's size as announced, or None."""
+        value = self.headers.get("content-length")
+        if value is None:
+            return None
+        if not value.isdigit():
+            raise ProtocolError(f"bad Content-Length {value[:40]!r}")
+        return int(value)
+
+    @property
+    def keep_alive(self) -> bool:
+        """Whether the connection can carry another request after this body."""
+        tokens = {t.strip().lower() for t in self.headers.get("connection", "").split(",")}
+        if self.version == "HTTP/1.0":
+            return "keep-alive" in tokens
+        return "close" not in tokens
+
+
+def parse_head(data: bytes) -> Head:
+    """Parse a status line and headers (without the blank line that ends them)."""
+    try:
+        text = data.decode("latin-1")
+    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
+        raise ProtocolError("undecodable response head") from None
+    lines = text.split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not (len(parts[1]) == 3 and parts[1].isdigit()):
+        raise ProtocolError(f"malformed status line {lines[0][:60]!r}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip():
+            raise ProtocolError(f"malformed header line {line[:60]!r}")
+        key = name.lower()
+        value = value.strip()
+        if key in headers:
+            if key == "content-length" and headers[key] != value:
+                raise ProtocolError("conflicting Content-Length headers")
+            headers[key] = f"{headers[key]}, {value}"
+            if key == "content-length":
+                headers[key] = value
+        else:
+            headers[key] = value
+    return Head(parts[0], int(parts[1]), parts[2] if len(parts) > 2 else "", headers)
+
+
+def request_bytes(url: str, headers: dict[str, str]) -> bytes:
+    """The bytes of ``GET url`` with ``headers`` (the URL already percent-encoded)."""
+    parts = urlsplit(url)
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
+    fields = [target, parts.netloc, *headers, *headers.values()]
+    if any("\r" in f or "\n" in f for f in fields):
+        raise ValueError("CR or LF inside a request line or header")
+    lines = [f"GET {target} HTTP/1.1", f"Host: {parts.netloc}"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One HTTP/1.1 connection; the socket's bytes go into the head scratch or the caller's buffer."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._head = bytearray(HEAD_LIMIT)
+        self._head_len = 0
+        self._scan_from = 0
+        self._head_end = -1  # index just past the blank line, once the head is complete
+        self._in_body = False
+        self._sink: memoryview | None = None
+        self._filled = 0
+        self._remaining = 0  # body bytes not yet received
+        self._waiter: asyncio.Future[None] | None = None
+        self.error: BaseException | None = None
+        self.received = 0  # body bytes received over this connection (for a stall watchdog)
+        self._reusable = False
+        self._early = (0, 0)  # (start, count) of body bytes that arrived with the head
+        self._keep_alive = False
+
+    # -- the caller's side ----------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, url: str, context: ssl.SSLContext | None) -> Connection:
+        """Connect to the host of ``url`` (TLS for https, with ``context``)."""
+        parts = urlsplit(url)
+        https = parts.scheme.lower() == "https"
+        host = parts.hostname or ""
+        port = parts.port or (443 if https else 80)
+        loop = asyncio.get_running_loop()
+        if https:
+            _, conn = await loop.create_connection(
+                cls, host, port, ssl=context or ssl.create_default_context(), server_hostname=host
+            )
+        else:
+            _, conn = await loop.create_connection(cls, host, port)
+        return conn
+
+    @property
+    def reusable(self) -> bool:
+        """Whether the last response was read whole and the connection can carry another request."""
+        return self._reusable and not self.closed
+
+    @property
+    def closed(self) -> bool:
+        """Whether the connection is gone (closed by either side, or broken)."""
+        return self.transport is None or self.error is not None
+
+    async def request(self, data: bytes) -> Head:
+        """Send one request and wait for its response's head."""
+        if self.closed:
+            raise ConnectionResetError("connection closed")
+        assert self.transport is not None
+        self._reusable = False
+        self._head_len = self._scan_from = 0
+        self._head_end = -1
+        self._in_body = False
+        self.transport.write(data)
+        self.transport.resume_reading()  # paused at the end of the previous body
+        while self._head_end < 0:
+            await self._wait()
+        head = parse_head(bytes(self._head[: self._head_end - len(_END)]))
+        if head.status in (200, 206):
+            if head.headers.get("transfer-encoding", "identity").lower() != "identity":
+                raise ProtocolError(f"unexpected Transfer-Encoding {head.headers['transfer-encoding'][:40]!r}")
+            length = head.content_length
+            if length is None:
+                raise ProtocolError("response without Content-Length")
+            early = self._head_len - self._head_end  # body bytes that came with the head
+            if early > length:
+                raise ProtocolError("body longer than Content-Length")
+            self._remaining = length - early
+            self._in_body = True
+            self._early = (self._head_end, early)
+            self._keep_alive = head.keep_alive
+        return head
+
+    async def read_into(self, buf: memoryview) -> int:
+        """Fill ``buf`` with the next body bytes (all of it, or up to the body's end); return how many."""
+        filled = 0
+        start, early = self._early
+        if early:
+            take = min(early, len(buf))
+            buf[:take] = self._head[start : start + take]
+            self._early = (start + take, early - take)
+            filled = take
+            self.received += take
+        if filled == len(buf) or self._remaining == 0:
+            self._finish_if_done()
+            return filled
+        self._sink, self._filled = buf, filled
+        try:
+            while self._filled < len(buf) and self._remaining:
+                if self.error is not None:
+                    raise self.error
+                assert self.transport is not None
+                self.transport.resume_reading()
+                await self._wait()
+            return self._filled
+        finally:
+            self._sink = None
+            self._finish_if_done()
+
+    def body_left(self) -> int:
+        """Body bytes not yet handed to the caller."""
+        return self._remaining + self._early[1]
+
+    def abort(self) -> None:
+        """Drop the connection now; a pending read fails."""
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        """Close the connection (nothing pending)."""
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+    # -- the transport's side -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self._early = (0, 0)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        sink = self._sink
+        if self._in_body and sink is not None:
+            room = min(len(sink) - self._filled, self._remaining)
+            if room > 0:
+                return sink[self._filled : self._filled + room]
+        if self._head_len < HEAD_LIMIT:
+            return memoryview(self._head)[self._head_len :]
+        # Bytes nobody asked for (after the body, or a head too large): read them to fail.
+        return memoryview(bytearray(4096))
+
+    def buffer_updated(self, nbytes: int) -> None:
+        sink = self._sink
+        if self._in_body and sink is not None and self._remaining and self._filled < len(sink):
+            self._filled += nbytes
+            self._remaining -= nbytes
+            self.received += nbytes
+            if self._filled == len(sink) or not self._remaining:
+                self._pause()
+            return
+        if self._in_body or self._head_end >= 0:
+            self._fail(ProtocolError("bytes after the end of the response"))
+            return
+        self._head_len += nbytes
+        end = self._head.find(_END, max(0, self._scan_from - 3), self._head_len)
+        self._scan_from = self._head_len
+        if end >= 0:
+            self._head_end = end + len(_END)
+            self._pause()
+        elif self._head_len >= HEAD_LIMIT:
+            self._fail(ProtocolError(f"response head larger than {HEAD_LIMIT} bytes"))
+
+    def eof_received(self) -> bool:
+        return False  # close: a keep-alive connection the server ends is not reused
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.transport = None
+        if self.error is None:
+            self.error = exc if exc is not None else ConnectionResetError("connection closed by the server")
+        self._wake()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _finish_if_done(self) -> None:
+        if self._in_body and self._remaining == 0 and self._early[1] == 0:
+            self._in_body = False
+            self._reusable = self._keep_alive
+            if self._reusable and self.transport is not None:
+                # Read while idle: a server that closes the connection is seen now, not by
+                # the next request (any byte that arrives is an error and drops it).
+                self.transport.resume_reading()
+
+    def _pause(self) -> None:
+        if self.transport is not None:
+            self.transport.pause_reading()
+        self._wake()
+
+    def _fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self.abort()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        if self.error is not None:
+            raise self.error
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+        if self.error is not None:
+            raise self.error

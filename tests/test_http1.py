@@ -1,0 +1,244 @@
+"""The ranged-GET HTTP/1.1 client: head parsing (pure) and the connection against scripted servers.
+
+Azurite serves the ordinary responses (every integration test goes through this client);
+the scripted loopback servers here produce what a well-behaved server never sends: heads
+split byte by byte, chunked or unsized bodies, oversized heads, early closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from azcp_cluster.http1 import HEAD_LIMIT, Connection, ProtocolError, parse_head, request_bytes
+
+# -- pure ---------------------------------------------------------------------------------
+
+
+def test_parse_head_reads_status_and_lower_cases_names() -> None:
+    head = parse_head(b'HTTP/1.1 206 Partial Content\r\nContent-Length: 10\r\nETag: "0x1"\r\nX-Ms-Error-Code:  Busy ')
+    assert (head.version, head.status, head.reason) == ("HTTP/1.1", 206, "Partial Content")
+    assert head.headers == {"content-length": "10", "etag": '"0x1"', "x-ms-error-code": "Busy"}
+    assert head.content_length == 10
+    assert head.keep_alive
+
+
+def test_parse_head_without_reason_and_repeated_headers() -> None:
+    head = parse_head(b"HTTP/1.1 503\r\nVia: a\r\nvia: b\r\nContent-Length: 0\r\ncontent-length: 0")
+    assert head.status == 503 and head.reason == ""
+    assert head.headers["via"] == "a, b"
+    assert head.content_length == 0
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"HTTP/2 200 OK",
+        b"HTTP/1.1 20 OK",
+        b"HTTP/1.1 abc OK",
+        b"ICY 200 OK",
+        b"",
+        b"HTTP/1.1 200 OK\r\nno colon here",
+        b"HTTP/1.1 200 OK\r\n: empty name",
+        b"HTTP/1.1 200 OK\r\nName : space before colon",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2",
+    ],
+)
+def test_parse_head_refuses_malformed_heads(raw: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        parse_head(raw)
+
+
+@pytest.mark.parametrize("value", ["-1", "1e3", "12 34", "0x10", ""])
+def test_a_bad_content_length_is_a_protocol_error(value: str) -> None:
+    head = parse_head(f"HTTP/1.1 200 OK\r\nContent-Length: {value}".encode())
+    with pytest.raises(ProtocolError):
+        _ = head.content_length
+
+
+@pytest.mark.parametrize(
+    ("raw", "keep"),
+    [
+        (b"HTTP/1.1 200 OK", True),
+        (b"HTTP/1.1 200 OK\r\nConnection: close", False),
+        (b"HTTP/1.1 200 OK\r\nConnection: Keep-Alive, Close", False),
+        (b"HTTP/1.0 200 OK", False),
+        (b"HTTP/1.0 200 OK\r\nConnection: keep-alive", True),
+    ],
+)
+def test_keep_alive_follows_the_version_and_connection_header(raw: bytes, keep: bool) -> None:
+    assert parse_head(raw).keep_alive is keep
+
+
+def test_request_bytes_has_the_target_host_and_headers() -> None:
+    data = request_bytes("http://127.0.0.1:10000/acct/c/a%20b.bin?sv=1&sig=x", {"Range": "bytes=0-9"})
+    assert data == (b"GET /acct/c/a%20b.bin?sv=1&sig=x HTTP/1.1\r\nHost: 127.0.0.1:10000\r\nRange: bytes=0-9\r\n\r\n")
+
+
+@pytest.mark.parametrize("value", ["a\r\nInjected: 1", "a\nb", "a\rb"])
+def test_request_bytes_refuses_line_breaks_in_headers(value: str) -> None:
+    with pytest.raises(ValueError, match="CR or LF"):
+        request_bytes("http://h/c/x", {"Authorization": value})
+
+
+# -- the connection, against scripted servers ---------------------------------------------------
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    return await reader.readuntil(b"\r\n\r\n")
+
+
+def _run(script: Script, client: Callable[[str], Awaitable[None]]) -> None:
+    async def main() -> None:
+        server = await asyncio.start_server(script, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            await asyncio.wait_for(client(f"http://127.0.0.1:{port}/acct/c/blob"), 10)
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+
+
+async def _read_body(conn: Connection, size: int, piece: int) -> bytes:
+    out = bytearray(size)
+    view = memoryview(out)
+    got = 0
+    while got < size:
+        got += await conn.read_into(view[got : min(size, got + piece)])
+    return bytes(out)
+
+
+def test_a_head_split_byte_by_byte_then_body_in_the_same_packets_then_keep_alive() -> None:
+    body = bytes(range(256)) * 40  # 10240 bytes
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        head = f"HTTP/1.1 206 Partial Content\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        for i in range(len(head)):
+            writer.write(head[i : i + 1])
+            await writer.drain()
+            await asyncio.sleep(0)
+        writer.write(body)
+        await writer.drain()
+        second = await _read_request(reader)
+        assert second.startswith(b"GET /acct/c/blob HTTP/1.1\r\n")
+        writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 3\r\n\r\nxyz")
+        await writer.drain()
+        await reader.read()  # until the client closes
+
+    async def client(url: str) -> None:
+        conn = await Connection.open(url, None)
+        head = await conn.request(request_bytes(url, {}))
+        assert head.status == 206
+        assert not conn.reusable  # the body is not read yet
+        assert await _read_body(conn, len(body), 1000) == body
+        assert conn.reusable and conn.received == len(body)
+        head = await conn.request(request_bytes(url, {}))
+        assert await _read_body(conn, 3, 3) == b"xyz"
+        conn.close()
+
+    _run(script, client)
+
+
+def test_body_bytes_that_came_with_the_head_fill_several_small_reads() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nConnection: close\r\n\r\n0123456789")
+        await writer.drain()
+        writer.close()
+
+    async def client(url: str) -> None:
+        conn = await Connection.open(url, None)
+        await conn.request(request_bytes(url, {}))
+        assert await _read_body(conn, 10, 3) == b"0123456789"
+        assert not conn.reusable  # Connection: close
+
+    _run(script, client)
+
+
+@pytest.mark.parametrize(
+    ("reply", "message"),
+    [
+        (b"HTTP/1.1 206 Partial Content\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", "Transfer"),
+        (b"HTTP/1.1 206 Partial Content\r\n\r\nhello", "Content-Length"),
+        (b"HTTP/1.1 206 Partial Content\r\nContent-Length: 2\r\n\r\nhello", "longer"),
+        (b"garbage\r\n\r\n", "status line"),
+        (b"HTTP/1.1 200 OK\r\nX: " + b"a" * HEAD_LIMIT, "larger than"),
+    ],
+)
+def test_unusable_responses_are_protocol_errors(reply: bytes, message: str) -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(reply)
+        await writer.drain()
+        await reader.read()
+
+    async def client(url: str) -> None:
+        conn = await Connection.open(url, None)
+        with pytest.raises(ProtocolError, match=message):
+            await conn.request(request_bytes(url, {}))
+        assert not conn.reusable
+        conn.abort()
+
+    _run(script, client)
+
+
+def test_a_body_cut_short_fails_the_read_and_the_connection_is_not_reused() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 100000\r\n\r\n" + b"x" * 5000)
+        await writer.drain()
+        writer.close()
+
+    async def client(url: str) -> None:
+        conn = await Connection.open(url, None)
+        await conn.request(request_bytes(url, {}))
+        with pytest.raises(ConnectionResetError):
+            await _read_body(conn, 100000, 65536)
+        assert conn.received == 5000
+        assert conn.closed and not conn.reusable
+
+    _run(script, client)
+
+
+def test_an_error_response_is_returned_without_its_body_and_not_reused() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 503 Server Busy\r\nRetry-After: 1\r\nContent-Length: 5\r\n\r\nbusy!")
+        await writer.drain()
+        await reader.read()
+
+    async def client(url: str) -> None:
+        conn = await Connection.open(url, None)
+        head = await conn.request(request_bytes(url, {}))
+        assert (head.status, head.headers["retry-after"]) == (503, "1")
+        assert not conn.reusable
+        conn.abort()
+
+    _run(script, client)
+
+
+def test_a_server_closing_an_idle_connection_makes_it_not_reusable() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 1\r\n\r\nz")
+        await writer.drain()
+        writer.close()  # an idle keep-alive connection the server times out
+
+    async def client(url: str) -> None:
+        conn = await Connection.open(url, None)
+        await conn.request(request_bytes(url, {}))
+        assert await _read_body(conn, 1, 1) == b"z"
+        for _ in range(100):
+            if conn.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert conn.closed and not conn.reusable  # the next request opens a new connection
+
+    _run(script, client)
