@@ -245,8 +245,6 @@ class Downloader:
         if conn is None or not conn.reusable:
             link.drop()
             conn = link.conn = await asyncio.wait_for(Connection.open(url, self._tls), self.cfg.connect_timeout)
-        watch = _Watch(conn)
-        self._active.add(watch)
         try:
             # One timer per request for the head; the body is watched by the watchdog.
             head = await asyncio.wait_for(conn.request(request), self.cfg.read_timeout)
@@ -254,13 +252,17 @@ class Downloader:
                 self._raise_for_status(head, entry)
             if head.status == 200 and not (block.offset == 0 and block.length == entry.size):
                 raise DownloadError("server ignored the Range header (HTTP 200 for a ranged GET)", path=entry.name)
-            await self._stream_body(conn, head, block, entry)
-        except (OSError, ProtocolError, _Retryable):
-            if watch.stalled:
-                raise _Retryable("timeout") from None
-            raise
+            watch = _Watch(conn)
+            self._active.add(watch)
+            try:
+                await self._stream_body(conn, head, block, entry)
+            except (OSError, ProtocolError, _Retryable):
+                if watch.stalled:
+                    raise _Retryable("timeout") from None
+                raise
+            finally:
+                self._active.discard(watch)
         finally:
-            self._active.discard(watch)
             if not conn.reusable:  # an error response, a broken body, a cancelled request
                 link.drop()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections import deque
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -101,23 +102,36 @@ def request_bytes(url: str, headers: dict[str, str]) -> bytes:
 
 
 class Connection(asyncio.BufferedProtocol):
-    """One HTTP/1.1 connection; the socket's bytes go into the head scratch or the caller's buffer."""
+    """One HTTP/1.1 connection; the socket's bytes go into the head scratch or the caller's buffer.
+
+    States: IDLE (no request out: any byte is an error; reading stays on so that a server
+    closing the connection is seen), HEAD (bytes go to the head scratch until the blank
+    line), BODY (bytes go into the caller's buffer while :meth:`read_into` waits). Reading is
+    paused whenever no buffer is waiting; bytes a transport delivers anyway (Python 3.10's
+    TLS layer feeds a whole record after a pause), and body bytes that came with the head,
+    are kept in order in small staging chunks and handed over first.
+    """
+
+    IDLE, HEAD, BODY = range(3)
+    STAGE_CHUNK = 64 * 1024
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self._head = bytearray(HEAD_LIMIT)
-        self._head_len = 0
-        self._scan_from = 0
-        self._head_end = -1  # index just past the blank line, once the head is complete
-        self._in_body = False
-        self._sink: memoryview | None = None
-        self._filled = 0
-        self._remaining = 0  # body bytes not yet received
-        self._waiter: asyncio.Future[None] | None = None
         self.error: BaseException | None = None
         self.received = 0  # body bytes received over this connection (for a stall watchdog)
+        self._state = self.IDLE
+        self._used = False  # a request has been sent on it
+        self._head = bytearray(HEAD_LIMIT)
+        self._head_len = 0
+        self._head_end = -1  # index just past the blank line, once the head is complete
+        self._staged: deque[memoryview] = deque()  # body bytes received with no caller buffer
+        self._staged_bytes = 0
+        self._stage: bytearray | None = None  # the chunk get_buffer handed out for staging
+        self._sink: memoryview | None = None  # the caller's buffer, while read_into waits
+        self._filled = 0
+        self._remaining = -1  # body bytes still to come from the socket; -1 until the head is parsed
+        self._waiter: asyncio.Future[None] | None = None
         self._reusable = False
-        self._early = (0, 0)  # (start, count) of body bytes that arrived with the head
         self._keep_alive = False
 
     # -- the caller's side ----------------------------------------------------------------
@@ -149,17 +163,24 @@ class Connection(asyncio.BufferedProtocol):
         return self.transport is None or self.error is not None
 
     async def request(self, data: bytes) -> Head:
-        """Send one request and wait for its response's head."""
+        """Send one request and wait for its response's head.
+
+        For a 200 or 206 the body is then read with :meth:`read_into`; any other status
+        leaves the body unread and the connection not reusable.
+        """
         if self.closed:
             raise ConnectionResetError("connection closed")
+        if self._used and not self._reusable:
+            raise ProtocolError("the previous response on this connection was not read whole")
         assert self.transport is not None
-        self._reusable = False
-        self._head_len = self._scan_from = 0
-        self._head_end = -1
-        self._in_body = False
+        self._used, self._reusable = True, False
+        self._head_len, self._head_end = 0, -1
+        self._staged.clear()
+        self._staged_bytes, self._remaining = 0, -1
+        self._state = self.HEAD
         self.transport.write(data)
-        self.transport.resume_reading()  # paused at the end of the previous body
-        while self._head_end < 0:
+        self.transport.resume_reading()
+        while self._state == self.HEAD:
             await self._wait()
         head = parse_head(bytes(self._head[: self._head_end - len(_END)]))
         if head.status in (200, 206):
@@ -168,44 +189,41 @@ class Connection(asyncio.BufferedProtocol):
             length = head.content_length
             if length is None:
                 raise ProtocolError("response without Content-Length")
-            early = self._head_len - self._head_end  # body bytes that came with the head
-            if early > length:
+            if self._staged_bytes > length:
                 raise ProtocolError("body longer than Content-Length")
-            self._remaining = length - early
-            self._in_body = True
-            self._early = (self._head_end, early)
+            self._remaining = length - self._staged_bytes
             self._keep_alive = head.keep_alive
         return head
 
     async def read_into(self, buf: memoryview) -> int:
         """Fill ``buf`` with the next body bytes (all of it, or up to the body's end); return how many."""
+        if self._state != self.BODY or self._remaining < 0:
+            raise ProtocolError("no response body to read")
         filled = 0
-        start, early = self._early
-        if early:
-            take = min(early, len(buf))
-            buf[:take] = self._head[start : start + take]
-            self._early = (start + take, early - take)
-            filled = take
-            self.received += take
-        if filled == len(buf) or self._remaining == 0:
-            self._finish_if_done()
-            return filled
-        self._sink, self._filled = buf, filled
+        while self._staged and filled < len(buf):  # bytes that came before this buffer did
+            chunk = self._staged[0]
+            take = min(len(chunk), len(buf) - filled)
+            buf[filled : filled + take] = chunk[:take]
+            filled += take
+            self._staged_bytes -= take
+            if take == len(chunk):
+                self._staged.popleft()
+            else:
+                self._staged[0] = chunk[take:]
         try:
-            while self._filled < len(buf) and self._remaining:
-                if self.error is not None:
-                    raise self.error
-                assert self.transport is not None
-                self.transport.resume_reading()
-                await self._wait()
-            return self._filled
+            if filled < len(buf) and self._remaining:
+                self._sink, self._filled = buf, filled
+                while self._filled < len(buf) and self._remaining:
+                    if self.error is not None:
+                        raise self.error
+                    assert self.transport is not None
+                    self.transport.resume_reading()
+                    await self._wait()
+                filled = self._filled
+            return filled
         finally:
             self._sink = None
             self._finish_if_done()
-
-    def body_left(self) -> int:
-        """Body bytes not yet handed to the caller."""
-        return self._remaining + self._early[1]
 
     def abort(self) -> None:
         """Drop the connection now; a pending read fails."""
@@ -223,36 +241,48 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        self._early = (0, 0)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        sink = self._sink
-        if self._in_body and sink is not None:
-            room = min(len(sink) - self._filled, self._remaining)
-            if room > 0:
-                return sink[self._filled : self._filled + room]
-        if self._head_len < HEAD_LIMIT:
+        self._stage = None  # a read that failed leaves no buffer_updated: forget its chunk
+        if self._state == self.BODY:
+            sink = self._sink
+            if sink is not None and self._remaining > 0 and self._filled < len(sink):
+                return sink[self._filled : self._filled + min(len(sink) - self._filled, self._remaining)]
+            size = self.STAGE_CHUNK if self._remaining < 0 else min(self.STAGE_CHUNK, max(self._remaining, 1))
+            self._stage = bytearray(size)
+            return memoryview(self._stage)
+        if self._state == self.HEAD and self._head_len < HEAD_LIMIT:
             return memoryview(self._head)[self._head_len :]
-        # Bytes nobody asked for (after the body, or a head too large): read them to fail.
-        return memoryview(bytearray(4096))
+        return memoryview(bytearray(4096))  # bytes nobody asked for: read, then fail
 
     def buffer_updated(self, nbytes: int) -> None:
-        sink = self._sink
-        if self._in_body and sink is not None and self._remaining and self._filled < len(sink):
-            self._filled += nbytes
-            self._remaining -= nbytes
-            self.received += nbytes
-            if self._filled == len(sink) or not self._remaining:
-                self._pause()
+        if self._state == self.BODY:
+            stage, self._stage = self._stage, None
+            if stage is None:  # into the caller's buffer
+                self._filled += nbytes
+                self._remaining -= nbytes
+                self.received += nbytes
+                assert self._sink is not None
+                if self._filled == len(self._sink) or not self._remaining:
+                    self._pause()
+                return
+            if self._remaining == 0:
+                self._fail(ProtocolError("bytes after the end of the response"))
+                return
+            self._keep(memoryview(stage)[:nbytes])
+            self._pause()
             return
-        if self._in_body or self._head_end >= 0:
-            self._fail(ProtocolError("bytes after the end of the response"))
+        if self._state != self.HEAD:
+            self._fail(ProtocolError("bytes from the server with no request out"))
             return
+        start = max(0, self._head_len - len(_END) + 1)
         self._head_len += nbytes
-        end = self._head.find(_END, max(0, self._scan_from - 3), self._head_len)
-        self._scan_from = self._head_len
+        end = self._head.find(_END, start, self._head_len)
         if end >= 0:
             self._head_end = end + len(_END)
+            if self._head_len > self._head_end:  # body bytes that came with the head
+                self._keep(memoryview(bytes(memoryview(self._head)[self._head_end : self._head_len])))
+            self._state = self.BODY
             self._pause()
         elif self._head_len >= HEAD_LIMIT:
             self._fail(ProtocolError(f"response head larger than {HEAD_LIMIT} bytes"))
@@ -268,9 +298,20 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- internals ------------------------------------------------------------------------
 
+    def _keep(self, chunk: memoryview) -> None:
+        """Stage body bytes that arrived with no caller buffer waiting (counted as received)."""
+        if self._remaining > 0:
+            if len(chunk) > self._remaining:
+                self._fail(ProtocolError("body longer than Content-Length"))
+                return
+            self._remaining -= len(chunk)
+        self._staged.append(chunk)
+        self._staged_bytes += len(chunk)
+        self.received += len(chunk)
+
     def _finish_if_done(self) -> None:
-        if self._in_body and self._remaining == 0 and self._early[1] == 0:
-            self._in_body = False
+        if self._state == self.BODY and self._remaining == 0 and not self._staged:
+            self._state = self.IDLE
             self._reusable = self._keep_alive
             if self._reusable and self.transport is not None:
                 # Read while idle: a server that closes the connection is seen now, not by

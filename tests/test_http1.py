@@ -242,3 +242,99 @@ def test_a_server_closing_an_idle_connection_makes_it_not_reusable() -> None:
         assert conn.closed and not conn.reusable  # the next request opens a new connection
 
     _run(script, client)
+
+
+# -- a transport that keeps delivering after a pause ----------------------------------------
+
+
+class _EagerTransport(asyncio.Transport):
+    """Delivers whatever it is fed, paused or not: Python 3.10's TLS layer feeds a whole record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = b""
+        self.paused = False
+        self.aborted = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.sent += bytes(data)
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def _feed(conn: Connection, data: bytes, piece: int = 1 << 30) -> None:
+    while data:
+        buf = conn.get_buffer(-1)
+        n = min(len(buf), len(data), piece)
+        buf[:n] = data[:n]
+        conn.buffer_updated(n)
+        data = data[n:]
+
+
+def test_bytes_delivered_while_paused_are_staged_and_handed_over_in_order() -> None:
+    body = bytes(range(256)) * 1000
+
+    async def main() -> None:
+        conn = Connection()
+        transport = _EagerTransport()
+        conn.connection_made(transport)
+        pending = asyncio.ensure_future(conn.request(b"GET / HTTP/1.1\r\n\r\n"))
+        await asyncio.sleep(0)
+        head = f"HTTP/1.1 206 Partial Content\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        _feed(conn, head + body[:150_000], piece=50_000)  # on past the head, paused or not
+        assert transport.paused
+        assert (await pending).status == 206
+        out = bytearray(len(body))
+        view = memoryview(out)
+        got = await conn.read_into(view[:10_000])  # served from the staged bytes alone
+        assert got == 10_000 and transport.paused
+        reading = asyncio.ensure_future(conn.read_into(view[got:]))
+        await asyncio.sleep(0)
+        assert not transport.paused
+        _feed(conn, body[150_000:], piece=30_000)
+        got += await reading
+        assert got == len(body) and bytes(out) == body
+        assert conn.received == len(body)
+        assert conn.reusable and not transport.aborted
+
+    asyncio.run(main())
+
+
+def test_bytes_past_the_end_delivered_while_paused_fail_the_connection() -> None:
+    async def main() -> None:
+        conn = Connection()
+        transport = _EagerTransport()
+        conn.connection_made(transport)
+        pending = asyncio.ensure_future(conn.request(b"GET / HTTP/1.1\r\n\r\n"))
+        await asyncio.sleep(0)
+        _feed(conn, b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4\r\n\r\n")
+        await pending
+        reading = asyncio.ensure_future(conn.read_into(memoryview(bytearray(4))))
+        await asyncio.sleep(0)
+        _feed(conn, b"abcdEXTRA")
+        with pytest.raises(ProtocolError, match="after the end"):
+            await reading
+        assert transport.aborted and not conn.reusable
+
+    asyncio.run(main())
+
+
+def test_a_request_on_a_connection_with_an_unread_body_is_refused() -> None:
+    async def main() -> None:
+        conn = Connection()
+        conn.connection_made(_EagerTransport())
+        pending = asyncio.ensure_future(conn.request(b"GET / HTTP/1.1\r\n\r\n"))
+        await asyncio.sleep(0)
+        _feed(conn, b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4\r\n\r\nab")
+        await pending
+        with pytest.raises(ProtocolError, match="not read whole"):
+            await conn.request(b"GET / HTTP/1.1\r\n\r\n")
+
+    asyncio.run(main())
