@@ -58,7 +58,7 @@ class DirectFile:
     @property
     def is_direct(self) -> bool:
         """Whether aligned writes bypass the page cache."""
-        return self.direct_fd >= 0
+        return self.direct_fd >= 0 and not self.refused
 
     def write_at(self, data: np.ndarray, offset: int) -> int:
         """Write all of ``data`` (a 1-D uint8 array, page-aligned for O_DIRECT) at ``offset``."""
@@ -73,7 +73,7 @@ class DirectFile:
         """
         length = sum(int(p.shape[0]) for p in parts)
         done = 0
-        if self.direct_fd >= 0 and offset % ALIGN == 0 and self._direct_ok(parts):
+        if self.is_direct and offset % ALIGN == 0 and self._direct_ok(parts):
             aligned = align_down(length)
             head = list(parts[:-1])
             last = parts[-1][: aligned - (length - int(parts[-1].shape[0]))]
@@ -86,8 +86,8 @@ class DirectFile:
                     if exc.errno != errno.EINVAL:
                         raise
                     # The filesystem took the open but refuses the write: go buffered for good.
-                    os.close(self.direct_fd)
-                    self.direct_fd = -1
+                    # The descriptor stays open until close(): other threads may be writing
+                    # through this file at the same moment.
                     self.refused = True
                     done = 0
         if done < length:

@@ -128,6 +128,7 @@ class Downloader:
         self.rng = rng or random.Random()
         self.stats = DownloadStats()
         self._active: set[_Watch] = set()
+        self._stopping = False  # set when the run ends early: workers take no new block
         # A pool made by the caller (the pipeline makes it at allocation, before the stage's
         # clock starts) stays the caller's to close; one made here is closed by run().
         self._own_pool = pool is None
@@ -163,6 +164,9 @@ class Downloader:
                     if error is not None:
                         raise error
         finally:
+            # Also a flag: asyncio.wait_for can swallow a cancellation that races with the
+            # awaited call's end, and such a worker would go on through the queue.
+            self._stopping = True
             for task in [*workers, watcher]:
                 task.cancel()
             await asyncio.gather(*workers, watcher, return_exceptions=True)
@@ -180,6 +184,9 @@ class Downloader:
                 raise PeerFailed()
             for watch in list(self._active):
                 received = watch.conn.received
+                if not watch.conn.awaiting_body:  # waiting for a buffer or the disk: not a stall
+                    watch.seen, watch.idle = received, 0.0
+                    continue
                 if received != watch.seen:
                     watch.seen, watch.idle = received, 0.0
                     continue
@@ -191,7 +198,7 @@ class Downloader:
     async def _worker(self, queue: asyncio.Queue[Block]) -> None:
         link = _Link()  # this worker's keep-alive connection, reused from block to block
         try:
-            while True:
+            while not self._stopping:
                 try:
                     block = queue.get_nowait()
                 except asyncio.QueueEmpty:
@@ -287,7 +294,7 @@ class Downloader:
     async def _stream_body(self, conn: Connection, head: Head, block: Block, entry: FileEntry) -> None:
         length = head.content_length
         if length != block.length:
-            raise _Retryable(f"wrong length {length}")
+            raise _Retryable("wrong length")
         path = temp_path(self.dest, entry.path)
         try:
             target = DirectFile(path)
@@ -296,7 +303,7 @@ class Downloader:
         # The body is received straight into page-aligned buffers from the pool (no copy in
         # Python), and each full buffer goes to the writer threads, which write it with
         # O_DIRECT and put it back in the pool.
-        tracker = _BlockWrites(asyncio.get_running_loop())
+        tracker = _BlockWrites(asyncio.get_running_loop(), target)
         writes = self._writes
         buf: np.ndarray | None = None
         try:
@@ -318,10 +325,9 @@ class Downloader:
         finally:
             if buf is not None:
                 writes.give_back(buf)
-            await tracker.wait()
+            await tracker.wait()  # closes the file
             if target.refused:
                 self.stats.direct_refused = path
-            target.close()
         if isinstance(tracker.error, OSError):
             raise fs_error(tracker.error, path, "write")
         if tracker.error is not None:
@@ -357,13 +363,15 @@ class _Watch:
 
 
 class _BlockWrites:
-    """Completion of one block's buffered writes, signalled from the writer threads."""
+    """Completion of one block's writes into ``target``, signalled from the writer threads."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, target: DirectFile) -> None:
         self.loop = loop
+        self.target = target
         self.lock = threading.Lock()
         self.outstanding = 0
         self.closed = False
+        self.abandoned = False  # the request stopped waiting: the last write closes the file
         self.error: BaseException | None = None
         self.done: asyncio.Future[None] = loop.create_future()
 
@@ -377,20 +385,37 @@ class _BlockWrites:
             if error is not None and self.error is None:
                 self.error = error
             wake = self.closed and self.outstanding == 0
-        if wake:
-            self.loop.call_soon_threadsafe(self._resolve)
+            close = self.abandoned and self.outstanding == 0
+        if close:
+            self.target.close()
+        elif wake:
+            with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
+                self.loop.call_soon_threadsafe(self._resolve)
 
     def _resolve(self) -> None:
         if not self.done.done():
             self.done.set_result(None)
 
     async def wait(self) -> None:
-        """Wait until every write submitted for the block has finished."""
+        """Wait until every write submitted for the block has finished, then close the file.
+
+        Cancelled while writes are in flight, it leaves the file to the last of them: closing
+        it now would pull the descriptor from under a writer thread.
+        """
         with self.lock:
             self.closed = True
-            if self.outstanding == 0:
-                return
-        await self.done
+            pending = self.outstanding > 0
+        try:
+            if pending:
+                await self.done
+        except BaseException:
+            with self.lock:
+                self.abandoned = True
+                close = self.outstanding == 0
+            if close:
+                self.target.close()
+            raise
+        self.target.close()
 
 
 class WritePool:
@@ -403,9 +428,11 @@ class WritePool:
     reused last-in first-out, so the ones in use stay warm in the caches.
     """
 
-    def __init__(self, cfg: Config, threads: int = WRITER_THREADS, populate: bool = False) -> None:
+    def __init__(
+        self, cfg: Config, threads: int = WRITER_THREADS, populate: bool = False, buffers: int | None = None
+    ) -> None:
         self.size = max(ALIGN, min(BUFFER_BYTES, round_up(cfg.block_size, ALIGN)))
-        buffers = pool_buffers(cfg.concurrency)
+        buffers = pool_buffers(cfg.concurrency) if buffers is None else buffers
         self.free: deque[np.ndarray] = deque(aligned_buffer(self.size, populate) for _ in range(buffers))
         self.lock = threading.Lock()
         self.waiters: deque[asyncio.Future[None]] = deque()  # requests waiting for a buffer

@@ -46,7 +46,7 @@ class Head:
         value = self.headers.get("content-length")
         if value is None:
             return None
-        if not value.isdigit():
+        if not (value.isascii() and value.isdigit()):
             raise ProtocolError(f"bad Content-Length {value[:40]!r}")
         return int(value)
 
@@ -67,7 +67,8 @@ def parse_head(data: bytes) -> Head:
         raise ProtocolError("undecodable response head") from None
     lines = text.split("\r\n")
     parts = lines[0].split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not (len(parts[1]) == 3 and parts[1].isdigit()):
+    status = parts[1] if len(parts) > 1 else ""
+    if not parts[0].startswith("HTTP/1.") or not (len(status) == 3 and status.isascii() and status.isdigit()):
         raise ProtocolError(f"malformed status line {lines[0][:60]!r}")
     headers: dict[str, str] = {}
     for line in lines[1:]:
@@ -158,6 +159,11 @@ class Connection(asyncio.BufferedProtocol):
         return self._reusable and not self.closed
 
     @property
+    def awaiting_body(self) -> bool:
+        """Whether a caller is waiting for body bytes from the socket (what a stall watchdog watches)."""
+        return self._sink is not None
+
+    @property
     def closed(self) -> bool:
         """Whether the connection is gone (closed by either side, or broken)."""
         return self.transport is None or self.error is not None
@@ -178,8 +184,11 @@ class Connection(asyncio.BufferedProtocol):
         self._staged.clear()
         self._staged_bytes, self._remaining = 0, -1
         self._state = self.HEAD
-        self.transport.write(data)
-        self.transport.resume_reading()
+        try:
+            self.transport.write(data)
+        except (AttributeError, RuntimeError):  # Python 3.10: a TLS transport being torn down
+            self._fail(ConnectionResetError("connection closed"))
+        self._resume()
         while self._state == self.HEAD:
             await self._wait()
         head = parse_head(bytes(self._head[: self._head_end - len(_END)]))
@@ -193,6 +202,7 @@ class Connection(asyncio.BufferedProtocol):
                 raise ProtocolError("body longer than Content-Length")
             self._remaining = length - self._staged_bytes
             self._keep_alive = head.keep_alive
+            self._finish_if_done()  # an empty body (or one that came whole with the head) is read
         return head
 
     async def read_into(self, buf: memoryview) -> int:
@@ -214,10 +224,7 @@ class Connection(asyncio.BufferedProtocol):
             if filled < len(buf) and self._remaining:
                 self._sink, self._filled = buf, filled
                 while self._filled < len(buf) and self._remaining:
-                    if self.error is not None:
-                        raise self.error
-                    assert self.transport is not None
-                    self.transport.resume_reading()
+                    self._resume()
                     await self._wait()
                 filled = self._filled
             return filled
@@ -288,7 +295,12 @@ class Connection(asyncio.BufferedProtocol):
             self._fail(ProtocolError(f"response head larger than {HEAD_LIMIT} bytes"))
 
     def eof_received(self) -> bool:
-        return False  # close: a keep-alive connection the server ends is not reused
+        # Closed now, not one loop step later when connection_lost comes (Python 3.10's TLS
+        # layer drops its transport in between): nobody may reuse the connection meanwhile.
+        if self.error is None:
+            self.error = ConnectionResetError("connection closed by the server")
+        self._wake()
+        return False
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.transport = None
@@ -313,14 +325,26 @@ class Connection(asyncio.BufferedProtocol):
         if self._state == self.BODY and self._remaining == 0 and not self._staged:
             self._state = self.IDLE
             self._reusable = self._keep_alive
-            if self._reusable and self.transport is not None:
+            if self._reusable:
                 # Read while idle: a server that closes the connection is seen now, not by
                 # the next request (any byte that arrives is an error and drops it).
-                self.transport.resume_reading()
+                self._resume()
+
+    def _resume(self) -> None:
+        """Let the transport read; a transport already torn down fails the connection (the next wait raises)."""
+        if self.transport is None or self.error is not None:
+            return
+        try:
+            self.transport.resume_reading()
+        except (AttributeError, RuntimeError):  # Python 3.10: a TLS transport being torn down
+            self._fail(ConnectionResetError("connection closed"))
 
     def _pause(self) -> None:
         if self.transport is not None:
-            self.transport.pause_reading()
+            try:
+                self.transport.pause_reading()
+            except (AttributeError, RuntimeError):  # a TLS transport being closed
+                self._fail(ConnectionResetError("connection closed"))
         self._wake()
 
     def _fail(self, error: BaseException) -> None:
@@ -337,6 +361,8 @@ class Connection(asyncio.BufferedProtocol):
     async def _wait(self) -> None:
         if self.error is not None:
             raise self.error
+        if self.transport is None:
+            raise ConnectionResetError("connection closed")
         self._waiter = asyncio.get_running_loop().create_future()
         try:
             await self._waiter

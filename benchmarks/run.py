@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -378,6 +379,44 @@ def _plot(rows: list[dict[str, Any]], png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
+def disk_irq_counts(path: str) -> dict[int, int]:
+    """Interrupts per CPU so far of the block device under ``path`` ({} when it cannot tell).
+
+    The device is found through sysfs (``/sys/dev/block/MAJ:MIN``, whose real path names
+    ``virtioN`` or ``nvmeN``) and its queues' lines in ``/proc/interrupts``.
+    """
+    st = os.stat(path)
+    sysfs = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    if not sysfs.exists():
+        return {}  # tmpfs, overlay, a network filesystem
+    names = [p for p in sysfs.resolve().parts if re.fullmatch(r"(virtio|nvme)\d+", p)]
+    if not names:
+        return {}
+    lines = Path("/proc/interrupts").read_text().splitlines()
+    cpus = [int(c[3:]) for c in lines[0].split()]
+    counts = dict.fromkeys(cpus, 0)
+    for line in lines[1:]:
+        fields = line.split()
+        if not fields or not any(re.match(rf"{n}(\D|$)", fields[-1]) for n in names):
+            continue
+        for cpu, value in zip(cpus, fields[1 : 1 + len(cpus)], strict=False):
+            counts[cpu] += int(value) if value.isdigit() else 0
+    return counts
+
+
+def server_cpu(cpus: list[int], dest_parent: str) -> int:
+    """The CPU for the emulator: the one that services the fewest of the disk's interrupts.
+
+    On a cluster the storage service does not run on the node, and the node's own cores
+    take its disk's interrupts and their completion work. Here the emulator is pinned to a
+    core; if that core also took the disk's interrupts (and the kernel's work that finishes
+    each O_DIRECT write), every byte the client writes would slow the server down. Ties
+    (or no information) go to the last CPU.
+    """
+    counts = disk_irq_counts(dest_parent)
+    return min(reversed(cpus), key=lambda c: counts.get(c, 0))
+
+
 def machine() -> dict[str, Any]:
     """Where the figures came from."""
     return {
@@ -416,9 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(cpus) >= 2 and not args.no_pin:
         # The emulator stands in for a remote service: give it its own core, so that the
         # client's CPU (the thing measured) does not slow the server down, for both the
-        # ceiling and the tool alike.
-        server_cpus = {cpus[-1]}
-        os.sched_setaffinity(0, set(cpus[:-1]))
+        # ceiling and the tool alike; a core that does not take the disk's interrupts.
+        server_cpus = {server_cpu(cpus, tempfile.gettempdir())}
+        os.sched_setaffinity(0, set(cpus) - server_cpus)
     results["pinning"] = {"server": sorted(server_cpus or []), "client": sorted(os.sched_getaffinity(0))}
     with azurite.running(cpus=server_cpus) as emu:
         results["download"] = bench_download(

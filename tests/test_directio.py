@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from azcp_cluster import directio
+from azcp_cluster.config import MiB
 from azcp_cluster.directio import ALIGN, DirectFile, align_down, aligned_buffer
 
 
@@ -106,3 +109,46 @@ def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(
     finally:
         target.close()
     assert path.read_bytes() == data.tobytes()
+
+
+def test_writes_refused_at_once_by_several_threads_fall_back_without_closing_a_shared_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem that takes the O_DIRECT open but refuses the writes, hit by two writer threads together."""
+    path = tmp_path / "f"
+    _blank(path, 2 * MiB)
+    target = DirectFile(str(path))
+    if not target.is_direct:
+        target.close()
+        pytest.skip("this filesystem does not take O_DIRECT")
+    direct_fd = target.direct_fd
+    both = threading.Barrier(2)
+    real = directio.pwritev_all
+
+    def refusing(fd: int, views: list[memoryview], offset: int) -> int:
+        if fd == direct_fd:
+            both.wait(timeout=10)  # both threads are in the refused write before either reacts
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(directio, "pwritev_all", refusing)
+    parts = [_filled(MiB, 11), _filled(MiB, 12)]
+    errors: list[BaseException] = []
+
+    def write(index: int) -> None:
+        try:
+            target.write_at(parts[index], index * MiB)
+        except BaseException as exc:  # collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert target.refused and not target.is_direct
+    assert target.direct_fd == direct_fd  # still open: another thread may have been using it
+    target.close()
+    assert target.direct_fd == -1 and target.fd == -1
+    assert path.read_bytes() == parts[0].tobytes() + parts[1].tobytes()

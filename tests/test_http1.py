@@ -51,7 +51,7 @@ def test_parse_head_refuses_malformed_heads(raw: bytes) -> None:
         parse_head(raw)
 
 
-@pytest.mark.parametrize("value", ["-1", "1e3", "12 34", "0x10", ""])
+@pytest.mark.parametrize("value", ["-1", "1e3", "12 34", "0x10", "", "\u00b2", "1\u00b3"])
 def test_a_bad_content_length_is_a_protocol_error(value: str) -> None:
     head = parse_head(f"HTTP/1.1 200 OK\r\nContent-Length: {value}".encode())
     with pytest.raises(ProtocolError):
@@ -141,6 +141,27 @@ def test_a_head_split_byte_by_byte_then_body_in_the_same_packets_then_keep_alive
         assert conn.reusable and conn.received == len(body)
         head = await conn.request(request_bytes(url, {}))
         assert await _read_body(conn, 3, 3) == b"xyz"
+        conn.close()
+
+    _run(script, client)
+
+
+def test_an_empty_body_leaves_the_connection_reusable_at_once() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.read()
+
+    async def client(url: str) -> None:
+        conn = await Connection.open(url, None)
+        head = await conn.request(request_bytes(url, {}))
+        assert head.content_length == 0 and conn.reusable
+        await conn.request(request_bytes(url, {}))
+        assert await _read_body(conn, 2, 2) == b"ok"
         conn.close()
 
     _run(script, client)

@@ -40,11 +40,11 @@ def test_a_waiting_request_is_woken_by_the_write_that_frees_a_buffer(pool: Write
         assert len(pool.waiters) == 1
         held[0][:] = 7
         target = DirectFile(str(target_path))
-        tracker = _BlockWrites(asyncio.get_running_loop())
+        tracker = _BlockWrites(asyncio.get_running_loop(), target)
         pool.submit(target, held[0], pool.size, 0, tracker)
         got = await asyncio.wait_for(waiting, 5)  # the writer thread hands the buffer back
         await tracker.wait()
-        target.close()
+        assert target.fd == -1  # closed once its writes were done
         assert got is held[0]
         assert not pool.waiters
         return target_path.read_bytes()

@@ -1,0 +1,67 @@
+"""The stall watchdog watches the network only: a slow disk is not a stalled body.
+
+Against the real emulator, in-process; the disk is made slow by delaying each write (a
+fault the machine's disk cannot be asked for), longer than --read-timeout.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from azcp_cluster.api import make_config
+from azcp_cluster.config import MiB
+from azcp_cluster.credentials import Authorizer, resolve_credential
+from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.directio import DirectFile
+from azcp_cluster.download import Downloader, WritePool, blocks_for
+from azcp_cluster.localfs import prepare, temp_path
+from azcp_cluster.model import FileEntry
+from azcp_cluster.plan import Shard
+from azcp_cluster.source import parse_blob_url
+
+SIZE = 6 * MiB
+WRITE_DELAY = 0.4  # each 2 MiB write takes this long...
+READ_TIMEOUT = 0.2  # ...longer than a body may stay silent
+
+
+def test_requests_waiting_for_a_slow_disk_are_not_aborted_as_stalled(
+    emulator: azurite.Emulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    container = "s" + uuid.uuid4().hex[:20]
+    data = pseudo_random(SIZE, container)
+    azurite.upload(emulator, container, {"big.bin": data})
+    source = emulator.url(container)
+    parsed = parse_blob_url(source)
+    auth = Authorizer(parsed, resolve_credential(parsed, emulator.key_env()), time.time)
+    cfg = make_config(
+        source,
+        str(tmp_path),
+        {"block_size": 6 * MiB, "concurrency": 1, "read_timeout": READ_TIMEOUT, "max_retries": 2},
+    )
+    real_write = DirectFile.write_at
+
+    def slow_write(self: DirectFile, data: np.ndarray, offset: int) -> int:
+        time.sleep(WRITE_DELAY)
+        return real_write(self, data, offset)
+
+    monkeypatch.setattr(DirectFile, "write_at", slow_write)
+    prepare(str(tmp_path), "big.bin", SIZE)
+    entry = FileEntry(name="big.bin", path="big.bin", size=SIZE)
+    started = time.monotonic()
+    # One 2 MiB buffer and one writer: in the middle of the body the request waits a whole
+    # write for the buffer to come back, twice, while its connection sends nothing.
+    pool = WritePool(cfg, threads=1, buffers=1)
+    try:
+        downloader = Downloader([entry], str(tmp_path), auth, cfg, pool=pool)
+        stats = downloader.run(blocks_for([Shard(0, 0, SIZE, 0)], cfg.block_size))
+    finally:
+        pool.close()
+    assert time.monotonic() - started > 3 * WRITE_DELAY  # the disk set the pace
+    assert stats.retries == 0, dict(stats.retry_causes)
+    assert Path(temp_path(str(tmp_path), "big.bin")).read_bytes() == data
