@@ -58,6 +58,11 @@ def pool_buffers(concurrency: int) -> int:
     return concurrency + SPARE_BUFFERS
 
 
+def pool_buffers_for(concurrency: int, blocks: int) -> int:
+    """Buffers for a rank with ``blocks`` ranged GETs to make: never more than they can fill at once."""
+    return min(pool_buffers(concurrency), blocks + SPARE_BUFFERS)
+
+
 def pool_bytes(concurrency: int) -> int:
     """Memory the download pool takes at most (stated in the README, checked at start-up)."""
     return pool_buffers(concurrency) * BUFFER_BYTES

@@ -343,12 +343,17 @@ class _Run:
         outcome = StageOutcome()
         broadcaster: Broadcaster | None = None
         with cluster.stage(outcome):
-            if not self.local and plan.owned_by(self.rank):
-                from azcp_cluster.download import WritePool
+            mine = plan.owned_by(self.rank)
+            if not self.local and mine:
+                from azcp_cluster.download import WritePool, blocks_for, pool_buffers_for
 
                 # Mapped now, with its writer threads started: the download stage then
-                # measures the transfer, not page faults and thread start-up.
-                self.write_pool = WritePool(self.cfg, populate=True)
+                # measures the transfer, not page faults and thread start-up. No more
+                # buffers than this rank's requests can fill at once.
+                blocks = len(blocks_for(mine, self.cfg.block_size))
+                self.write_pool = WritePool(
+                    self.cfg, populate=True, buffers=pool_buffers_for(self.cfg.concurrency, blocks)
+                )
             if self.leader:
                 missing = self.missing_here(transfer)
                 # Checked before anything is written, where the sizes are known.

@@ -11,7 +11,7 @@ import pytest
 
 from azcp_cluster.api import make_config
 from azcp_cluster.directio import DirectFile
-from azcp_cluster.download import WritePool, _BlockWrites
+from azcp_cluster.download import WritePool, _BlockWrites, pool_buffers, pool_buffers_for
 
 
 @pytest.fixture
@@ -82,3 +82,9 @@ def test_a_cancelled_waiter_leaves_no_trace(pool: WritePool) -> None:
         assert len(pool.free) == 1
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("concurrency", "blocks", "expected"), [(64, 1, 9), (64, 10, 18), (64, 1000, 72), (4, 3, 11)])
+def test_the_pool_is_no_larger_than_the_requests_can_fill(concurrency: int, blocks: int, expected: int) -> None:
+    # One buffer per request in flight (at most one per block) plus the spares.
+    assert pool_buffers_for(concurrency, blocks) == expected == min(pool_buffers(concurrency), blocks + 8)
