@@ -8,9 +8,9 @@ lean aiohttp loop of the same ranged GETs, same blobs, block size and concurrenc
 read and dropped, on the same emulator) and the disk (the same bytes written with O_DIRECT
 into files created as the tool creates them, in the tool's write size). The stage does
 both, so its ``ceiling`` is the slower of the two alone; ``ratio_network`` is against the
-network alone, and the two run at once are reported too. Runs alternate and the median of
-each is kept. Writes ``{"download": {"value", "ceiling", "ratio", ...}, ...}``
-(MiB/s).
+network alone, and the two run at once are reported too. Runs alternate (the order turning
+each repeat, with a sync before each phase that writes) and the median of each is kept.
+Writes ``{"download": {"value", "ceiling", "ratio", ...}, ...}`` (MiB/s).
 """
 
 from __future__ import annotations
@@ -91,6 +91,11 @@ def _fresh_files(work: Path, files: int, size: int) -> list[int]:
     for name in names:
         prepare(str(dest), name, size)
     return [os.open(temp_path(str(dest), n), os.O_WRONLY | os.O_DIRECT) for n in names]
+
+
+def _quiesce() -> None:
+    """Flush what earlier phases wrote (the guest's caches, and the device's behind it) before timing another."""
+    os.sync()
 
 
 def _raw_write(fds: list[int], size: int, write: int, threads: int) -> float:
@@ -194,19 +199,38 @@ def bench_download(
 
     work = Path(tempfile.mkdtemp(prefix="azcp-bench-"))
     try:
-        for _ in range(repeats):
+
+        def network_alone() -> None:
             samples["network"].append(rate(asyncio.run(_raw_download(urls, blob_size, block, concurrency))))
-            alone = [_raw_write(_fresh_files(work, blobs, blob_size), blob_size, write, t) for t in (1, WRITER_THREADS)]
+
+        def disk_alone() -> None:
+            alone = []
+            for threads in (1, WRITER_THREADS):
+                fds = _fresh_files(work, blobs, blob_size)
+                _quiesce()
+                alone.append(_raw_write(fds, blob_size, write, threads))
             samples["disk"].append(rate(min(alone)))
+
+        def together() -> None:
             fds = _fresh_files(work, blobs, blob_size)
+            _quiesce()
             net, disk = _raw_together(urls, blob_size, block, concurrency, fds, write, WRITER_THREADS)
             samples["network_together"].append(rate(net))
             samples["disk_together"].append(rate(disk))
-            shutil.rmtree(work / "disk", ignore_errors=True)
+
+        def tool() -> None:
+            _quiesce()
             doc = _tool_download(source, work / "dest", env, 1, extra)
             assert doc["downloaded_bytes"] == total
             samples["tool"].append(rate(doc["stages"]["download"]["seconds"]))
             shutil.rmtree(work / "dest", ignore_errors=True)
+
+        # The order turns from one repeat to the next: a phase that writes leaves the disk
+        # (and the hypervisor's cache behind it) busier for whatever comes after it.
+        phases = [network_alone, disk_alone, together, tool]
+        for i in range(repeats):
+            for phase in phases[i % len(phases) :] + phases[: i % len(phases)]:
+                phase()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in samples.items()}
