@@ -77,14 +77,13 @@ def parse_head(data: bytes) -> Head:
             raise ProtocolError(f"malformed header line {line[:60]!r}")
         key = name.lower()
         value = value.strip()
-        if key in headers:
-            if key == "content-length" and headers[key] != value:
-                raise ProtocolError("conflicting Content-Length headers")
-            headers[key] = f"{headers[key]}, {value}"
-            if key == "content-length":
-                headers[key] = value
-        else:
+        if key not in headers:
             headers[key] = value
+        elif key == "content-length":  # repeated: allowed only when it says the same
+            if headers[key] != value:
+                raise ProtocolError("conflicting Content-Length headers")
+        else:
+            headers[key] = f"{headers[key]}, {value}"
     return Head(parts[0], int(parts[1]), parts[2] if len(parts) > 2 else "", headers)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from azcp_cluster.http1 import HEAD_LIMIT, Connection, ProtocolError, parse_head, request_bytes
+from azcp_cluster.http1 import HEAD_LIMIT, Connection, Head, ProtocolError, parse_head, request_bytes
 
 # -- pure ---------------------------------------------------------------------------------
 
@@ -92,6 +92,22 @@ async def _read_request(reader: asyncio.StreamReader) -> bytes:
     return await reader.readuntil(b"\r\n\r\n")
 
 
+def _replying(*replies: bytes, close: bool = False) -> Script:
+    """A server that answers each request with the next reply, then closes or waits for the client to."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for reply in replies:
+            await _read_request(reader)
+            writer.write(reply)
+            await writer.drain()
+        if close:
+            writer.close()
+        else:
+            await reader.read()
+
+    return script
+
+
 def _run(script: Script, client: Callable[[str], Awaitable[None]]) -> None:
     async def main() -> None:
         server = await asyncio.start_server(script, "127.0.0.1", 0)
@@ -147,15 +163,6 @@ def test_a_head_split_byte_by_byte_then_body_in_the_same_packets_then_keep_alive
 
 
 def test_an_empty_body_leaves_the_connection_reusable_at_once() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-        await writer.drain()
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 2\r\n\r\nok")
-        await writer.drain()
-        await reader.read()
-
     async def client(url: str) -> None:
         conn = await Connection.open(url, None)
         head = await conn.request(request_bytes(url, {}))
@@ -164,23 +171,18 @@ def test_an_empty_body_leaves_the_connection_reusable_at_once() -> None:
         assert await _read_body(conn, 2, 2) == b"ok"
         conn.close()
 
-    _run(script, client)
+    empty = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+    _run(_replying(empty, b"HTTP/1.1 206 Partial Content\r\nContent-Length: 2\r\n\r\nok"), client)
 
 
 def test_body_bytes_that_came_with_the_head_fill_several_small_reads() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nConnection: close\r\n\r\n0123456789")
-        await writer.drain()
-        writer.close()
-
     async def client(url: str) -> None:
         conn = await Connection.open(url, None)
         await conn.request(request_bytes(url, {}))
         assert await _read_body(conn, 10, 3) == b"0123456789"
         assert not conn.reusable  # Connection: close
 
-    _run(script, client)
+    _run(_replying(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nConnection: close\r\n\r\n0123456789", close=True), client)
 
 
 @pytest.mark.parametrize(
@@ -194,12 +196,6 @@ def test_body_bytes_that_came_with_the_head_fill_several_small_reads() -> None:
     ],
 )
 def test_unusable_responses_are_protocol_errors(reply: bytes, message: str) -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(reply)
-        await writer.drain()
-        await reader.read()
-
     async def client(url: str) -> None:
         conn = await Connection.open(url, None)
         with pytest.raises(ProtocolError, match=message):
@@ -207,16 +203,10 @@ def test_unusable_responses_are_protocol_errors(reply: bytes, message: str) -> N
         assert not conn.reusable
         conn.abort()
 
-    _run(script, client)
+    _run(_replying(reply), client)
 
 
 def test_a_body_cut_short_fails_the_read_and_the_connection_is_not_reused() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 100000\r\n\r\n" + b"x" * 5000)
-        await writer.drain()
-        writer.close()
-
     async def client(url: str) -> None:
         conn = await Connection.open(url, None)
         await conn.request(request_bytes(url, {}))
@@ -225,16 +215,10 @@ def test_a_body_cut_short_fails_the_read_and_the_connection_is_not_reused() -> N
         assert conn.received == 5000
         assert conn.closed and not conn.reusable
 
-    _run(script, client)
+    _run(_replying(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 100000\r\n\r\n" + b"x" * 5000, close=True), client)
 
 
 def test_an_error_response_is_returned_without_its_body_and_not_reused() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 503 Server Busy\r\nRetry-After: 1\r\nContent-Length: 5\r\n\r\nbusy!")
-        await writer.drain()
-        await reader.read()
-
     async def client(url: str) -> None:
         conn = await Connection.open(url, None)
         head = await conn.request(request_bytes(url, {}))
@@ -242,16 +226,10 @@ def test_an_error_response_is_returned_without_its_body_and_not_reused() -> None
         assert not conn.reusable
         conn.abort()
 
-    _run(script, client)
+    _run(_replying(b"HTTP/1.1 503 Server Busy\r\nRetry-After: 1\r\nContent-Length: 5\r\n\r\nbusy!"), client)
 
 
 def test_a_server_closing_an_idle_connection_makes_it_not_reusable() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 1\r\n\r\nz")
-        await writer.drain()
-        writer.close()  # an idle keep-alive connection the server times out
-
     async def client(url: str) -> None:
         conn = await Connection.open(url, None)
         await conn.request(request_bytes(url, {}))
@@ -262,7 +240,7 @@ def test_a_server_closing_an_idle_connection_makes_it_not_reusable() -> None:
             await asyncio.sleep(0.01)
         assert conn.closed and not conn.reusable  # the next request opens a new connection
 
-    _run(script, client)
+    _run(_replying(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 1\r\n\r\nz", close=True), client)
 
 
 # -- a transport that keeps delivering after a pause ----------------------------------------
@@ -299,19 +277,25 @@ def _feed(conn: Connection, data: bytes, piece: int = 1 << 30) -> None:
         data = data[n:]
 
 
+async def _eager_request(reply: bytes, piece: int = 1 << 30) -> tuple[Connection, _EagerTransport, Head]:
+    """A connection on an eager transport, one request sent, ``reply`` delivered in ``piece``-byte reads."""
+    conn = Connection()
+    transport = _EagerTransport()
+    conn.connection_made(transport)
+    pending = asyncio.ensure_future(conn.request(b"GET / HTTP/1.1\r\n\r\n"))
+    await asyncio.sleep(0)
+    _feed(conn, reply, piece)
+    return conn, transport, await pending
+
+
 def test_bytes_delivered_while_paused_are_staged_and_handed_over_in_order() -> None:
     body = bytes(range(256)) * 1000
 
     async def main() -> None:
-        conn = Connection()
-        transport = _EagerTransport()
-        conn.connection_made(transport)
-        pending = asyncio.ensure_future(conn.request(b"GET / HTTP/1.1\r\n\r\n"))
-        await asyncio.sleep(0)
         head = f"HTTP/1.1 206 Partial Content\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-        _feed(conn, head + body[:150_000], piece=50_000)  # on past the head, paused or not
-        assert transport.paused
-        assert (await pending).status == 206
+        # On past the head, paused or not.
+        conn, transport, reply = await _eager_request(head + body[:150_000], piece=50_000)
+        assert transport.paused and reply.status == 206
         out = bytearray(len(body))
         view = memoryview(out)
         got = await conn.read_into(view[:10_000])  # served from the staged bytes alone
@@ -330,13 +314,7 @@ def test_bytes_delivered_while_paused_are_staged_and_handed_over_in_order() -> N
 
 def test_bytes_past_the_end_delivered_while_paused_fail_the_connection() -> None:
     async def main() -> None:
-        conn = Connection()
-        transport = _EagerTransport()
-        conn.connection_made(transport)
-        pending = asyncio.ensure_future(conn.request(b"GET / HTTP/1.1\r\n\r\n"))
-        await asyncio.sleep(0)
-        _feed(conn, b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4\r\n\r\n")
-        await pending
+        conn, transport, _ = await _eager_request(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4\r\n\r\n")
         reading = asyncio.ensure_future(conn.read_into(memoryview(bytearray(4))))
         await asyncio.sleep(0)
         _feed(conn, b"abcdEXTRA")
@@ -349,12 +327,7 @@ def test_bytes_past_the_end_delivered_while_paused_fail_the_connection() -> None
 
 def test_a_request_on_a_connection_with_an_unread_body_is_refused() -> None:
     async def main() -> None:
-        conn = Connection()
-        conn.connection_made(_EagerTransport())
-        pending = asyncio.ensure_future(conn.request(b"GET / HTTP/1.1\r\n\r\n"))
-        await asyncio.sleep(0)
-        _feed(conn, b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4\r\n\r\nab")
-        await pending
+        conn, _, _ = await _eager_request(b"HTTP/1.1 206 Partial Content\r\nContent-Length: 4\r\n\r\nab")
         with pytest.raises(ProtocolError, match="not read whole"):
             await conn.request(b"GET / HTTP/1.1\r\n\r\n")
 
