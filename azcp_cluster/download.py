@@ -202,6 +202,10 @@ class Downloader:
                 if received != watch.seen:
                     watch.seen, watch.idle = received, 0.0
                     continue
+                # Bytes under the socket's low-water mark are not seen: from the first quiet
+                # tick on, this body's bytes are taken as they come (a slow server is not a
+                # stalled one).
+                watch.conn.trickle()
                 watch.idle += PEER_POLL_SECONDS
                 if watch.idle >= self.cfg.read_timeout and not watch.stalled:
                     watch.stalled = True

@@ -18,6 +18,7 @@ is closed. The pure part (:func:`parse_head`, :func:`request_bytes`) has no I/O.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from collections import deque
 from dataclasses import dataclass
@@ -25,6 +26,17 @@ from urllib.parse import urlsplit
 
 HEAD_LIMIT = 64 * 1024  # status line and headers; Azure's are under 2 KiB
 _END = b"\r\n\r\n"
+
+
+# While a body is read, the socket is reported readable only once this many of its bytes
+# are queued (SO_RCVLOWAT). A server writes some 64 KiB at a time, and each of those woke
+# the event loop for one read; a read now moves up to a megabyte: a tenth of the loop's
+# turns, about 10% of the download's CPU, and a steadier rate next to the disk's writers.
+RECV_LOW_WATER = 1 << 20
+# Under TLS, body bytes can already sit inside the TLS layer (asyncio reads up to 256 KiB
+# from the socket at a time), where they no longer count against the socket: the mark is
+# kept this far below what is left, so that it never waits for bytes that will not come.
+TLS_SLACK = 512 * 1024
 
 
 class ProtocolError(Exception):
@@ -133,6 +145,10 @@ class Connection(asyncio.BufferedProtocol):
         self._waiter: asyncio.Future[None] | None = None
         self._reusable = False
         self._keep_alive = False
+        self._sock: socket.socket | None = None  # for the low-water mark; None where it cannot be set
+        self._slack = 0
+        self._low_water = 1  # the socket's SO_RCVLOWAT now
+        self._trickle = False  # this body comes slowly: read whatever arrives
 
     # -- the caller's side ----------------------------------------------------------------
 
@@ -183,6 +199,8 @@ class Connection(asyncio.BufferedProtocol):
         self._staged.clear()
         self._staged_bytes, self._remaining = 0, -1
         self._state = self.HEAD
+        self._trickle = False
+        self._set_low_water()  # the head: every byte as it comes
         try:
             self.transport.write(data)
         except (AttributeError, RuntimeError):  # Python 3.10: a TLS transport being torn down
@@ -201,6 +219,7 @@ class Connection(asyncio.BufferedProtocol):
                 raise ProtocolError("body longer than Content-Length")
             self._remaining = length - self._staged_bytes
             self._keep_alive = head.keep_alive
+            self._set_low_water()
             self._finish_if_done()  # an empty body (or one that came whole with the head) is read
         return head
 
@@ -231,6 +250,16 @@ class Connection(asyncio.BufferedProtocol):
             self._sink = None
             self._finish_if_done()
 
+    def trickle(self) -> None:
+        """Hand over the body's bytes as they come, however few (a slow body; see RECV_LOW_WATER).
+
+        A stall watchdog calls it when a body shows no progress: bytes under the low-water
+        mark wait in the kernel, unseen, and a slow but live server must not look stalled.
+        """
+        if not self._trickle:
+            self._trickle = True
+            self._set_low_water()
+
     def abort(self) -> None:
         """Drop the connection now; a pending read fails."""
         if self.transport is not None:
@@ -247,6 +276,10 @@ class Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and hasattr(socket, "SO_RCVLOWAT"):
+            self._sock = sock
+        self._slack = TLS_SLACK if transport.get_extra_info("ssl_object") is not None else 0
 
     def get_buffer(self, sizehint: int) -> memoryview:
         self._stage = None  # a read that failed leaves no buffer_updated: forget its chunk
@@ -268,6 +301,8 @@ class Connection(asyncio.BufferedProtocol):
                 self._filled += nbytes
                 self._remaining -= nbytes
                 self.received += nbytes
+                if self._remaining - self._slack < self._low_water:
+                    self._set_low_water()  # never more than what is left to come
                 assert self._sink is not None
                 if self._filled == len(self._sink) or not self._remaining:
                     self._pause()
@@ -316,6 +351,8 @@ class Connection(asyncio.BufferedProtocol):
                 self._fail(ProtocolError("body longer than Content-Length"))
                 return
             self._remaining -= len(chunk)
+            if self._remaining - self._slack < self._low_water:
+                self._set_low_water()
         self._staged.append(chunk)
         self._staged_bytes += len(chunk)
         self.received += len(chunk)
@@ -328,6 +365,25 @@ class Connection(asyncio.BufferedProtocol):
                 # Read while idle: a server that closes the connection is seen now, not by
                 # the next request (any byte that arrives is an error and drops it).
                 self._resume()
+
+    def _set_low_water(self) -> None:
+        """Set SO_RCVLOWAT for what is being read: 1 for a head or a trickle, else up to RECV_LOW_WATER.
+
+        Never above the body bytes still to come on the socket, or the last of them would
+        wait in the kernel for bytes that never come (a FIN or an error still wakes the loop).
+        """
+        if self._state == self.BODY and self._remaining > 0 and not self._trickle:
+            mark = max(1, min(RECV_LOW_WATER, self._remaining - self._slack))
+        else:
+            mark = 1
+        if mark == self._low_water or self._sock is None:
+            return
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, mark)
+        except OSError:  # not a TCP socket, or a kernel that refuses: every byte as it comes
+            self._sock = None
+            return
+        self._low_water = mark
 
     def _resume(self) -> None:
         """Let the transport read; a transport already torn down fails the connection (the next wait raises)."""

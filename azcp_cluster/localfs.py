@@ -7,10 +7,11 @@ given path, so a rerun after a crash reuses (and truncates) it instead of piling
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -118,15 +119,66 @@ def is_present(dest: str, rel: str, size: int) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_size == size
 
 
+def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
+    """libc's fallocate(2), or None where there is none (not Linux, a 32-bit off_t).
+
+    Not ``os.posix_fallocate``: where the filesystem cannot preallocate (NFSv3, many FUSE
+    filesystems), glibc emulates it by writing every block, which would write each file
+    twice.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    for name in ("fallocate64", "fallocate"):
+        function = getattr(libc, name, None)
+        if function is None or (name == "fallocate" and ctypes.sizeof(ctypes.c_long) < 8):
+            continue  # a 32-bit platform's plain fallocate takes a 32-bit offset
+        function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        function.restype = ctypes.c_int
+        return function  # type: ignore[no-any-return]
+    return None
+
+
+_FALLOCATE = _load_fallocate()
+# The filesystem cannot preallocate: the file is extended (sparse) instead.
+_NO_PREALLOCATION = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
+
+
+def preallocate(fd: int, size: int) -> bool:
+    """Make the open, empty file ``fd`` ``size`` bytes long, its blocks reserved where possible.
+
+    Returns whether the blocks were reserved (``fallocate``); where the filesystem cannot,
+    the file is only extended (``ftruncate``, a sparse file). Reserved blocks matter for
+    the O_DIRECT writers: a direct write into a hole allocates as it goes, and ext4 holds
+    the inode lock exclusively for the whole of such a write, where writes into reserved
+    blocks of one file run at once. Reserving also finds a full disk before any byte is
+    downloaded, and lays each file out in a few large extents. (The download stage, ext4
+    on the test VM: 10 to 14% faster in two paired runs; see docs/benchmarks.md.)
+    Raises OSError for anything else (ENOSPC, EDQUOT, EFBIG, EIO).
+    """
+    if size and _FALLOCATE is not None:
+        while True:
+            if _FALLOCATE(fd, 0, 0, size) == 0:
+                return True
+            code = ctypes.get_errno()
+            if code == errno.EINTR:
+                continue
+            if code not in _NO_PREALLOCATION:
+                raise OSError(code, os.strerror(code))
+            break
+    os.ftruncate(fd, size)
+    return False
+
+
 def prepare(dest: str, rel: str, size: int) -> None:
-    """Create (or truncate) the temporary file for ``rel`` at its full size."""
+    """Create (or truncate) the temporary file for ``rel`` at its full size, preallocated where possible."""
     path = temp_path(dest, rel)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
-            if size:
-                os.ftruncate(fd, size)
+            preallocate(fd, size)
         finally:
             os.close(fd)
     except OSError as exc:

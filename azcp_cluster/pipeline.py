@@ -378,6 +378,7 @@ class _Run:
                         verify=self.cfg.verify,
                         source_of=self.read_from_source(listing) if self.rank == self.reader and self.local else None,
                     )
+        self.explain_space(outcome)  # the files' blocks are reserved here: a full disk shows here first
         cluster.conclude(cluster.clock(), outcome)
         return broadcaster
 

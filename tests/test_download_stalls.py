@@ -65,3 +65,31 @@ def test_requests_waiting_for_a_slow_disk_are_not_aborted_as_stalled(
     assert time.monotonic() - started > 3 * WRITE_DELAY  # the disk set the pace
     assert stats.retries == 0, dict(stats.retry_causes)
     assert Path(temp_path(str(tmp_path), "big.bin")).read_bytes() == data
+
+
+def test_a_slow_but_live_body_is_not_taken_for_a_stall(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    """Bytes under the socket's low-water mark stay in the kernel, unseen: the watchdog's
+    first quiet tick switches the body to trickle, and a slow server is not a stalled one.
+    """
+    from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
+
+    size = 3 * MiB // 2  # more than the low-water mark: 1 MiB would take 1.6 s to gather here
+    container = "t" + uuid.uuid4().hex[:20]
+    data = pseudo_random(size, container)
+    azurite.upload(emulator, container, {"slow.bin": data})
+    rules = [Rule("slow", blob="slow.bin", partial=32 * 1024, stall=0.05)]  # about 640 KiB/s
+    with FaultProxy(emulator, rules) as proxy:
+        source = proxy.url(container)
+        parsed = parse_blob_url(source)
+        auth = Authorizer(parsed, resolve_credential(parsed, emulator.key_env()), time.time)
+        cfg = make_config(
+            source,
+            str(tmp_path),
+            {"block_size": 2 * MiB, "concurrency": 1, "read_timeout": 0.3, "max_retries": 0},
+        )
+        prepare(str(tmp_path), "slow.bin", size)
+        entry = FileEntry(name="slow.bin", path="slow.bin", size=size)
+        stats = Downloader([entry], str(tmp_path), auth, cfg).run(blocks_for([Shard(0, 0, size, 0)], cfg.block_size))
+        assert proxy.injected == 1
+    assert stats.retries == 0, dict(stats.retry_causes)
+    assert Path(temp_path(str(tmp_path), "slow.bin")).read_bytes() == data

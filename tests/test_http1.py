@@ -8,11 +8,24 @@ split byte by byte, chunked or unsized bodies, oversized heads, early closes.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import ssl
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
-from azcp_cluster.http1 import HEAD_LIMIT, Connection, Head, ProtocolError, parse_head, request_bytes
+from azcp_cluster.http1 import (
+    HEAD_LIMIT,
+    RECV_LOW_WATER,
+    TLS_SLACK,
+    Connection,
+    Head,
+    ProtocolError,
+    parse_head,
+    request_bytes,
+)
 
 # -- pure ---------------------------------------------------------------------------------
 
@@ -108,12 +121,13 @@ def _replying(*replies: bytes, close: bool = False) -> Script:
     return script
 
 
-def _run(script: Script, client: Callable[[str], Awaitable[None]]) -> None:
+def _run(script: Script, client: Callable[[str], Awaitable[None]], tls: ssl.SSLContext | None = None) -> None:
     async def main() -> None:
-        server = await asyncio.start_server(script, "127.0.0.1", 0)
+        server = await asyncio.start_server(script, "127.0.0.1", 0, ssl=tls)
         port = server.sockets[0].getsockname()[1]
         try:
-            await asyncio.wait_for(client(f"http://127.0.0.1:{port}/acct/c/blob"), 10)
+            scheme = "https" if tls is not None else "http"
+            await asyncio.wait_for(client(f"{scheme}://127.0.0.1:{port}/acct/c/blob"), 10)
         finally:
             server.close()
             await server.wait_closed()
@@ -332,3 +346,100 @@ def test_a_request_on_a_connection_with_an_unread_body_is_refused() -> None:
             await conn.request(b"GET / HTTP/1.1\r\n\r\n")
 
     asyncio.run(main())
+
+
+# -- the socket's low-water mark (SO_RCVLOWAT) ----------------------------------------------
+
+
+def _low_water(conn: Connection) -> int:
+    assert conn.transport is not None
+    sock = conn.transport.get_extra_info("socket")
+    return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT))
+
+
+def _body_in_pieces_then_silence(body: bytes, pieces: list[int]) -> Script:
+    """One 206 whose body comes in ``pieces`` (sizes, with pauses), then neither more bytes nor a close."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(f"HTTP/1.1 206 Partial Content\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+        sent = 0
+        for size in pieces:
+            writer.write(body[sent : sent + size])
+            sent += size
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        assert sent == len(body)
+        await reader.read()  # no FIN: the client must not wait for bytes that never come
+
+    return script
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_the_low_water_mark_never_waits_for_bytes_that_will_not_come(tls: bool, tmp_path: Path) -> None:
+    body = os.urandom(3 * RECV_LOW_WATER + 12345)
+    # Pieces that leave an odd tail under the mark at the end, and a buffer size that does
+    # not divide the body: every read ends somewhere else.
+    pieces = [700_000, RECV_LOW_WATER, 1, RECV_LOW_WATER + 5000, len(body) - 700_001 - 2 * RECV_LOW_WATER - 5000]
+    server_tls = client_tls = None
+    if tls:
+        from tests.test_oauth import make_certificate
+
+        cert, key = make_certificate(tmp_path)
+        server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_tls.load_cert_chain(cert, key)
+        client_tls = ssl.create_default_context(cafile=str(cert))
+    slack = TLS_SLACK if tls else 0
+
+    async def client(url: str) -> None:
+        conn = await Connection.open(url, client_tls)
+        assert _low_water(conn) == 1  # nothing set before a body
+        await conn.request(request_bytes(url, {}))
+        assert _low_water(conn) == min(RECV_LOW_WATER, len(body) - slack)  # set for the body
+        out = bytearray(len(body))
+        view, got = memoryview(out), 0
+        while got < len(body):
+            got += await conn.read_into(view[got : min(len(body), got + 1_500_000)])
+            left = len(body) - got
+            assert _low_water(conn) <= max(1, left - slack)  # never above what is still to come
+        assert bytes(out) == body
+        assert conn.reusable and _low_water(conn) == 1  # ready for the next head
+        conn.close()
+
+    _run(_body_in_pieces_then_silence(body, pieces), client, server_tls)
+
+
+def test_trickle_takes_the_bytes_as_they_come() -> None:
+    body = os.urandom(2 * RECV_LOW_WATER)
+
+    async def client(url: str) -> None:
+        conn = await Connection.open(url, None)
+        await conn.request(request_bytes(url, {}))
+        assert _low_water(conn) == RECV_LOW_WATER
+        conn.trickle()
+        assert _low_water(conn) == 1
+        out = bytearray(len(body))
+        view, got = memoryview(out), 0
+        while got < len(body):
+            got += await conn.read_into(view[got:])
+        assert bytes(out) == body
+        await conn.request(request_bytes(url, {}))  # the next body: the mark again
+        assert _low_water(conn) == RECV_LOW_WATER
+        assert await _read_body(conn, len(body), len(body)) == body
+        conn.close()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(f"HTTP/1.1 206 Partial Content\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+        for start in range(0, len(body), 64 * 1024):
+            writer.write(body[start : start + 64 * 1024])
+            await writer.drain()
+        await _read_request(reader)
+        writer.write(f"HTTP/1.1 206 Partial Content\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the head alone first: the whole body is still to come
+        writer.write(body)
+        await writer.drain()
+        await reader.read()
+
+    _run(script, client)

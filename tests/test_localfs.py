@@ -20,6 +20,7 @@ from azcp_cluster.localfs import (
     final_path,
     finalize,
     is_present,
+    preallocate,
     prepare,
     pwritev_all,
     temp_path,
@@ -120,6 +121,61 @@ def test_prepare_truncates_a_leftover_temp(tmp_path: Path) -> None:
     assert temp.read_bytes() == b"\0\0\0"
     prepare(dest, "empty", 0)
     assert Path(temp_path(dest, "empty")).stat().st_size == 0
+
+
+def _fstype(path: Path) -> str:
+    """The filesystem type of the mount holding ``path`` (from /proc/self/mountinfo)."""
+    best, fstype = "", ""
+    target = os.path.realpath(path)
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        mount = fields[4].replace("\\040", " ")
+        kind = fields[fields.index("-") + 1]
+        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+            best, fstype = mount, kind
+    return fstype
+
+
+def test_prepare_reserves_the_blocks_where_the_filesystem_can(tmp_path: Path) -> None:
+    size = 8 << 20
+    prepare(str(tmp_path), "big", size)
+    st = os.stat(temp_path(str(tmp_path), "big"))
+    assert st.st_size == size
+    if _fstype(tmp_path) in ("ext4", "xfs", "btrfs", "tmpfs"):
+        # Reserved, not a hole: ext4 lets O_DIRECT writes into reserved blocks of one file
+        # run at once, and a full disk shows before the download.
+        assert st.st_blocks * 512 >= size
+    assert Path(temp_path(str(tmp_path), "big")).read_bytes() == bytes(size)  # reads back as zeros
+
+
+@pytest.mark.parametrize("code", [errno.EOPNOTSUPP, errno.ENOSYS])
+def test_preallocate_falls_back_to_a_sparse_file_where_the_filesystem_cannot(tmp_path: Path, code: int) -> None:
+    import ctypes
+
+    def refuses(fd: int, mode: int, offset: int, length: int) -> int:  # what NFSv3 or a FUSE mount answer
+        ctypes.set_errno(code)
+        return -1
+
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        with mock.patch.object(localfs, "_FALLOCATE", refuses):
+            assert preallocate(fd, 4 << 20) is False
+    finally:
+        os.close(fd)
+    assert path.stat().st_size == 4 << 20
+    assert path.stat().st_blocks * 512 < 4 << 20  # a hole: no emulation that writes every block
+
+
+def test_prepare_reports_a_file_too_large_for_the_filesystem(tmp_path: Path) -> None:
+    if localfs._FALLOCATE is None:
+        pytest.skip("no fallocate(2) in this libc")
+    # The kernel refuses before reserving anything (ext4 and xfs: EFBIG; others may say
+    # EINVAL, which is taken as "cannot preallocate" and then fails ftruncate the same way).
+    with pytest.raises(LocalFSError) as info:
+        prepare(str(tmp_path), "huge", 1 << 62)
+    assert exit_code_for(info.value) == 8
+    assert "cannot create temporary file" in str(info.value)
 
 
 def test_finalize_replaces_an_old_copy(tmp_path: Path) -> None:

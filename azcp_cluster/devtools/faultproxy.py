@@ -31,8 +31,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from azcp_cluster.devtools.azurite import ACCOUNT, Emulator
 
-FAULTS = ("503", "500", "reset", "stall", "truncate", "pass")
-BODY_FAULTS = ("reset", "stall", "truncate")
+FAULTS = ("503", "500", "reset", "stall", "truncate", "slow", "pass")
+BODY_FAULTS = ("reset", "stall", "truncate", "slow")
 COPY_PIECE = 64 * 1024
 
 _ERROR_BODY = '<?xml version="1.0" encoding="utf-8"?><Error><Code>{code}</Code><Message>{message}</Message></Error>'
@@ -55,6 +55,8 @@ class Rule:
     - ``reset``: the headers and ``partial`` bytes of the body, then a TCP reset (SO_LINGER 0);
     - ``stall``: the headers and ``partial`` bytes, then nothing for ``stall`` seconds, then close;
     - ``truncate``: the headers (with the full Content-Length) and ``partial`` bytes, then a clean close;
+    - ``slow``: the whole response, its body ``partial`` bytes at a time with ``stall``
+      seconds between pieces (a slow but live server), then a clean close;
     - ``pass``: forwarded untouched (with ``before``, a hook that changes the world first).
 
     ``before``, if set, runs on a worker thread before the picked request is handled.
@@ -273,9 +275,18 @@ def _error_response(rule: Rule) -> bytes:
 async def _cut(
     rule: Rule, head: bytes, length: int, up_reader: asyncio.StreamReader, client: asyncio.StreamWriter
 ) -> None:
-    """Send the head and part of the body, then reset, stall or close as ``rule`` says."""
+    """Send the head and part of the body, then reset, stall or close as ``rule`` says (or all of it, slowly)."""
     client.transport.set_write_buffer_limits(0)  # drain() then means: handed to the kernel
     client.write(head)
+    if rule.fault == "slow":
+        left = length
+        while left > 0:
+            piece = min(max(rule.partial, 1), left)
+            await _copy(up_reader, client, piece)
+            left -= piece
+            if left:
+                await asyncio.sleep(rule.stall)
+        return
     await _copy(up_reader, client, min(rule.partial, length // 2))
     await client.drain()
     if rule.fault == "reset":
