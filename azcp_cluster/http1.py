@@ -6,7 +6,8 @@ buffers O_DIRECT needs. On a client that is CPU-bound (a node pulling at line ra
 benchmark's one core), those two copies and their allocations were most of the difference
 between the tool and a loop that reads and drops the bodies. Here the connection is an
 :class:`asyncio.BufferedProtocol`: the kernel (or the TLS layer) writes the body directly
-into the buffer the caller passes to :meth:`Connection.read_into`.
+into the buffer the caller passes to :meth:`Connection.read_into`, about a megabyte per read
+(the socket's low-water mark, :data:`RECV_LOW_WATER`).
 
 What it does: GET with keep-alive over TCP or TLS, one request at a time per connection, a
 ``Content-Length`` body. What it refuses (as :class:`ProtocolError`, which the caller retries

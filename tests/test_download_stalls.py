@@ -1,25 +1,28 @@
-"""The stall watchdog watches the network only: a slow disk is not a stalled body.
+"""The stall watchdog takes neither a slow disk nor a slow server for a stalled body.
 
-Against the real emulator, in-process; the disk is made slow by delaying each write (a
-fault the machine's disk cannot be asked for), longer than --read-timeout.
+Against the real emulator, in-process. The disk is made slow by delaying each write (a
+fault the machine's disk cannot be asked for), longer than --read-timeout; the server, by
+the fault proxy forwarding the body in small pieces with pauses.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from azcp_cluster.api import make_config
-from azcp_cluster.config import MiB
+from azcp_cluster.config import Config, MiB
 from azcp_cluster.credentials import Authorizer, resolve_credential
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
 from azcp_cluster.directio import DirectFile
-from azcp_cluster.download import Downloader, WritePool, blocks_for
+from azcp_cluster.download import Downloader, DownloadStats, WritePool, blocks_for
 from azcp_cluster.localfs import prepare, temp_path
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import Shard
@@ -30,20 +33,35 @@ WRITE_DELAY = 0.4  # each 2 MiB write takes this long...
 READ_TIMEOUT = 0.2  # ...longer than a body may stay silent
 
 
+def _download_one(
+    source: str,
+    key_env: dict[str, str],
+    dest: Path,
+    name: str,
+    size: int,
+    options: dict[str, object],
+    pool: Callable[[Config], WritePool] | None = None,
+) -> DownloadStats:
+    """Download blob ``name`` (``size`` bytes) of the container at ``source`` into ``dest``'s temporary file."""
+    parsed = parse_blob_url(source)
+    auth = Authorizer(parsed, resolve_credential(parsed, key_env), time.time)
+    cfg = make_config(source, str(dest), options)
+    prepare(str(dest), name, size)
+    writes = pool(cfg) if pool is not None else None
+    try:
+        downloader = Downloader([FileEntry(name=name, path=name, size=size)], str(dest), auth, cfg, pool=writes)
+        return downloader.run(blocks_for([Shard(0, 0, size, 0)], cfg.block_size))
+    finally:
+        if writes is not None:
+            writes.close()
+
+
 def test_requests_waiting_for_a_slow_disk_are_not_aborted_as_stalled(
     emulator: azurite.Emulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     container = "s" + uuid.uuid4().hex[:20]
     data = pseudo_random(SIZE, container)
     azurite.upload(emulator, container, {"big.bin": data})
-    source = emulator.url(container)
-    parsed = parse_blob_url(source)
-    auth = Authorizer(parsed, resolve_credential(parsed, emulator.key_env()), time.time)
-    cfg = make_config(
-        source,
-        str(tmp_path),
-        {"block_size": 6 * MiB, "concurrency": 1, "read_timeout": READ_TIMEOUT, "max_retries": 2},
-    )
     real_write = DirectFile.write_at
 
     def slow_write(self: DirectFile, data: np.ndarray, offset: int) -> int:
@@ -51,17 +69,18 @@ def test_requests_waiting_for_a_slow_disk_are_not_aborted_as_stalled(
         return real_write(self, data, offset)
 
     monkeypatch.setattr(DirectFile, "write_at", slow_write)
-    prepare(str(tmp_path), "big.bin", SIZE)
-    entry = FileEntry(name="big.bin", path="big.bin", size=SIZE)
     started = time.monotonic()
     # One 2 MiB buffer and one writer: in the middle of the body the request waits a whole
     # write for the buffer to come back, twice, while its connection sends nothing.
-    pool = WritePool(cfg, threads=1, buffers=1)
-    try:
-        downloader = Downloader([entry], str(tmp_path), auth, cfg, pool=pool)
-        stats = downloader.run(blocks_for([Shard(0, 0, SIZE, 0)], cfg.block_size))
-    finally:
-        pool.close()
+    stats = _download_one(
+        emulator.url(container),
+        emulator.key_env(),
+        tmp_path,
+        "big.bin",
+        SIZE,
+        {"block_size": 6 * MiB, "concurrency": 1, "read_timeout": READ_TIMEOUT, "max_retries": 2},
+        pool=lambda cfg: WritePool(cfg, threads=1, buffers=1),
+    )
     assert time.monotonic() - started > 3 * WRITE_DELAY  # the disk set the pace
     assert stats.retries == 0, dict(stats.retry_causes)
     assert Path(temp_path(str(tmp_path), "big.bin")).read_bytes() == data
@@ -71,25 +90,20 @@ def test_a_slow_but_live_body_is_not_taken_for_a_stall(emulator: azurite.Emulato
     """Bytes under the socket's low-water mark stay in the kernel, unseen: the watchdog's
     first quiet tick switches the body to trickle, and a slow server is not a stalled one.
     """
-    from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
-
     size = 3 * MiB // 2  # more than the low-water mark: 1 MiB would take 1.6 s to gather here
     container = "t" + uuid.uuid4().hex[:20]
     data = pseudo_random(size, container)
     azurite.upload(emulator, container, {"slow.bin": data})
     rules = [Rule("slow", blob="slow.bin", partial=32 * 1024, stall=0.05)]  # about 640 KiB/s
     with FaultProxy(emulator, rules) as proxy:
-        source = proxy.url(container)
-        parsed = parse_blob_url(source)
-        auth = Authorizer(parsed, resolve_credential(parsed, emulator.key_env()), time.time)
-        cfg = make_config(
-            source,
-            str(tmp_path),
+        stats = _download_one(
+            proxy.url(container),
+            emulator.key_env(),
+            tmp_path,
+            "slow.bin",
+            size,
             {"block_size": 2 * MiB, "concurrency": 1, "read_timeout": 0.3, "max_retries": 0},
         )
-        prepare(str(tmp_path), "slow.bin", size)
-        entry = FileEntry(name="slow.bin", path="slow.bin", size=size)
-        stats = Downloader([entry], str(tmp_path), auth, cfg).run(blocks_for([Shard(0, 0, size, 0)], cfg.block_size))
         assert proxy.injected == 1
     assert stats.retries == 0, dict(stats.retry_causes)
     assert Path(temp_path(str(tmp_path), "slow.bin")).read_bytes() == data

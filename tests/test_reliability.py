@@ -71,11 +71,16 @@ def test_too_little_space_is_refused_before_anything_is_written(tmp_path: Path) 
         assert not list((tmp_path / "disk").rglob("*.bin")), "no rank writes anything"
 
 
+NO_PREALLOCATION = [str(Path(__file__).parent / "programs" / "no_preallocation.py")]
+
+
 @needs_root
-def test_disk_full_after_the_space_check_exits_8_with_needed_and_free(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reserved", [True, False], ids=["reserved", "sparse"])
+def test_disk_full_after_the_space_check_exits_8_with_needed_and_free(tmp_path: Path, reserved: bool) -> None:
     # Two "nodes" (ranks 1 and 2) share one 10 MiB filesystem; each checks 7 MiB against 10 MiB
-    # free and starts; the second then runs out (where the filesystem cannot reserve blocks,
-    # that happens in the middle of the copy).
+    # free and starts; the second then runs out. With reserved blocks, when it reserves them
+    # (or at its check, if the first has reserved already); on a filesystem that cannot
+    # reserve ("sparse"), in the middle of the copy.
     files = {f"part-{i}.bin": pseudo_random(7 * MiB // 4, f"p{i}") for i in range(4)}
     _write_tree(tmp_path / "src", files)
     with small_filesystem(tmp_path / "small", "10m") as small:
@@ -84,14 +89,19 @@ def test_disk_full_after_the_space_check_exits_8_with_needed_and_free(tmp_path: 
             target = small / str(rank) if rank in (1, 2) else tmp_path / "disk" / str(rank)
             target.mkdir(parents=True, exist_ok=True)
             (tmp_path / "d" / str(rank)).symlink_to(target)
-        result = run_cli([str(tmp_path / "src"), str(tmp_path / "d" / "{rank}"), "--bcast-chunk", "1MiB"])
+        result = run_cli(
+            [str(tmp_path / "src"), str(tmp_path / "d" / "{rank}"), "--bcast-chunk", "1MiB"],
+            program=None if reserved else NO_PREALLOCATION,
+        )
         assert result.returncode == 8, result.output
         (line,) = _errors(result.stderr)
-        # Whichever comes first: the second rank's check sees the first one's reserved blocks,
-        # or its own reservation finds the disk full. Either way, before any byte is written.
-        assert "no space left on device" in line or "not enough space" in line, line
+        if reserved:
+            assert "no space left on device" in line or "not enough space" in line, line
+            assert f"{7 * MiB} bytes needed" in line and "bytes free" in line, line
+        else:
+            assert "no space left on device" in line and "cannot write" in line, line
+            assert f"{7 * MiB} bytes needed on this node" in line and "bytes free" in line, line
         assert any(f"rank {r}: '{tmp_path / 'd' / str(r)}" in line for r in (1, 2)), line
-        assert f"{7 * MiB} bytes needed" in line and "bytes free" in line, line
         assert "Traceback" not in result.output
         _assert_nothing_partial(tmp_path / "d", files)
 
