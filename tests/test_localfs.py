@@ -170,8 +170,8 @@ def test_preallocate_falls_back_to_a_sparse_file_where_the_filesystem_cannot(tmp
 def test_prepare_reports_a_file_too_large_for_the_filesystem(tmp_path: Path) -> None:
     if localfs._FALLOCATE is None:
         pytest.skip("no fallocate(2) in this libc")
-    # The kernel refuses before reserving anything (ext4 and xfs: EFBIG; others may say
-    # EINVAL, which is taken as "cannot preallocate" and then fails ftruncate the same way).
+    # The kernel refuses before reserving anything (ext4: EFBIG, "File too large"; tmpfs:
+    # ENOSPC), and the error is the local-filesystem one, exit 8.
     with pytest.raises(LocalFSError) as info:
         prepare(str(tmp_path), "huge", 1 << 62)
     assert exit_code_for(info.value) == 8
