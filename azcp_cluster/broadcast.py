@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from azcp_cluster.cluster import PeerFailed
-from azcp_cluster.directio import DirectFile, aligned_buffer
+from azcp_cluster.directio import ALIGN, DirectFile, DirectReader, aligned_buffer
 from azcp_cluster.errors import AzcpError, BroadcastError, InternalError
-from azcp_cluster.localfs import final_path, fs_error, preadv_all, temp_path
+from azcp_cluster.localfs import final_path, fs_error, temp_path
 from azcp_cluster.model import FileEntry
 from azcp_cluster.schedule import Chunk, call_slices
 
@@ -55,7 +55,9 @@ class _Slot:
     """One pipeline buffer and the signal that it may be used for its next chunk."""
 
     def __init__(self, size: int) -> None:
-        self.buffer = aligned_buffer(size, populate=True)
+        # Rounded up to whole blocks: an O_DIRECT read of a chunk with an unaligned end
+        # (a file's last) reads the whole last block.
+        self.buffer = aligned_buffer(-(-size // ALIGN) * ALIGN, populate=True)
         self.ready = threading.Event()
         self.users = 0  # threads (writer, hasher) still reading the chunk in it
         self.lock = threading.Lock()
@@ -135,7 +137,15 @@ class Broadcaster:
                 while len(inflight) >= depth:
                     self._retire(inflight.popleft(), writes)
                 slot = self.slots[chunk.seq % depth]
-                slot.ready.wait()
+                # While this rank's read-ahead fills the slot, the chunks already posted
+                # go on: MPI moves a nonblocking broadcast only inside MPI calls, and a
+                # finished chunk goes to the writers now, not after the next read (which
+                # had left the disk without writes while the reads ran).
+                while not slot.ready.is_set():
+                    if inflight and MPI.Request.Testall(inflight[0][2]):
+                        self._retire(inflight.popleft(), writes)
+                    else:
+                        slot.ready.wait(POLL_NAP)
                 slot.ready.clear()
                 view = slot.buffer[: chunk.length]
                 requests = [
@@ -249,20 +259,23 @@ class Broadcaster:
                 done(chunk, slot)
 
     def _reader(self, jobs: queue.SimpleQueue[tuple[Chunk, _Slot] | None]) -> None:
-        open_file: list[int] = [-1, -1]  # fd, file index: one file stays open across its chunks
+        # One file stays open across its chunks: (reader, file index).
+        current: list[tuple[DirectReader, int]] = []
 
         def read(chunk: Chunk, slot: _Slot) -> None:
             if self._error is not None:
                 return
             source = self._source(chunk)
             try:
-                if open_file[1] != chunk.file:
-                    if open_file[0] >= 0:
-                        os.close(open_file[0])
-                    open_file[:] = [-1, -1]
-                    open_file[:] = [os.open(source, os.O_RDONLY | os.O_CLOEXEC), chunk.file]
-                self._advise_next(chunk)
-                got = preadv_all(open_file[0], slot.buffer[: chunk.length], chunk.offset)
+                if current and current[0][1] != chunk.file:
+                    current.pop()[0].close()
+                if not current:
+                    direct = self.direct and self._downloaded(chunk)
+                    current.append((DirectReader(source, direct=direct), chunk.file))
+                reader = current[0][0]
+                if not reader.is_direct:
+                    self._advise_next(chunk)
+                got = reader.read_at(slot.buffer, chunk.length, chunk.offset)
             except OSError as exc:
                 raise fs_error(exc, source, "read back") from None
             if got != chunk.length:
@@ -271,8 +284,17 @@ class Broadcaster:
         try:
             self._serve(jobs, read, lambda chunk, slot: slot.ready.set(), "read-ahead")
         finally:
-            if open_file[0] >= 0:
-                os.close(open_file[0])
+            if current:
+                current[0][0].close()
+
+    def _downloaded(self, chunk: Chunk) -> bool:
+        """Whether the owner reads the chunk from its own download of this run.
+
+        Those were written with O_DIRECT, so none of it is cached: read back with O_DIRECT
+        too. A local SOURCE or a copy from an earlier run may well be cached: read through
+        the cache, with the read-ahead hint.
+        """
+        return self.source_of(chunk.file) is None and not self.have[chunk.file]
 
     def _advise_next(self, chunk: Chunk) -> None:
         """Ask the kernel to start reading this rank's next chunk to send while this one is read.

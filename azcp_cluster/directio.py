@@ -1,36 +1,63 @@
-"""Page-aligned buffers and writes that bypass the page cache where the filesystem allows.
+"""Page-aligned buffers, and writes and reads that bypass the page cache where the filesystem allows.
 
 O_DIRECT needs the buffer address, the file offset and the length to be multiples of the
 alignment. :class:`DirectFile` writes the aligned part of every write with O_DIRECT and
 the rest (a file's unaligned tail) through an ordinary descriptor, so callers never have
 to think about it; where O_DIRECT is refused (some filesystems) it writes everything
-through the ordinary descriptor.
+through the ordinary descriptor. :class:`DirectReader` does the same for reads (reading
+a file's last block whole, into room the buffer has for it). Large buffers are made of
+transparent huge pages where the kernel gives them (see :func:`aligned_buffer`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
 
 import numpy as np
 
-from azcp_cluster.localfs import pwritev_all
+from azcp_cluster.localfs import preadv_all, pwritev_all
 
 ALIGN = 4096
+# The x86-64 and arm64 (4 KiB base pages) size of a transparent huge page.
+HUGE_PAGE = 2 * 1024 * 1024
+_MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 def aligned_buffer(size: int, populate: bool = False) -> np.ndarray:
     """A page-aligned, zero-filled byte buffer (anonymous mmap), usable for O_DIRECT I/O.
 
-    ``populate`` maps every page now (MAP_POPULATE) instead of at first touch: 256 MiB costs
+    A buffer of at least :data:`HUGE_PAGE` is aligned to it and asks for transparent huge
+    pages (``MADV_HUGEPAGE``; the kernel's default setting, ``madvise``, gives them only to
+    regions that ask). An O_DIRECT write from 4 KiB pages pins and hands the device one
+    segment per page; from huge pages, one per 2 MiB: raw 2 MiB O_DIRECT writes went from
+    about 970 to about 1560 MiB/s here, at half the CPU. Where the kernel has none, the
+    buffer is made of ordinary pages, as before.
+
+    ``populate`` maps every page now instead of at first touch: 256 MiB of small pages costs
     about 0.15 s of page faults here, better paid at start-up than in the middle of a stage.
     """
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if size < HUGE_PAGE or _MADV_HUGEPAGE is None:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if populate:
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
+        region = mmap.mmap(-1, max(size, mmap.PAGESIZE), flags=flags)
+        return np.frombuffer(region, dtype=np.uint8, count=size)
+    # One huge page more than needed, so that an aligned start lies inside; the part not
+    # used is never touched and takes no memory.
+    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(region, dtype=np.uint8)
+    start = -whole.ctypes.data % HUGE_PAGE
+    with contextlib.suppress(OSError):  # a kernel built without transparent huge pages: small pages
+        region.madvise(_MADV_HUGEPAGE, start, size)
+    buf = whole[start : start + size]
     if populate:
-        flags |= getattr(mmap, "MAP_POPULATE", 0)
-    region = mmap.mmap(-1, max(size, mmap.PAGESIZE), flags=flags)
-    return np.frombuffer(region, dtype=np.uint8, count=size)
+        # Not MAP_POPULATE: that would fault the pages in before the advice, as small pages.
+        # One write per page faults each in (a huge page takes one fault for 2 MiB).
+        buf[:: mmap.PAGESIZE] = 0
+    return buf
 
 
 def align_down(value: int, align: int = ALIGN) -> int:
@@ -109,6 +136,82 @@ class DirectFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class DirectReader:
+    """An existing file opened for positional reads, O_DIRECT where possible.
+
+    For data known not to be in the page cache (what this run wrote with O_DIRECT): a
+    buffered read copies it through the cache, in the kernel's read-ahead sizes, and
+    leaves it there. Read back this way by their owners, the benchmark's broadcast of
+    512 MiB on 2 ranks went from about 630 to about 850 MiB/s per receiver.
+
+    One thread reads through it at a time (a broadcast's read-ahead thread).
+    """
+
+    def __init__(self, path: str, direct: bool = True) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.direct_fd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.direct_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    os.close(self.fd)
+                    raise
+
+    @property
+    def is_direct(self) -> bool:
+        """Whether aligned reads bypass the page cache."""
+        return self.direct_fd >= 0
+
+    def read_at(self, buf: np.ndarray, length: int, offset: int) -> int:
+        """Read ``length`` bytes at ``offset`` into the start of ``buf``; fewer only at end of file.
+
+        O_DIRECT reads whole alignment blocks: when ``offset`` and ``buf`` are aligned and
+        ``buf`` has room for ``length`` rounded up, it reads that much (what lies past
+        ``length`` is left in ``buf`` and not counted); otherwise the ordinary descriptor.
+        """
+        span = -(-length // ALIGN) * ALIGN
+        if self.direct_fd >= 0 and offset % ALIGN == 0 and buf.ctypes.data % ALIGN == 0 and span <= len(buf):
+            try:
+                return min(length, _pread_direct(self.direct_fd, buf[:span], offset))
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                # The filesystem took the open but refuses the read: buffered from now on.
+                os.close(self.direct_fd)
+                self.direct_fd = -1
+        return preadv_all(self.fd, buf[:length], offset)
+
+    def close(self) -> None:
+        """Close both descriptors."""
+        if self.direct_fd >= 0:
+            os.close(self.direct_fd)
+            self.direct_fd = -1
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _pread_direct(fd: int, buf: np.ndarray, offset: int) -> int:
+    """Fill ``buf`` (aligned, a whole number of blocks) from ``offset`` with O_DIRECT reads.
+
+    A read shorter than asked that is not a whole number of blocks met the end of the
+    file (a further read from its unaligned end would be refused); a whole-block short
+    read (Linux reads at most ~2 GiB a call) goes on.
+    """
+    view = memoryview(buf)  # type: ignore[arg-type]
+    total = 0
+    while total < len(view):
+        got = os.preadv(fd, [view[total:]], offset + total)
+        if got <= 0:
+            break
+        total += got
+        if got % ALIGN:
+            break
+    return total
 
 
 def _skip(parts: list[np.ndarray], count: int) -> list[np.ndarray]:

@@ -32,6 +32,19 @@ def mpiexec_path() -> str:
     return found
 
 
+def fstype(path: Path) -> str:
+    """The filesystem type of the mount holding ``path`` (from /proc/self/mountinfo)."""
+    best, kind_of_best = "", ""
+    target = os.path.realpath(path)
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        mount = fields[4].replace("\\040", " ")
+        kind = fields[fields.index("-") + 1]
+        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+            best, kind_of_best = mount, kind
+    return kind_of_best
+
+
 @dataclass
 class Result:
     """A finished CLI run."""

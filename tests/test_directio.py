@@ -1,8 +1,10 @@
-"""DirectFile: O_DIRECT for the aligned part of each write, ordinary writes for the rest."""
+"""directio: aligned (huge-page) buffers; O_DIRECT for the aligned part of each write and read."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -12,7 +14,8 @@ import pytest
 
 from azcp_cluster import directio
 from azcp_cluster.config import MiB
-from azcp_cluster.directio import ALIGN, DirectFile, align_down, aligned_buffer
+from azcp_cluster.directio import ALIGN, HUGE_PAGE, DirectFile, DirectReader, align_down, aligned_buffer
+from tests.conftest import fstype
 
 
 def _blank(path: Path, size: int) -> None:
@@ -31,6 +34,53 @@ def test_aligned_buffer_is_page_aligned_and_sized() -> None:
         buf = aligned_buffer(size)
         assert buf.shape == (size,)
         assert buf.ctypes.data % ALIGN == 0
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent huge page setting (always, madvise, never), or "" without any."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return ""
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and not first.endswith(":"):
+            start, end = (int(x, 16) for x in first.split("-"))
+            inside = start <= address < end
+        elif inside and first == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_large_buffer_sits_on_huge_page_boundaries_and_reads_zero() -> None:
+    size = 2 * HUGE_PAGE + 5 * ALIGN  # not a whole number of huge pages: the rest is small pages
+    buf = aligned_buffer(size, populate=True)
+    assert buf.shape == (size,)
+    assert buf.ctypes.data % HUGE_PAGE == 0
+    assert not buf.any()
+    buf[:] = 7  # writable, all of it
+    assert int(buf[-1]) == 7
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="the kernel gives no huge pages on request")
+def test_a_large_buffer_is_backed_by_huge_pages() -> None:
+    """O_DIRECT from huge pages hands the device one segment per 2 MiB, not per 4 KiB page."""
+    buf = aligned_buffer(4 * HUGE_PAGE, populate=True)
+    # Under "madvise" (the usual default) only a region that asks gets them. The kernel may
+    # fall back to small pages when memory is fragmented, so at least one, not all four.
+    assert _anon_huge_kib(buf.ctypes.data) >= HUGE_PAGE // 1024
+
+
+def test_a_small_buffer_is_page_aligned_without_huge_page_padding() -> None:
+    buf = aligned_buffer(HUGE_PAGE - ALIGN, populate=True)
+    assert buf.ctypes.data % ALIGN == 0 and buf.shape == (HUGE_PAGE - ALIGN,)
+    assert not buf.any()
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -152,3 +202,144 @@ def test_writes_refused_at_once_by_several_threads_fall_back_without_closing_a_s
     target.close()
     assert target.direct_fd == -1 and target.fd == -1
     assert path.read_bytes() == parts[0].tobytes() + parts[1].tobytes()
+
+
+# ---------------------------------------------------------------------------------------
+# DirectReader
+
+
+def _file_of(path: Path, size: int, seed: int) -> bytes:
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+    path.write_bytes(data)
+    return data
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("tail", [0, 1, ALIGN - 1, 777])
+def test_read_at_returns_exactly_the_asked_bytes(tmp_path: Path, direct: bool, tail: int) -> None:
+    """A chunk in the middle of the file and the file's last chunk, whose end is unaligned."""
+    size = 6 * ALIGN + tail
+    path = tmp_path / "f"
+    data = _file_of(path, size, tail)
+    buf = aligned_buffer(8 * ALIGN)
+    buf[:] = 0xEE
+    reader = DirectReader(str(path), direct=direct)
+    try:
+        assert reader.read_at(buf, 2 * ALIGN + 100, ALIGN) == 2 * ALIGN + 100  # mid-file, unaligned length
+        assert buf[: 2 * ALIGN + 100].tobytes() == data[ALIGN : 3 * ALIGN + 100]
+        assert reader.read_at(buf, 2 * ALIGN + tail, 4 * ALIGN) == 2 * ALIGN + tail  # the file's last chunk
+        assert buf[: 2 * ALIGN + tail].tobytes() == data[4 * ALIGN :]
+        assert reader.read_at(buf, 3 * ALIGN, 4 * ALIGN) == 2 * ALIGN + tail  # asked past the end: short
+        assert reader.read_at(buf, ALIGN, size + ALIGN) == 0
+    finally:
+        reader.close()
+    assert reader.fd == -1 and reader.direct_fd == -1
+
+
+def test_read_at_an_unaligned_offset_or_into_a_tight_buffer_reads_through_the_cache(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    data = _file_of(path, 4 * ALIGN + 10, 3)
+    reader = DirectReader(str(path))
+    try:
+        buf = aligned_buffer(4 * ALIGN)
+        assert reader.read_at(buf, 2 * ALIGN, 100) == 2 * ALIGN
+        assert buf[: 2 * ALIGN].tobytes() == data[100 : 100 + 2 * ALIGN]
+        tight = aligned_buffer(ALIGN + 10)  # no room for the whole last block
+        assert reader.read_at(tight, ALIGN + 10, 3 * ALIGN) == ALIGN + 10
+        assert tight.tobytes() == data[3 * ALIGN :]
+        odd = aligned_buffer(3 * ALIGN)[1:]  # an unaligned address
+        assert reader.read_at(odd, ALIGN, 0) == ALIGN
+        assert odd[:ALIGN].tobytes() == data[:ALIGN]
+    finally:
+        reader.close()
+
+
+def _cached_pages(path: Path) -> int:
+    """Pages of ``path`` in the page cache (mincore(2) over a mapping of it, which reads nothing)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as mapped:
+        address = np.frombuffer(mapped, dtype=np.uint8).ctypes.data
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+        return sum(v & 1 for v in vec)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_direct_read_leaves_the_page_cache_alone(tmp_path: Path, direct: bool) -> None:
+    """Reading back this run's O_DIRECT downloads does not copy them through the cache."""
+    if fstype(tmp_path) not in ("ext4", "xfs", "btrfs"):
+        pytest.skip(f"{fstype(tmp_path)}: not a block filesystem, every page of it is cache")
+    size = 64 * ALIGN
+    path = tmp_path / "f"
+    _blank(path, size)
+    writer = DirectFile(str(path))
+    try:
+        writer.write_at(_filled(size, 5), 0)
+    finally:
+        writer.close()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert _cached_pages(path) == 0
+    reader = DirectReader(str(path), direct=direct)
+    try:
+        assert reader.is_direct == direct
+        assert reader.read_at(aligned_buffer(size), size, 0) == size
+    finally:
+        reader.close()
+    assert (_cached_pages(path) == 0) == direct
+
+
+def test_a_filesystem_that_refuses_o_direct_gets_buffered_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "f"
+    data = _file_of(path, 3 * ALIGN, 6)
+    real_open = os.open
+
+    def refusing_open(path: str, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    reader = DirectReader(str(path))
+    try:
+        assert not reader.is_direct
+        buf = aligned_buffer(3 * ALIGN)
+        assert reader.read_at(buf, 3 * ALIGN, 0) == 3 * ALIGN
+        assert buf.tobytes() == data
+    finally:
+        reader.close()
+
+
+def test_a_direct_read_refused_after_the_open_falls_back_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some filesystems take the O_DIRECT open and refuse the read (EINVAL)."""
+    path = tmp_path / "f"
+    data = _file_of(path, 3 * ALIGN, 7)
+    calls = []
+
+    def refusing(fd: int, buf: np.ndarray, offset: int) -> int:
+        calls.append(offset)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(directio, "_pread_direct", refusing)
+    reader = DirectReader(str(path))
+    try:
+        if not reader.is_direct:
+            pytest.skip("this filesystem refuses O_DIRECT at open")
+        buf = aligned_buffer(3 * ALIGN)
+        assert reader.read_at(buf, 2 * ALIGN, 0) == 2 * ALIGN
+        assert not reader.is_direct
+        assert reader.read_at(buf, ALIGN, 2 * ALIGN) == ALIGN
+        assert calls == [0]  # tried once, then buffered
+        assert buf[:ALIGN].tobytes() == data[2 * ALIGN :]
+    finally:
+        reader.close()

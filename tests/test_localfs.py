@@ -25,6 +25,7 @@ from azcp_cluster.localfs import (
     pwritev_all,
     temp_path,
 )
+from tests.conftest import fstype
 
 # ---------------------------------------------------------------------------------------
 # expand_dest
@@ -123,25 +124,12 @@ def test_prepare_truncates_a_leftover_temp(tmp_path: Path) -> None:
     assert Path(temp_path(dest, "empty")).stat().st_size == 0
 
 
-def _fstype(path: Path) -> str:
-    """The filesystem type of the mount holding ``path`` (from /proc/self/mountinfo)."""
-    best, fstype = "", ""
-    target = os.path.realpath(path)
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        mount = fields[4].replace("\\040", " ")
-        kind = fields[fields.index("-") + 1]
-        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
-            best, fstype = mount, kind
-    return fstype
-
-
 def test_prepare_reserves_the_blocks_where_the_filesystem_can(tmp_path: Path) -> None:
     size = 8 << 20
     prepare(str(tmp_path), "big", size)
     st = os.stat(temp_path(str(tmp_path), "big"))
     assert st.st_size == size
-    if _fstype(tmp_path) in ("ext4", "xfs", "btrfs", "tmpfs"):
+    if fstype(tmp_path) in ("ext4", "xfs", "btrfs", "tmpfs"):
         # Reserved, not a hole: ext4 lets O_DIRECT writes into reserved blocks of one file
         # run at once, and a full disk shows before the download.
         assert st.st_blocks * 512 >= size
