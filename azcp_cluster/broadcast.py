@@ -142,7 +142,9 @@ class Broadcaster:
                 # finished chunk goes to the writers now, not after the next read (which
                 # had left the disk without writes while the reads ran).
                 while not slot.ready.is_set():
-                    if inflight and MPI.Request.Testall(inflight[0][2]):
+                    if not inflight:
+                        slot.ready.wait()  # nothing to move meanwhile: no need to poll
+                    elif MPI.Request.Testall(inflight[0][2]):
                         self._retire(inflight.popleft(), writes)
                     else:
                         slot.ready.wait(POLL_NAP)
