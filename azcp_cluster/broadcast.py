@@ -32,6 +32,7 @@ from azcp_cluster.directio import ALIGN, DirectFile, DirectReader, aligned_buffe
 from azcp_cluster.errors import AzcpError, BroadcastError, InternalError
 from azcp_cluster.localfs import final_path, fs_error, temp_path
 from azcp_cluster.model import FileEntry
+from azcp_cluster.plan import round_up
 from azcp_cluster.schedule import Chunk, call_slices
 
 # Ranks compare error flags this often (in chunks): rare enough to cost nothing, often
@@ -57,7 +58,7 @@ class _Slot:
     def __init__(self, size: int) -> None:
         # Rounded up to whole blocks: an O_DIRECT read of a chunk with an unaligned end
         # (a file's last) reads the whole last block.
-        self.buffer = aligned_buffer(-(-size // ALIGN) * ALIGN, populate=True)
+        self.buffer = aligned_buffer(round_up(size, ALIGN), populate=True)
         self.ready = threading.Event()
         self.users = 0  # threads (writer, hasher) still reading the chunk in it
         self.lock = threading.Lock()

@@ -19,6 +19,7 @@ import os
 import numpy as np
 
 from azcp_cluster.localfs import preadv_all, pwritev_all
+from azcp_cluster.plan import round_up
 
 ALIGN = 4096
 # The x86-64 and arm64 (4 KiB base pages) size of a transparent huge page.
@@ -173,7 +174,7 @@ class DirectReader:
         ``buf`` has room for ``length`` rounded up, it reads that much (what lies past
         ``length`` is left in ``buf`` and not counted); otherwise the ordinary descriptor.
         """
-        span = -(-length // ALIGN) * ALIGN
+        span = round_up(length, ALIGN)
         if self.direct_fd >= 0 and offset % ALIGN == 0 and buf.ctypes.data % ALIGN == 0 and span <= len(buf):
             try:
                 return min(length, _pread_direct(self.direct_fd, buf[:span], offset))
