@@ -275,10 +275,8 @@ class Broadcaster:
                 if not current:
                     direct = self.direct and self._downloaded(chunk)
                     current.append((DirectReader(source, direct=direct), chunk.file))
-                reader = current[0][0]
-                if not reader.is_direct:
-                    self._advise_next(chunk)
-                got = reader.read_at(slot.buffer, chunk.length, chunk.offset)
+                self._advise_next(chunk)
+                got = current[0][0].read_at(slot.buffer, chunk.length, chunk.offset)
             except OSError as exc:
                 raise fs_error(exc, source, "read back") from None
             if got != chunk.length:
@@ -299,14 +297,22 @@ class Broadcaster:
         """
         return self.source_of(chunk.file) is None and not self.have[chunk.file]
 
+    def _reads_direct(self, chunk: Chunk) -> bool:
+        """Whether the owner will read the chunk with O_DIRECT (unless the filesystem refuses)."""
+        return self.direct and self._downloaded(chunk) and chunk.offset % ALIGN == 0
+
     def _advise_next(self, chunk: Chunk) -> None:
         """Ask the kernel to start reading this rank's next chunk to send while this one is read.
 
-        The owner's downloads went to disk with O_DIRECT, so nothing of them is cached; the
-        hint turns the next read into a cache hit without a thread of our own.
+        For a chunk read through the page cache (a local SOURCE, a copy this rank already
+        had, or a download at an unaligned offset), whatever the current one: the hint turns
+        the next read into a cache hit without a thread of our own. A chunk that will be
+        read with O_DIRECT gets none: the hint would read it a second time, into the cache.
         """
         for later in self._schedule[chunk.seq + 1 : chunk.seq + 1 + 4 * len(self.slots)]:
             if later.root == self.rank:
+                if self._reads_direct(later):
+                    return
                 try:
                     fd = os.open(self._source(later), os.O_RDONLY | os.O_CLOEXEC)
                     try:

@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-bcast-direct",
         action="store_true",
-        help="write received chunks through the page cache instead of O_DIRECT",
+        help="write received chunks, and read back the owners' downloads, through the page cache instead of O_DIRECT",
     )
     p.add_argument(
         "--shard-size",

@@ -61,6 +61,18 @@ def aligned_buffer(size: int, populate: bool = False) -> np.ndarray:
     return buf
 
 
+def aligned_buffers(size: int, count: int, populate: bool = False) -> list[np.ndarray]:
+    """``count`` page-aligned buffers of ``size`` bytes, cut from one :func:`aligned_buffer`.
+
+    One mapping for a pool: it asks for huge pages as a whole (buffers smaller than a huge
+    page share them) and carries one huge page of alignment slack for all, not one each.
+    The mapping lives as long as any of the buffers.
+    """
+    stride = round_up(size, ALIGN)
+    whole = aligned_buffer(stride * count, populate)
+    return [whole[i * stride : i * stride + size] for i in range(count)]
+
+
 def align_down(value: int, align: int = ALIGN) -> int:
     """Largest multiple of ``align`` that is <= ``value``."""
     return value - value % align
@@ -177,13 +189,19 @@ class DirectReader:
         span = round_up(length, ALIGN)
         if self.direct_fd >= 0 and offset % ALIGN == 0 and buf.ctypes.data % ALIGN == 0 and span <= len(buf):
             try:
-                return min(length, _pread_direct(self.direct_fd, buf[:span], offset))
+                got = min(length, _pread_direct(self.direct_fd, buf[:span], offset))
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 # The filesystem took the open but refuses the read: buffered from now on.
                 os.close(self.direct_fd)
                 self.direct_fd = -1
+            else:
+                if got < length:
+                    # Short before the end of the file (NFS and FUSE may answer so), or at
+                    # the end: the rest through the cache, which reads nothing at the end.
+                    got += preadv_all(self.fd, buf[got:length], offset + got)
+                return got
         return preadv_all(self.fd, buf[:length], offset)
 
     def close(self) -> None:
@@ -199,9 +217,10 @@ class DirectReader:
 def _pread_direct(fd: int, buf: np.ndarray, offset: int) -> int:
     """Fill ``buf`` (aligned, a whole number of blocks) from ``offset`` with O_DIRECT reads.
 
-    A read shorter than asked that is not a whole number of blocks met the end of the
-    file (a further read from its unaligned end would be refused); a whole-block short
-    read (Linux reads at most ~2 GiB a call) goes on.
+    A read shorter than asked that is not a whole number of blocks stops here (a further
+    O_DIRECT read from its unaligned end would be refused): at the end of the file, or on
+    a filesystem that answers short, where the caller reads the rest through the cache.
+    A whole-block short read (Linux reads at most ~2 GiB a call) goes on.
     """
     view = memoryview(buf)  # type: ignore[arg-type]
     total = 0

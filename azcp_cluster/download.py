@@ -24,7 +24,7 @@ import numpy as np
 
 from azcp_cluster.config import Config, MiB
 from azcp_cluster.credentials import Authorizer
-from azcp_cluster.directio import ALIGN, DirectFile, aligned_buffer
+from azcp_cluster.directio import ALIGN, DirectFile, aligned_buffers
 from azcp_cluster.errors import DownloadError
 from azcp_cluster.http1 import Connection, Head, ProtocolError, request_bytes
 from azcp_cluster.localfs import fs_error, temp_path
@@ -449,7 +449,7 @@ class WritePool:
     ) -> None:
         self.size = max(ALIGN, min(BUFFER_BYTES, round_up(cfg.block_size, ALIGN)))
         buffers = pool_buffers(cfg.concurrency) if buffers is None else buffers
-        self.free: deque[np.ndarray] = deque(aligned_buffer(self.size, populate) for _ in range(buffers))
+        self.free: deque[np.ndarray] = deque(aligned_buffers(self.size, buffers, populate))
         self.lock = threading.Lock()
         self.waiters: deque[asyncio.Future[None]] = deque()  # requests waiting for a buffer
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop of the current run

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from azcp_cluster.devtools import azurite
@@ -43,6 +46,19 @@ def fstype(path: Path) -> str:
         if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
             best, kind_of_best = mount, kind
     return kind_of_best
+
+
+def cached_pages(path: Path) -> int:
+    """Pages of ``path`` in the page cache (mincore(2) over a mapping of it, which reads nothing)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as mapped:
+        address = np.frombuffer(mapped, dtype=np.uint8).ctypes.data
+        vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+        return sum(v & 1 for v in vec)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from azcp_cluster.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import tricky_tree, with_traps
 from azcp_cluster.naming import MANIFEST_NAME
-from tests.conftest import assert_copies, run_cli, tree_of
+from tests.conftest import assert_copies, cached_pages, fstype, run_cli, tree_of
 
 RANKS = 4
 
@@ -355,6 +355,32 @@ def test_broadcast_settings_give_identical_copies(
     shards = result.json["broadcast_shards"]
     if "--shard-size" in options:  # the files above the shard size were split over owners
         assert shards > len(expected)
+
+
+def test_the_copies_do_not_pass_through_the_page_cache(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    """Downloads, read-back by their owners and receivers' writes all bypass the cache.
+
+    A staging run should not evict the job's working set for data it only passes on:
+    each owner reads its download back with O_DIRECT, without read-ahead hints for it.
+    """
+    if fstype(tmp_path) not in ("ext4", "xfs", "btrfs"):
+        pytest.skip(f"{fstype(tmp_path)}: not a block filesystem, every page of it is cache")
+    container = _container()
+    blobs = {f"w/{i}.bin": bytes([i]) * MiB for i in range(RANKS)}  # whole pages: no buffered tail
+    azurite.upload(emulator, container, blobs)
+    result = run_cli(
+        [emulator.url(container, "w"), str(tmp_path / "{rank}"), "--bcast-chunk", "256KiB"],
+        env=emulator.key_env(),
+        json_path=tmp_path / "r.json",
+    )
+    assert result.returncode == 0, result.output
+    assert result.json is not None and result.json["broadcast_bytes"] == RANKS * MiB
+    copies = {(rank, i): tmp_path / str(rank) / f"{i}.bin" for rank in range(RANKS) for i in range(RANKS)}
+    cached = {key: cached_pages(copy) for key, copy in copies.items()}
+    assert set(cached.values()) == {0}, cached
+    for (_, i), copy in copies.items():
+        assert copy.read_bytes() == blobs[f"w/{i}.bin"]
+        assert cached_pages(copy) > 0  # reading it through the cache shows: the check can see it
 
 
 def test_buffers_beyond_memory_are_refused(emulator: azurite.Emulator, tmp_path: Path) -> None:
