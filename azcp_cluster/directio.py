@@ -78,17 +78,20 @@ def align_down(value: int, align: int = ALIGN) -> int:
     return value - value % align
 
 
-class DirectFile:
-    """An existing file opened for positional writes, O_DIRECT where possible."""
+class _Descriptors:
+    """An existing file opened twice: an ordinary descriptor, and an O_DIRECT one where possible."""
 
-    def __init__(self, path: str, direct: bool = True) -> None:
+    def __init__(self, path: str, mode: int, direct: bool) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        self.fd = os.open(path, mode | os.O_CLOEXEC)
         self.direct_fd = -1
-        self.refused = False  # the filesystem refused O_DIRECT: the caller may warn once
+        # The filesystem refused O_DIRECT, at the open or at the first I/O: the caller may
+        # warn once. A descriptor refused later stays open until close(): other threads may
+        # be using it at the same moment.
+        self.refused = False
         if direct and hasattr(os, "O_DIRECT"):
             try:
-                self.direct_fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT)
+                self.direct_fd = os.open(path, mode | os.O_CLOEXEC | os.O_DIRECT)
             except OSError as exc:
                 if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     os.close(self.fd)
@@ -97,8 +100,24 @@ class DirectFile:
 
     @property
     def is_direct(self) -> bool:
-        """Whether aligned writes bypass the page cache."""
+        """Whether aligned I/O bypasses the page cache."""
         return self.direct_fd >= 0 and not self.refused
+
+    def close(self) -> None:
+        """Close both descriptors (no fsync: the finalize step does that once per file)."""
+        if self.direct_fd >= 0:
+            os.close(self.direct_fd)
+            self.direct_fd = -1
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class DirectFile(_Descriptors):
+    """An existing file opened for positional writes, O_DIRECT where possible."""
+
+    def __init__(self, path: str, direct: bool = True) -> None:
+        super().__init__(path, os.O_WRONLY, direct)
 
     def write_at(self, data: np.ndarray, offset: int) -> int:
         """Write all of ``data`` (a 1-D uint8 array, page-aligned for O_DIRECT) at ``offset``."""
@@ -126,8 +145,6 @@ class DirectFile:
                     if exc.errno != errno.EINVAL:
                         raise
                     # The filesystem took the open but refuses the write: go buffered for good.
-                    # The descriptor stays open until close(): other threads may be writing
-                    # through this file at the same moment.
                     self.refused = True
                     done = 0
         if done < length:
@@ -141,43 +158,18 @@ class DirectFile:
             return False
         return all(int(p.shape[0]) % ALIGN == 0 for p in parts[:-1])
 
-    def close(self) -> None:
-        """Close both descriptors (no fsync: the finalize step does that once per file)."""
-        if self.direct_fd >= 0:
-            os.close(self.direct_fd)
-            self.direct_fd = -1
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
-
-class DirectReader:
+class DirectReader(_Descriptors):
     """An existing file opened for positional reads, O_DIRECT where possible.
 
     For data known not to be in the page cache (what this run wrote with O_DIRECT): a
     buffered read copies it through the cache, in the kernel's read-ahead sizes, and
     leaves it there. Read back this way by their owners, the benchmark's broadcast of
     512 MiB on 2 ranks went from about 630 to about 850 MiB/s per receiver.
-
-    One thread reads through it at a time (a broadcast's read-ahead thread).
     """
 
     def __init__(self, path: str, direct: bool = True) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self.direct_fd = -1
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self.direct_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-            except OSError as exc:
-                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                    os.close(self.fd)
-                    raise
-
-    @property
-    def is_direct(self) -> bool:
-        """Whether aligned reads bypass the page cache."""
-        return self.direct_fd >= 0
+        super().__init__(path, os.O_RDONLY, direct)
 
     def read_at(self, buf: np.ndarray, length: int, offset: int) -> int:
         """Read ``length`` bytes at ``offset`` into the start of ``buf``; fewer only at end of file.
@@ -187,15 +179,13 @@ class DirectReader:
         ``length`` is left in ``buf`` and not counted); otherwise the ordinary descriptor.
         """
         span = round_up(length, ALIGN)
-        if self.direct_fd >= 0 and offset % ALIGN == 0 and buf.ctypes.data % ALIGN == 0 and span <= len(buf):
+        if self.is_direct and offset % ALIGN == 0 and buf.ctypes.data % ALIGN == 0 and span <= len(buf):
             try:
-                got = min(length, _pread_direct(self.direct_fd, buf[:span], offset))
+                got = min(length, self._read_direct(buf[:span], offset))
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                # The filesystem took the open but refuses the read: buffered from now on.
-                os.close(self.direct_fd)
-                self.direct_fd = -1
+                self.refused = True  # the filesystem took the open but refuses the read
             else:
                 if got < length:
                     # Short before the end of the file (NFS and FUSE may answer so), or at
@@ -204,34 +194,10 @@ class DirectReader:
                 return got
         return preadv_all(self.fd, buf[:length], offset)
 
-    def close(self) -> None:
-        """Close both descriptors."""
-        if self.direct_fd >= 0:
-            os.close(self.direct_fd)
-            self.direct_fd = -1
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def _pread_direct(fd: int, buf: np.ndarray, offset: int) -> int:
-    """Fill ``buf`` (aligned, a whole number of blocks) from ``offset`` with O_DIRECT reads.
-
-    A read shorter than asked that is not a whole number of blocks stops here (a further
-    O_DIRECT read from its unaligned end would be refused): at the end of the file, or on
-    a filesystem that answers short, where the caller reads the rest through the cache.
-    A whole-block short read (Linux reads at most ~2 GiB a call) goes on.
-    """
-    view = memoryview(buf)  # type: ignore[arg-type]
-    total = 0
-    while total < len(view):
-        got = os.preadv(fd, [view[total:]], offset + total)
-        if got <= 0:
-            break
-        total += got
-        if got % ALIGN:
-            break
-    return total
+    def _read_direct(self, buf: np.ndarray, offset: int) -> int:
+        # A short read off a block boundary ends it: a further O_DIRECT read from there
+        # would be refused (read_at reads any rest through the cache).
+        return preadv_all(self.direct_fd, buf, offset, block=ALIGN)
 
 
 def _skip(parts: list[np.ndarray], count: int) -> list[np.ndarray]:

@@ -203,10 +203,12 @@ def pwritev_all(fd: int, buffers: list[memoryview] | list[bytes], offset: int) -
     return total
 
 
-def preadv_all(fd: int, buf: np.ndarray, offset: int) -> int:
+def preadv_all(fd: int, buf: np.ndarray, offset: int, block: int = 1) -> int:
     """Fill ``buf`` from ``offset``, looping over short reads (Linux reads at most ~2 GiB a call).
 
-    Returns the bytes read: less than ``len(buf)`` only at end of file.
+    Returns the bytes read: less than ``len(buf)`` at end of file, or where a read came back
+    short of a multiple of ``block`` (O_DIRECT reads, which can only go on from an aligned
+    offset, pass the alignment).
     """
     view = memoryview(buf)  # type: ignore[arg-type]
     total = 0
@@ -215,6 +217,8 @@ def preadv_all(fd: int, buf: np.ndarray, offset: int) -> int:
         if got <= 0:
             break
         total += got
+        if got % block:
+            break
     return total
 
 

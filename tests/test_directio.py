@@ -173,9 +173,9 @@ def test_direct_is_used_where_the_filesystem_allows(tmp_path: Path) -> None:
     assert os.path.getsize(path) == ALIGN
 
 
-def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def no_direct_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem that refuses O_DIRECT at open (EINVAL), as some FUSE mounts and old tmpfs do."""
     real_open = os.open
 
     def refusing_open(path: str, flags: int, *args: int) -> int:
@@ -184,6 +184,10 @@ def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", refusing_open)
+
+
+@pytest.mark.usefixtures("no_direct_open")
+def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(tmp_path: Path) -> None:
     path = tmp_path / "f"
     _blank(path, 2 * ALIGN)
     data = _filled(2 * ALIGN, 9)
@@ -320,19 +324,10 @@ def test_a_direct_read_leaves_the_page_cache_alone(tmp_path: Path, direct: bool)
     assert (cached_pages(path) == 0) == direct
 
 
-def test_a_filesystem_that_refuses_o_direct_gets_buffered_reads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("no_direct_open")
+def test_a_filesystem_that_refuses_o_direct_gets_buffered_reads(tmp_path: Path) -> None:
     path = tmp_path / "f"
     data = _file_of(path, 3 * ALIGN, 6)
-    real_open = os.open
-
-    def refusing_open(path: str, flags: int, *args: int) -> int:
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", refusing_open)
     reader = DirectReader(str(path))
     try:
         assert not reader.is_direct
@@ -343,6 +338,15 @@ def test_a_filesystem_that_refuses_o_direct_gets_buffered_reads(
         reader.close()
 
 
+def _direct_reader(path: Path) -> DirectReader:
+    """A DirectReader of ``path`` that reads with O_DIRECT; the test is skipped where it cannot."""
+    reader = DirectReader(str(path))
+    if not reader.is_direct:
+        reader.close()
+        pytest.skip("this filesystem refuses O_DIRECT at open")
+    return reader
+
+
 def test_a_direct_read_refused_after_the_open_falls_back_for_good(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -351,18 +355,16 @@ def test_a_direct_read_refused_after_the_open_falls_back_for_good(
     data = _file_of(path, 3 * ALIGN, 7)
     calls = []
 
-    def refusing(fd: int, buf: np.ndarray, offset: int) -> int:
+    def refusing(self: DirectReader, buf: np.ndarray, offset: int) -> int:
         calls.append(offset)
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(directio, "_pread_direct", refusing)
-    reader = DirectReader(str(path))
+    monkeypatch.setattr(DirectReader, "_read_direct", refusing)
+    reader = _direct_reader(path)
     try:
-        if not reader.is_direct:
-            pytest.skip("this filesystem refuses O_DIRECT at open")
         buf = aligned_buffer(3 * ALIGN)
         assert reader.read_at(buf, 2 * ALIGN, 0) == 2 * ALIGN
-        assert not reader.is_direct
+        assert not reader.is_direct and reader.refused
         assert reader.read_at(buf, ALIGN, 2 * ALIGN) == ALIGN
         assert calls == [0]  # tried once, then buffered
         assert buf[:ALIGN].tobytes() == data[2 * ALIGN :]
@@ -376,16 +378,14 @@ def test_a_direct_read_cut_short_before_the_end_is_finished_through_the_cache(
     """NFS and FUSE may answer an O_DIRECT read with fewer bytes than asked mid-file."""
     path = tmp_path / "f"
     data = _file_of(path, 8 * ALIGN, 8)
-    real = directio._pread_direct
+    real = DirectReader._read_direct
 
-    def short(fd: int, buf: np.ndarray, offset: int) -> int:
-        return min(real(fd, buf, offset), 1000)  # as if only 1000 bytes had come
+    def short(self: DirectReader, buf: np.ndarray, offset: int) -> int:
+        return min(real(self, buf, offset), 1000)  # as if only 1000 bytes had come
 
-    monkeypatch.setattr(directio, "_pread_direct", short)
-    reader = DirectReader(str(path))
+    monkeypatch.setattr(DirectReader, "_read_direct", short)
+    reader = _direct_reader(path)
     try:
-        if not reader.is_direct:
-            pytest.skip("this filesystem refuses O_DIRECT at open")
         buf = aligned_buffer(4 * ALIGN)
         assert reader.read_at(buf, 4 * ALIGN, 2 * ALIGN) == 4 * ALIGN
         assert buf.tobytes() == data[2 * ALIGN : 6 * ALIGN]
