@@ -12,16 +12,18 @@ import dataclasses
 import io
 from typing import Any, TextIO
 
-from azcp_cluster.config import Config, parse_rate, parse_size
+from azcp_cluster.config import Config, parse_rate, parse_size, shown
 from azcp_cluster.errors import AzcpError, UsageError
-from azcp_cluster.report import Report
+from azcp_cluster.report import Report, check_json_path
 
 # The keyword options, by kind (the Config fields; sizes also accept "64MiB" strings).
 _SIZES = ("block_size", "bcast_chunk", "shard_size")
 _INTS = ("concurrency", "bcast_pipeline", "bcast_writers", "max_retries", *_SIZES)
 _OPTIONAL_INTS = ("source_rank", "download_ranks")
-_BOOLS = ("bcast_direct", "dry_run", "verify", "progress")
+_BOOLS = ("bcast_direct", "dry_run", "progress")
 _FLOATS = ("read_timeout", "connect_timeout")
+_OPTIONAL_FLOATS = ("lock_timeout",)
+_STRINGS = ("compare", "auth", "lock")
 _GLOBS = ("include", "exclude")
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in ("source", "dest"))
 
@@ -33,7 +35,11 @@ def _convert(name: str, value: Any) -> Any:
     if name == "max_bandwidth" and isinstance(value, str):
         return parse_rate(value)
     if name == "max_bandwidth" and (value is None or (isinstance(value, int | float) and not isinstance(value, bool))):
-        return None if value is None else float(value)
+        return None if value is None else _float(name, value)
+    if name == "verify" and isinstance(value, bool):
+        return "disk" if value else ""  # verify=True: the default mode, as a bare --verify
+    if name == "verify" and isinstance(value, str):
+        return value
     if name in _GLOBS:
         globs = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list | tuple) else None
         if globs is None or not all(isinstance(g, str) for g in globs):
@@ -47,12 +53,22 @@ def _convert(name: str, value: Any) -> Any:
     if name in _BOOLS and isinstance(value, bool):
         return value
     if name in _FLOATS and (is_int or isinstance(value, float)):
-        return float(value)
-    if name in ("compare", "auth") and isinstance(value, str):
+        return _float(name, value)
+    if name in _OPTIONAL_FLOATS and (value is None or is_int or isinstance(value, float)):
+        return None if value is None else _float(name, value)
+    if name in _STRINGS and isinstance(value, str):
         return value
     if name == "json_path" and (value is None or isinstance(value, str)):
         return value
-    raise UsageError(f"option {name} cannot be {value!r}")
+    raise UsageError(f"option {name} cannot be {shown(value)}")
+
+
+def _float(name: str, value: float) -> float:
+    """``value`` as a float; an int too large for one is a :class:`UsageError`, not an OverflowError."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise UsageError(f"option {name} cannot be {shown(value)}: beyond any supported value") from None
 
 
 def make_config(source: str, dest: str, options: dict[str, Any]) -> Config:
@@ -67,7 +83,9 @@ def make_config(source: str, dest: str, options: dict[str, Any]) -> Config:
     if not isinstance(source, str) or not isinstance(dest, str):
         raise UsageError("source and dest must be strings")
     values = {name: _convert(name, value) for name, value in options.items()}
-    return Config(source=source, dest=dest, **values).validate()
+    cfg = Config(source=source, dest=dest, **values).validate()
+    check_json_path(cfg.json_path)
+    return cfg
 
 
 def stage(
@@ -84,7 +102,8 @@ def stage(
 
     ``source`` and ``dest`` are as on the command line (a blob URL or a local path; ``{rank}``
     and ``{host}`` expand in ``dest``). ``options`` are the command line's options with
-    underscores (``bcast_chunk="64MiB"``, ``compare="etag"``, ``verify=True``, ...; see
+    underscores (``bcast_chunk="64MiB"``, ``compare="etag"``, ``verify=True`` (``"disk"``;
+    or ``verify="stream"``), ``lock="fail"``, ...; see
     :data:`OPTIONS`). The report lines go to ``out`` (default stdout) on rank 0 unless
     ``quiet``; ``json_path`` writes the JSON report there (rank 0), as ``--json`` does.
 

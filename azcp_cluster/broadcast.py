@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from azcp_cluster.cluster import PeerFailed
-from azcp_cluster.directio import ALIGN, DirectFile, DirectReader, aligned_buffer
-from azcp_cluster.errors import AzcpError, BroadcastError, InternalError
-from azcp_cluster.localfs import final_path, fs_error, temp_path
+from azcp_cluster.desttree import DestTree, source_opener
+from azcp_cluster.directio import ALIGN, DirectFile, DirectReader, Opener, aligned_buffer
+from azcp_cluster.errors import AzcpError, BroadcastError, InternalError, SourceError
+from azcp_cluster.localfs import fs_error
+from azcp_cluster.localsource import local_etag
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import round_up
 from azcp_cluster.schedule import Chunk, call_slices
@@ -71,7 +73,7 @@ class Broadcaster:
         self,
         comm: Any,
         files: Sequence[FileEntry],
-        dest: str,
+        tree: DestTree,
         chunk_size: int,
         *,
         pipeline: int = 4,
@@ -81,13 +83,14 @@ class Broadcaster:
         verify: bool = False,
         on_bytes: Callable[[int], None] = lambda n: None,
         source_of: Callable[[int], str | None] | None = None,
+        stop_requested: Callable[[], AzcpError | None] = lambda: None,
     ) -> None:
         if pipeline < 1 or writers < 1:
             raise ValueError("pipeline and writers must be at least 1")
         self.comm = comm
         self.rank = comm.Get_rank()
         self.files = files
-        self.dest = dest
+        self.tree = tree
         self.direct = direct
         # Files this rank already has under their final names: it sends them from there
         # (peers before Azure) and does not write them again.
@@ -96,6 +99,9 @@ class Broadcaster:
         # temporary file, so it writes its own copy of what it sends like a receiver.
         self.source_of = source_of if source_of is not None else (lambda index: None)
         self.on_bytes = on_bytes
+        # Polled at every chunk (a SIGINT/SIGTERM this rank got): its error fails this rank
+        # like a local one, so the next check stops every rank at the same chunk.
+        self.stop_requested = stop_requested
         self.stats = BroadcastStats()
         self.slots = [_Slot(chunk_size) for _ in range(pipeline)]
         self.writer_count = writers
@@ -106,6 +112,9 @@ class Broadcaster:
         # hashes whole files as they stream past (no second read of anything it wrote).
         self.verify = verify
         self.digests: dict[int, str] = {}
+        # A local SOURCE's files that changed while they were read (or since they were
+        # listed): their copies are torn, and the pipeline reads them again or fails.
+        self.changed: set[int] = set()
 
     # -- the MPI side (main thread) -------------------------------------------------------
 
@@ -156,6 +165,10 @@ class Broadcaster:
                     for start, stop in call_slices(chunk.length)
                 ]
                 inflight.append((chunk, slot, requests))
+                if self._error is None:
+                    stop = self.stop_requested()  # a signal: never leave here, stop at the check
+                    if stop is not None:
+                        self._fail(stop)
                 if (chunk.seq + 1) % CHECK_EVERY == 0:
                     failed = self.comm.allreduce(0 if self._error is None else 1) > 0
                     if failed:
@@ -262,25 +275,37 @@ class Broadcaster:
                 done(chunk, slot)
 
     def _reader(self, jobs: queue.SimpleQueue[tuple[Chunk, _Slot] | None]) -> None:
-        # One file stays open across its chunks: (reader, file index).
-        current: list[tuple[DirectReader, int]] = []
+        # One file stays open across its chunks: (reader, file index, its stat when opened).
+        current: list[tuple[DirectReader, int, os.stat_result]] = []
 
         def read(chunk: Chunk, slot: _Slot) -> None:
             if self._error is not None:
                 return
-            source = self._source(chunk)
+            shown, opener = self._source(chunk)
+            outside = self.source_of(chunk.file) is not None
             try:
                 if current and current[0][1] != chunk.file:
                     current.pop()[0].close()
                 if not current:
                     direct = self.direct and self._downloaded(chunk)
-                    current.append((DirectReader(source, direct=direct), chunk.file))
+                    reader = DirectReader(shown, direct=direct, opener=opener)
+                    current.append((reader, chunk.file, os.fstat(reader.fd)))
+                    if outside and not self._as_listed(chunk.file, current[0][2]):
+                        self.changed.add(chunk.file)  # changed since it was listed
                 self._advise_next(chunk)
-                got = current[0][0].read_at(slot.buffer, chunk.length, chunk.offset)
+                reader, _, opened = current[0]
+                got = reader.read_at(slot.buffer, chunk.length, chunk.offset)
+                if outside and chunk.last_of_file and not _same_version(opened, os.fstat(reader.fd)):
+                    self.changed.add(chunk.file)  # written to while it was read
             except OSError as exc:
-                raise fs_error(exc, source, "read back") from None
+                if outside:
+                    raise SourceError(f"cannot read the file: {exc.strerror or exc}", path=shown) from None
+                raise fs_error(exc, shown, "read back") from None
             if got != chunk.length:
-                raise BroadcastError(f"short read ({got} of {chunk.length} bytes)", path=source)
+                if outside:
+                    self.changed.add(chunk.file)  # shorter than listed: truncated meanwhile
+                    return
+                raise BroadcastError(f"short read ({got} of {chunk.length} bytes)", path=shown)
 
         try:
             self._serve(jobs, read, lambda chunk, slot: slot.ready.set(), "read-ahead")
@@ -314,12 +339,12 @@ class Broadcaster:
                 if self._reads_direct(later):
                     return
                 try:
-                    fd = os.open(self._source(later), os.O_RDONLY | os.O_CLOEXEC)
+                    fd = self._source(later)[1](os.O_RDONLY)
                     try:
                         os.posix_fadvise(fd, later.offset, later.length, os.POSIX_FADV_WILLNEED)
                     finally:
                         os.close(fd)
-                except OSError:
+                except (OSError, AzcpError):
                     pass  # only a hint
                 return
 
@@ -328,7 +353,8 @@ class Broadcaster:
             if self._error is not None:
                 return
             try:
-                target = DirectFile(self._path(chunk), direct=self.direct)
+                rel = self.files[chunk.file].path
+                target = DirectFile(self._path(chunk), direct=self.direct, opener=self.tree.opener(rel, temp=True))
                 try:
                     target.write_at(slot.buffer[: chunk.length], chunk.offset)
                 finally:
@@ -355,15 +381,33 @@ class Broadcaster:
         self._serve(jobs, update, self._done_with, "hashing")
 
     def _path(self, chunk: Chunk) -> str:
-        return temp_path(self.dest, self.files[chunk.file].path)
+        return self.tree.temp_shown(self.files[chunk.file].path)
 
-    def _source(self, chunk: Chunk) -> str:
-        """Where the owner reads a chunk: the local SOURCE, its complete copy, or its download."""
+    def _source(self, chunk: Chunk) -> tuple[str, Opener]:
+        """Where the owner reads a chunk (for messages, and its opener): the local SOURCE, its
+        complete copy, or its download."""
         outside = self.source_of(chunk.file)
         if outside is not None:
-            return outside
+            return outside, source_opener(outside)
         rel = self.files[chunk.file].path
-        return final_path(self.dest, rel) if self.have[chunk.file] else temp_path(self.dest, rel)
+        if self.have[chunk.file]:
+            return self.tree.shown(rel), self.tree.opener(rel, temp=False)
+        return self.tree.temp_shown(rel), self.tree.opener(rel, temp=True)
+
+    def _as_listed(self, index: int, st: os.stat_result) -> bool:
+        """Whether a local SOURCE file opened now is the version that was listed."""
+        entry = self.files[index]
+        return st.st_size == entry.size and local_etag(st) == entry.etag
+
+
+def _same_version(before: os.stat_result, after: os.stat_result) -> bool:
+    """Whether a file was left alone between two stats (size, mtime and ctime: a write moves
+    mtime, and a write that sets mtime back still moves ctime)."""
+    return (before.st_size, before.st_mtime_ns, before.st_ctime_ns) == (
+        after.st_size,
+        after.st_mtime_ns,
+        after.st_ctime_ns,
+    )
 
 
 def _wait(requests: list[Any]) -> None:

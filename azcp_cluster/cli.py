@@ -11,8 +11,29 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from azcp_cluster import __version__
-from azcp_cluster.config import AUTH_METHODS, Config, parse_rate, parse_size
-from azcp_cluster.errors import EXIT_CODES, AzcpError, InternalError, UsageError, exit_code_for
+from azcp_cluster.config import (
+    AUTH_METHODS,
+    LOCK_MODES,
+    MAX_BANDWIDTH_LIMIT,
+    MAX_BCAST_CHUNK,
+    MAX_BCAST_PIPELINE,
+    MAX_BCAST_WRITERS,
+    MAX_BLOCK_SIZE,
+    MAX_CONCURRENCY,
+    MAX_LOCK_TIMEOUT,
+    MAX_READ_TIMEOUT,
+    MAX_RETRIES_LIMIT,
+    MIN_BCAST_CHUNK,
+    MIN_BLOCK_SIZE,
+    MIN_SHARD_SIZE,
+    VERIFY_MODES,
+    Config,
+    parse_rate,
+    parse_size,
+    shown,
+)
+from azcp_cluster.errors import EXIT_CODES, AzcpError, InternalError, ReportPathError, UsageError, exit_code_for
+from azcp_cluster.report import check_json_path
 
 EPILOG = "exit codes:\n" + "\n".join(f"  {code}  {text}" for code, text in EXIT_CODES.items())
 
@@ -47,6 +68,14 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
+def _units(n: int) -> str:
+    """A size limit as the options are written: ``64KiB``, ``16GiB``."""
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -55,13 +84,26 @@ def _size(text: str) -> int:
 
 
 def _seconds(text: str) -> float:
+    """A number of seconds; its range (nan and inf included) is Config.validate's to check."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
-    if not 0 < value < float("inf"):  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a number of seconds greater than zero (got {text!r})")
-    return value
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {shown(text)}") from None
+
+
+# An integer option takes at most this many digits: int() would refuse more than 4300, and a
+# message would repeat them all; any range Config.validate accepts is far shorter.
+_INT_DIGITS = 20
+
+
+def _integer(text: str) -> int:
+    """A whole number (its range is Config.validate's to check), refused in one short line otherwise."""
+    digits = text.strip().lstrip("+-")
+    if not (digits.isascii() and digits.isdigit()):
+        raise argparse.ArgumentTypeError(f"invalid whole number {shown(text)}")
+    if len(digits.lstrip("0")) > _INT_DIGITS:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is far beyond the supported range")
+    return int(text)
 
 
 def _rate(text: str) -> float:
@@ -93,22 +135,37 @@ def build_parser() -> argparse.ArgumentParser:
         "(hash the local file, compare with the blob's Content-MD5 or the manifest's), 'none' (copy all); "
         "default size",
     )
-    p.add_argument("--concurrency", type=int, default=64, help="ranged GETs in flight per rank (default 64)")
-    p.add_argument("--block-size", type=_size, default="16MiB", help="bytes per ranged GET (default 16MiB)")
+    p.add_argument(
+        "--concurrency",
+        type=_integer,
+        default=64,
+        help=f"ranged GETs in flight per rank, 1 to {MAX_CONCURRENCY} (default 64)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=_size,
+        default="16MiB",
+        help=f"bytes per ranged GET, {_units(MIN_BLOCK_SIZE)} to {_units(MAX_BLOCK_SIZE)} (default 16MiB)",
+    )
     p.add_argument(
         "--bcast-chunk",
         type=_size,
         default="64MiB",
-        help="bytes per broadcast slot; split into MPI calls of at most 1GiB (default 64MiB)",
+        help=f"bytes per broadcast slot, {_units(MIN_BCAST_CHUNK)} to {_units(MAX_BCAST_CHUNK)}; split into MPI "
+        "calls of at most 1GiB (default 64MiB)",
     )
     p.add_argument(
         "--bcast-pipeline",
-        type=int,
+        type=_integer,
         default=4,
-        help="broadcasts in flight; memory per rank is pipeline x chunk (default 4 x 64MiB = 256MiB)",
+        help=f"broadcasts in flight, 1 to {MAX_BCAST_PIPELINE}; memory per rank is pipeline x chunk "
+        "(default 4 x 64MiB = 256MiB)",
     )
     p.add_argument(
-        "--bcast-writers", type=int, default=2, help="threads writing received chunks to disk per rank (default 2)"
+        "--bcast-writers",
+        type=_integer,
+        default=2,
+        help=f"threads writing received chunks to disk per rank, 1 to {MAX_BCAST_WRITERS} (default 2)",
     )
     p.add_argument(
         "--no-bcast-direct",
@@ -119,17 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard-size",
         type=_size,
         default="1GiB",
-        help="files larger than this are split into byte ranges fetched by several ranks (default 1GiB)",
+        help=f"files larger than this are split into byte ranges fetched by several ranks; at least "
+        f"{_units(MIN_SHARD_SIZE)} (default 1GiB)",
     )
     p.add_argument(
         "--source-rank",
-        type=int,
+        type=_integer,
         metavar="R",
         help="local SOURCE: the rank that reads it (default: the lowest rank that can see it); no other rank opens it",
     )
     p.add_argument(
         "--download-ranks",
-        type=int,
+        type=_integer,
         metavar="K",
         help="only K ranks download from Azure, spread over the nodes (default: every rank); fewer clients "
         "for a throttled account",
@@ -140,15 +198,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RATE",
         help="cap the cluster's aggregate download, split over the downloading ranks: 25Gbps, 800Mb/s "
         "(bits), 3GiB/s, 500MB/s (bytes) or bytes per second; stays under a storage account's egress "
-        "limit instead of meeting its 503s (default: no cap)",
+        f"limit instead of meeting its 503s; greater than 0, at most {MAX_BANDWIDTH_LIMIT:.0e} bytes per "
+        "second, i.e. 8000Tbps (default: no cap)",
     )
-    p.add_argument("--max-retries", type=int, default=5, help="retries per request before giving up (default 5)")
+    p.add_argument(
+        "--max-retries",
+        type=_integer,
+        default=5,
+        help=f"retries per request before giving up, 0 to {MAX_RETRIES_LIMIT} (default 5)",
+    )
     p.add_argument(
         "--read-timeout",
         type=_seconds,
         default=60.0,
         metavar="SECONDS",
-        help="a request whose response sends nothing for this long is abandoned and retried (default 60)",
+        help="a request whose response sends nothing for this long is abandoned and retried; greater than 0, "
+        f"at most {MAX_READ_TIMEOUT:.0f} (default 60)",
     )
     p.add_argument(
         "--include",
@@ -162,16 +227,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--verify",
-        action="store_true",
-        help="MD5 of every file, computed as the bytes stream (skipped files are read from disk), compared "
-        "across ranks and with the blob's Content-MD5; a mismatch exits 7",
+        nargs="?",
+        const="disk",
+        default="",
+        choices=VERIFY_MODES,
+        metavar="MODE",
+        help="MD5 of every file, compared across ranks and with the blob's Content-MD5; a mismatch exits 7. "
+        "MODE 'disk' (a bare --verify): every copy is read back from disk after its fsync and hashed; "
+        "'stream': hashed as the bytes stream through each rank (skipped files are read from disk)",
+    )
+    p.add_argument(
+        "--lock",
+        choices=LOCK_MODES,
+        default="wait",
+        help="another run on the same DEST: 'wait' for it to finish (see --lock-timeout) or 'fail' at once; "
+        "exit 9 if it is still there (default wait)",
+    )
+    p.add_argument(
+        "--lock-timeout",
+        type=_seconds,
+        metavar="SECONDS",
+        help=f"how long --lock wait waits for another run on the same DEST before exiting 9; greater than 0, "
+        f"at most {MAX_LOCK_TIMEOUT:.0f} (7 days) (default: no limit)",
     )
     p.add_argument(
         "--dry-run",
         action="store_true",
         help="list, compare and print the plan (files and bytes per rank); write nothing",
     )
-    p.add_argument("--json", metavar="PATH", dest="json_path", help="write the report as JSON to PATH (rank 0)")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        dest="json_path",
+        help="write the report as JSON to PATH (rank 0); not a directory, not inside DEST",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal anyway)")
     p.add_argument(
         "--auth",
@@ -185,8 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: Sequence[str] | None) -> Config:
     """Parse the command line into a validated :class:`Config`."""
-    args = build_parser().parse_args(argv)
-    return Config(
+    args = build_parser().parse_args(normalise_verify(sys.argv[1:] if argv is None else argv))
+    cfg = Config(
         source=args.source,
         dest=args.dest,
         compare=args.compare,
@@ -209,7 +298,29 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
         source_rank=args.source_rank,
         download_ranks=args.download_ranks,
         max_bandwidth=args.max_bandwidth,
+        lock=args.lock,
+        lock_timeout=args.lock_timeout,
     ).validate()
+    check_json_path(cfg.json_path)
+    return cfg
+
+
+def normalise_verify(argv: Sequence[str]) -> list[str]:
+    """``--verify`` not followed by a mode becomes ``--verify=disk``.
+
+    The option takes an optional MODE, and argparse would otherwise take the next word
+    for it: ``--verify SRC DEST`` must keep SRC. An abbreviation (``--verif``) counts as
+    the option; nothing after ``--`` is touched.
+    """
+    out = list(argv)
+    for i, token in enumerate(out):
+        if token == "--":
+            break
+        if len(token) >= len("--veri") and "--verify".startswith(token):
+            following = out[i + 1] if i + 1 < len(out) else None
+            if following not in VERIFY_MODES:
+                out[i] = "--verify=disk"
+    return out
 
 
 def _comm() -> Any:
@@ -220,37 +331,66 @@ def _comm() -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``azcp-cluster``: returns the process exit code."""
-    try:
-        cfg = config_from_args(argv)
-    except UsageError as exc:
-        # Every rank parses the same arguments; print once (rank 0, or a plain process).
-        if _launcher_rank() == 0:
-            print(exc.one_line(), file=sys.stderr)
-        return exc.exit_code
-    comm = _comm()
-    from azcp_cluster.cluster import redact
-    from azcp_cluster.pipeline import run
+    import signal
 
+    from azcp_cluster.errors import Interrupted
+    from azcp_cluster.interrupts import Interrupts, signal_error
+
+    # SIGINT and SIGTERM are recorded from here on; the stages turn them into an agreed
+    # error (exit 130 / 143) at the next point where every rank can stop. The CLI only: the
+    # Python API leaves a host program's handlers alone. Put back when main returns.
+    interrupts = Interrupts()
+    interrupts.install()
+    comm: Any = None
     try:
-        report = run(cfg, comm)
-    except AzcpError as exc:
-        # The error was agreed by all ranks: every rank exits with its code, rank 0 speaks.
-        if comm.Get_rank() == 0:
-            print(exc.one_line(), file=sys.stderr)
-            rep = getattr(exc, "report", None)
-            if cfg.json_path and rep is not None:
-                _write_json(rep, cfg.json_path)
-        return exc.exit_code
+        try:
+            cfg = config_from_args(argv)
+        except UsageError as exc:
+            # Every rank parses the same arguments; print once (rank 0, or a plain process).
+            if _launcher_rank() == 0:
+                print(exc.one_line(), file=sys.stderr)
+            return exc.exit_code
+        comm = _comm()
+        from azcp_cluster.pipeline import run
+
+        try:
+            report = run(cfg, comm, interrupts=interrupts)
+        except AzcpError as exc:
+            # The error was agreed by all ranks (a signal's too): every rank exits with its
+            # code, rank 0 speaks and writes the JSON report.
+            if comm.Get_rank() == 0:
+                print(exc.one_line(), file=sys.stderr)
+                rep = getattr(exc, "report", None)
+                if cfg.json_path and rep is not None and not isinstance(exc, ReportPathError):
+                    _write_json(rep, cfg.json_path)
+            return exc.exit_code
+        if comm.Get_rank() == 0 and cfg.json_path:
+            _write_json(report, cfg.json_path)
+        return 0  # a signal after the last agreement does not undo a finished copy
     except BaseException as exc:
-        # Not agreed (a bug, or an interrupt outside a stage): the others may be waiting in
-        # a collective, so end the whole job rather than hang.
-        error = InternalError(f"unexpected {type(exc).__name__}: {redact(str(exc))}", rank=comm.Get_rank())
+        from azcp_cluster.cluster import redact
+
+        rank = None if comm is None else comm.Get_rank()
+        if isinstance(exc, KeyboardInterrupt | Interrupted):
+            # A signal outside any stage (a host's default handler, or before MPI is up):
+            # not a bug. Nothing to agree before MPI is up or alone; otherwise the others
+            # may be waiting in a collective, so end the job, with the signal's code.
+            stop = exc if isinstance(exc, Interrupted) else interrupts.error(rank) or signal_error(signal.SIGINT, rank)
+            if comm is not None or _launcher_rank() == 0:
+                print(stop.one_line(), file=sys.stderr, flush=True)
+            if comm is not None and comm.Get_size() > 1:
+                comm.Abort(stop.exit_code)
+            return stop.exit_code
+        if comm is None:
+            raise  # a bug before MPI is up: no other rank waits on this one
+        # Not agreed (a bug): the others may be waiting in a collective, so end the whole
+        # job rather than hang.
+        error = InternalError(f"unexpected {type(exc).__name__}: {redact(str(exc))}", rank=rank)
         print(error.one_line(), file=sys.stderr, flush=True)
         comm.Abort(exit_code_for(error))
         return exit_code_for(error)
-    if comm.Get_rank() == 0 and cfg.json_path:
-        _write_json(report, cfg.json_path)
-    return 0
+    finally:
+        interrupts.restore()
 
 
 def _write_json(report: Any, path: str) -> None:

@@ -7,19 +7,24 @@ collective, and the stage time reported is the slowest rank's.
 
 Ranks that are busy for a long time on their own (downloading) also watch for a
 :class:`FailureSignal`, so one rank's failure stops the others promptly.
+
+A SIGINT or SIGTERM (:mod:`azcp_cluster.interrupts`) becomes the rank's error at the end of
+its stage work and at every agreement, and counts as a failure for :meth:`Cluster.peer_failed`.
 """
 
 from __future__ import annotations
 
 import re
+import signal
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from azcp_cluster.errors import ERROR_CLASSES, AzcpError, InternalError
+from azcp_cluster.interrupts import Interrupts, signal_error
 
 _FAIL_TAG = 7071
 
@@ -83,8 +88,12 @@ def redact(text: str) -> str:
 class Cluster:
     """The ranks of one run, over an mpi4py communicator (passed in, never created here)."""
 
-    def __init__(self, comm: Any, clock: Callable[[], float]) -> None:
+    def __init__(self, comm: Any, clock: Callable[[], float], interrupts: Interrupts | None = None) -> None:
         self.comm = comm
+        # The CLI's signal recorder; by default one that is never installed, so never fires.
+        self.interrupts = interrupts if interrupts is not None else Interrupts()
+        if self.interrupts.rank is None:
+            self.interrupts.rank = comm.Get_rank()
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
         self.clock = clock
@@ -106,16 +115,42 @@ class Cluster:
         except PeerFailed:
             pass  # the failed rank reports; this one just stops
         except BaseException as exc:
-            if isinstance(exc, KeyboardInterrupt | SystemExit) and not isinstance(exc, AzcpError):
+            if isinstance(exc, KeyboardInterrupt):  # SIGINT under a host program's default handler
+                outcome.error = self.interrupted() or signal_error(signal.SIGINT, self.rank)
+            elif isinstance(exc, SystemExit):
                 outcome.error = InternalError(f"interrupted ({type(exc).__name__})", rank=self.rank)
             else:
                 outcome.error = as_azcp_error(exc, self.rank)
+        # Before the stage's own failure signalling (the download's), so a signal also stops the others.
+        self._note_interrupt(outcome)
+
+    def interrupted(self) -> AzcpError | None:
+        """The error for a SIGINT or SIGTERM this rank has received, or None (never blocks)."""
+        return self.interrupts.error(self.rank)
+
+    def abandonable(self) -> AbstractContextManager[None]:
+        """Rank-local work a signal may stop at once (see :meth:`Interrupts.abandonable`)."""
+        return self.interrupts.abandonable(self.rank)
+
+    def _note_interrupt(self, outcome: StageOutcome) -> None:
+        if outcome.error is None:
+            outcome.error = self.interrupted()
 
     def conclude(self, started: float, outcome: StageOutcome) -> StageResult:
         """End a stage on every rank: raise the agreed error, or return times and counters."""
         elapsed = self.clock() - started
+
+        def interrupted_while_waiting() -> None:
+            # A signal on a rank that waits here (nothing to download, a non-leader) also
+            # stops the ranks still downloading: they poll for the failure signal.
+            if outcome.error is None and self.interrupts.signum is not None:
+                self._note_interrupt(outcome)
+                self.signal_failure(outcome)
+
+        interrupted_while_waiting()
+        self.settle(interrupted_while_waiting)
+        interrupted_while_waiting()  # up to the last moment: the signal sent is drained below
         payload = error_payload(outcome.error) if outcome.error is not None else None
-        self.settle()
         gathered = self.comm.allgather((elapsed, payload, outcome.stats, outcome.notified))
         self._drain_signals([g[3] for g in gathered])
         errors = [g[1] for g in gathered if g[1] is not None]
@@ -123,8 +158,11 @@ class Cluster:
             raise error_from_payload(errors[0])
         return StageResult(seconds=max(g[0] for g in gathered), stats=[g[2] for g in gathered])
 
-    def settle(self) -> None:
+    def settle(self, between: Callable[[], None] | None = None) -> None:
         """Wait until every rank has arrived, napping instead of spinning a core.
+
+        ``between`` runs between the naps; it must not block. A signal never ends the wait
+        early: a rank that left would leave the others in a collective it never joins.
 
         MPI implementations busy-poll in blocking collectives. Ranks that wait long at an
         agreement (a node's non-leaders during the broadcast, everyone while rank 0 lists)
@@ -137,6 +175,8 @@ class Cluster:
         while not request.Test():
             time.sleep(nap)
             nap = min(nap * 2, 0.002)
+            if between is not None:
+                between()
 
     # -- failure signal -------------------------------------------------------------------
 
@@ -149,8 +189,8 @@ class Cluster:
         self._pending.extend(reqs)
 
     def peer_failed(self) -> bool:
-        """Whether some other rank has signalled a failure (non-blocking)."""
-        return bool(self._signal_comm.iprobe(tag=_FAIL_TAG))
+        """Whether some other rank has signalled a failure, or this one got a signal (non-blocking)."""
+        return self.interrupts.signum is not None or bool(self._signal_comm.iprobe(tag=_FAIL_TAG))
 
     def _drain_signals(self, notified: list[bool]) -> None:
         # Receive exactly the signals that were sent, so none is left in flight.

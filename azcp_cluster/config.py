@@ -35,6 +35,47 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 COMPARE_MODES = ("none", "size", "etag", "md5")
+# --verify MODE: "disk" reads every copy back from disk after the fsync and hashes it,
+# "stream" hashes the bytes as they stream through each rank. Config.verify is "" (off) or one of these.
+VERIFY_MODES = ("disk", "stream")
+# --lock: "wait" for another run on the same DEST to finish (up to --lock-timeout), "fail" at once (exit 9).
+LOCK_MODES = ("wait", "fail")
+
+# The range of every numeric option, checked by Config.validate (the CLI and the API alike).
+# Below these minimums a run makes absurdly many requests or MPI calls (64 KiB in 1-byte
+# GETs takes a minute); above the maximums a buffer cannot be allocated, or a number
+# overflows a float or a timer further down.
+MIN_BLOCK_SIZE = 64 * KiB
+MAX_BLOCK_SIZE = 1 * GiB
+MIN_BCAST_CHUNK = 64 * KiB
+MAX_BCAST_CHUNK = 16 * GiB
+MIN_SHARD_SIZE = 64 * KiB
+MAX_CONCURRENCY = 4096
+MAX_BCAST_PIPELINE = 256
+MAX_BCAST_WRITERS = 64
+MAX_RETRIES_LIMIT = 100
+MAX_READ_TIMEOUT = 86400.0  # seconds (a day); also the bound of the API's connect_timeout
+MAX_BANDWIDTH_LIMIT = 10**15  # bytes per second (8 Pb/s)
+_RATE_LIMIT_TEXT = "10**15 bytes per second (8000Tbps)"
+MAX_LOCK_TIMEOUT = 7 * 86400.0  # seconds (a week)
+# A number shown in a message is cut to this many characters (a value may have thousands of digits).
+_SHOWN_CHARS = 40
+
+
+def shown(value: object) -> str:
+    """``value`` for a one-line message: its repr for strings, cut short when it is very long."""
+    if isinstance(value, int) and value.bit_length() > 4 * _SHOWN_CHARS:  # str() refuses over 4300 digits
+        return f"a number of about {int(value.bit_length() * 0.30103) + 1} digits"
+    text = repr(value) if isinstance(value, str) else str(value)
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    return f"{text[: _SHOWN_CHARS - 10]}... ({len(text)} characters)"
+
+
+def _bytes_shown(n: int) -> str:
+    """A byte count for a message: ``1 bytes``, or shown() for one too long to print."""
+    text = shown(n)
+    return f"{text} bytes" if text.lstrip("-").isdigit() else text
 
 # --auth: "auto" tries them in the documented order; any other forces that one.
 AUTH_METHODS = (
@@ -79,19 +120,25 @@ def parse_rate(text: str) -> float:
     """
     match = _RATE_RE.match(text)
     if not match:
-        raise UsageError(f"invalid rate {text!r} (expected e.g. 25Gbps, 800Mb/s, 3GiB/s or bytes per second)")
+        raise UsageError(f"invalid rate {shown(text)} (expected e.g. 25Gbps, 800Mb/s, 3GiB/s or bytes per second)")
     number, unit = match.groups()
     if unit[:1] == "k":
         unit = "K" + unit[1:]
     if text.strip().endswith("ps") and unit and unit[-1] == "B":
-        raise UsageError(f"invalid rate {text!r}: 'ps' means bits per second, write e.g. 25Gbps or 3GB/s")
+        raise UsageError(f"invalid rate {shown(text)}: 'ps' means bits per second, write e.g. 25Gbps or 3GB/s")
     factor = _RATE_UNITS.get(unit)
     if factor is None:
-        raise UsageError(f"invalid rate unit in {text!r} (use bps, Kbps, Mbps, Gbps, B/s, MB/s, MiB/s, GiB/s)")
-    value = Fraction(number) * factor
-    if value <= 0:
-        raise UsageError(f"rate {text!r} must be greater than zero")
-    return float(value)
+        raise UsageError(f"invalid rate unit in {shown(text)} (use bps, Kbps, Mbps, Gbps, B/s, MB/s, MiB/s, GiB/s)")
+    try:
+        value = Fraction(number) * factor
+    except ValueError:  # more digits than int() converts
+        raise UsageError(f"rate {shown(text)} has too many digits") from None
+    if value > MAX_BANDWIDTH_LIMIT:  # before float(), which overflows past 1e308
+        raise UsageError(f"rate {shown(text)} is beyond the supported {_RATE_LIMIT_TEXT}")
+    rate = float(value)
+    if rate <= 0:  # also a positive rate too small for a float
+        raise UsageError(f"rate {shown(text)} must be greater than zero")
+    return rate
 
 
 def parse_size(text: str) -> int:
@@ -102,17 +149,17 @@ def parse_size(text: str) -> int:
     """
     match = _SIZE_RE.match(text)
     if not match:
-        raise UsageError(f"invalid size {text!r} (expected e.g. 64MiB, 1GiB, 512M or a byte count)")
+        raise UsageError(f"invalid size {shown(text)} (expected e.g. 64MiB, 1GiB, 512M or a byte count)")
     number, unit = match.groups()
     factor = _UNITS.get(unit.lower())
     if factor is None:
-        raise UsageError(f"invalid size unit in {text!r} (use B, KiB, MiB, GiB, TiB)")
+        raise UsageError(f"invalid size unit in {shown(text)} (use B, KiB, MiB, GiB, TiB)")
     try:
         value = Fraction(number) * factor  # exact: a float loses bytes above 2**53 and overflows to inf
     except ValueError:  # more digits than int() converts
-        raise UsageError(f"size {text!r} is too large") from None
+        raise UsageError(f"size {shown(text)} is too large") from None
     if value.denominator != 1:
-        raise UsageError(f"size {text!r} is not a whole number of bytes")
+        raise UsageError(f"size {shown(text)} is not a whole number of bytes")
     return int(value)
 
 
@@ -122,6 +169,18 @@ def format_bytes(n: float) -> str:
         if abs(n) >= factor:
             return f"{n / factor:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def json_inside_dest(json_real: str, dest_real: str) -> bool:
+    """Whether the ``--json`` report's real path is DEST's real path or lies below it.
+
+    Both are absolute real paths (``os.path.realpath``: resolved as far as they exist) of one
+    rank, DEST with ``{rank}`` and ``{host}`` expanded. A report inside DEST would be taken
+    for a stray file there, or replaced by a listed file of the same name.
+    """
+    json_norm = "/" + json_real.strip("/")
+    dest_norm = "/" + dest_real.strip("/")
+    return json_norm == dest_norm or json_norm.startswith(dest_norm.rstrip("/") + "/")
 
 
 @dataclass(frozen=True)
@@ -142,7 +201,9 @@ class Config:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     dry_run: bool = False
-    verify: bool = False
+    # "" (no verification), or one of VERIFY_MODES: "disk" (read every copy back after the
+    # fsync and hash it) or "stream" (hash the bytes as they stream). Truthy: some verification.
+    verify: str = ""
     json_path: str | None = None
     progress: bool = True
     # A local SOURCE: the rank that reads it (default: the lowest rank that sees it).
@@ -156,6 +217,10 @@ class Config:
     # Seconds before a request that sends no bytes is abandoned and retried.
     read_timeout: float = 60.0
     connect_timeout: float = 30.0
+    # Another run holding DEST: "wait" for it (at most lock_timeout seconds; None: no limit)
+    # or "fail" at once; either way, one that is still there ends the run with exit 9.
+    lock: str = "wait"
+    lock_timeout: float | None = None
 
     def validate(self) -> Config:
         """Check ranges and combinations; raise :class:`UsageError` naming the option."""
@@ -163,31 +228,52 @@ class Config:
             raise UsageError(f"--compare must be one of {', '.join(COMPARE_MODES)}, not {self.compare!r}")
         if self.auth not in AUTH_METHODS:
             raise UsageError(f"--auth must be one of {', '.join(AUTH_METHODS)}, not {self.auth!r}")
-        positive = {
-            "--concurrency": self.concurrency,
-            "--block-size": self.block_size,
-            "--bcast-chunk": self.bcast_chunk,
-            "--shard-size": self.shard_size,
+        sizes = {
+            "--block-size": (self.block_size, MIN_BLOCK_SIZE, MAX_BLOCK_SIZE),
+            "--bcast-chunk": (self.bcast_chunk, MIN_BCAST_CHUNK, MAX_BCAST_CHUNK),
+            "--shard-size": (self.shard_size, MIN_SHARD_SIZE, None),
         }
-        for name, value in positive.items():
-            if value <= 0:
-                raise UsageError(f"{name} must be greater than zero (got {value})")
-        if not 1 <= self.bcast_pipeline <= 256:
-            raise UsageError(f"--bcast-pipeline must be between 1 and 256 (got {self.bcast_pipeline})")
-        if not 1 <= self.bcast_writers <= 64:
-            raise UsageError(f"--bcast-writers must be between 1 and 64 (got {self.bcast_writers})")
+        for name, (size, low, high) in sizes.items():
+            if high is None and size < low:
+                raise UsageError(f"{name} must be at least {format_bytes(low)} (got {_bytes_shown(size)})")
+            if high is not None and not low <= size <= high:
+                raise UsageError(
+                    f"{name} must be between {format_bytes(low)} and {format_bytes(high)} (got {_bytes_shown(size)})"
+                )
+        counts = {
+            "--concurrency": (self.concurrency, 1, MAX_CONCURRENCY),
+            "--bcast-pipeline": (self.bcast_pipeline, 1, MAX_BCAST_PIPELINE),
+            "--bcast-writers": (self.bcast_writers, 1, MAX_BCAST_WRITERS),
+            "--max-retries": (self.max_retries, 0, MAX_RETRIES_LIMIT),
+        }
+        for name, (count, low, high) in counts.items():
+            if not low <= count <= high:
+                raise UsageError(f"{name} must be between {low} and {high} (got {shown(count)})")
         if self.source_rank is not None and self.source_rank < 0:
-            raise UsageError(f"--source-rank must be zero or more (got {self.source_rank})")
+            raise UsageError(f"--source-rank must be zero or more (got {shown(self.source_rank)})")
         if self.download_ranks is not None and self.download_ranks < 1:
-            raise UsageError(f"--download-ranks must be at least 1 (got {self.download_ranks})")
-        if self.max_bandwidth is not None and self.max_bandwidth <= 0:
-            raise UsageError(f"--max-bandwidth must be greater than zero (got {self.max_bandwidth})")
-        if self.max_retries < 0:
-            raise UsageError(f"--max-retries must be zero or more (got {self.max_retries})")
-        if self.concurrency > 4096:
-            raise UsageError(f"--concurrency {self.concurrency} is beyond the supported 4096")
-        if self.read_timeout <= 0 or self.connect_timeout <= 0:
-            raise UsageError("timeouts must be greater than zero")
+            raise UsageError(f"--download-ranks must be at least 1 (got {shown(self.download_ranks)})")
+        if self.max_bandwidth is not None and not 0 < self.max_bandwidth <= MAX_BANDWIDTH_LIMIT:  # also nan
+            raise UsageError(
+                f"--max-bandwidth must be greater than zero and at most {_RATE_LIMIT_TEXT} "
+                f"(got {shown(self.max_bandwidth)})"
+            )
+        timeouts = {
+            "--read-timeout": (self.read_timeout, MAX_READ_TIMEOUT),
+            "connect_timeout": (self.connect_timeout, MAX_READ_TIMEOUT),
+            "--lock-timeout": (self.lock_timeout, MAX_LOCK_TIMEOUT),
+        }
+        for name, (seconds, longest) in timeouts.items():
+            if seconds is not None and not 0 < seconds <= longest:  # also nan and inf
+                raise UsageError(
+                    f"{name} must be greater than 0 and at most {longest:.0f} seconds (got {shown(seconds)})"
+                )
+        if not isinstance(self.verify, str) or (self.verify and self.verify not in VERIFY_MODES):
+            raise UsageError(f"--verify must be one of {', '.join(VERIFY_MODES)}, not {shown(self.verify)}")
+        if self.lock not in LOCK_MODES:
+            raise UsageError(f"--lock must be one of {', '.join(LOCK_MODES)}, not {shown(self.lock)}")
+        if self.json_path is not None and not self.json_path:
+            raise UsageError("--json PATH is empty")
         if not self.source:
             raise UsageError("SOURCE is empty")
         if not self.dest:

@@ -15,11 +15,15 @@ import contextlib
 import errno
 import mmap
 import os
+from collections.abc import Callable
 
 import numpy as np
 
 from azcp_cluster.localfs import preadv_all, pwritev_all
 from azcp_cluster.plan import round_up
+
+# Opens a file with the flags given and returns the descriptor (see desttree.DestTree.opener).
+Opener = Callable[[int], int]
 
 ALIGN = 4096
 # The x86-64 and arm64 (4 KiB base pages) size of a transparent huge page.
@@ -79,11 +83,17 @@ def align_down(value: int, align: int = ALIGN) -> int:
 
 
 class _Descriptors:
-    """An existing file opened twice: an ordinary descriptor, and an O_DIRECT one where possible."""
+    """A file opened twice: an ordinary descriptor, and an O_DIRECT one where possible.
 
-    def __init__(self, path: str, mode: int, direct: bool) -> None:
+    ``opener`` opens the file with the flags it is given (``desttree.DestTree.opener`` for
+    names below DEST: no link followed, regular files only); both descriptors must reach
+    the same file, or the file was swapped between the two opens and is refused.
+    """
+
+    def __init__(self, path: str, mode: int, direct: bool, opener: Opener | None = None) -> None:
         self.path = path
-        self.fd = os.open(path, mode | os.O_CLOEXEC)
+        open_with: Opener = opener if opener is not None else (lambda flags: os.open(path, flags | os.O_CLOEXEC))
+        self.fd = open_with(mode)
         self.direct_fd = -1
         # The filesystem refused O_DIRECT, at the open or at the first I/O: the caller may
         # warn once. A descriptor refused later stays open until close(): other threads may
@@ -91,12 +101,20 @@ class _Descriptors:
         self.refused = False
         if direct and hasattr(os, "O_DIRECT"):
             try:
-                self.direct_fd = os.open(path, mode | os.O_CLOEXEC | os.O_DIRECT)
+                self.direct_fd = open_with(mode | os.O_DIRECT)
             except OSError as exc:
                 if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     os.close(self.fd)
                     raise
                 self.refused = True
+            except BaseException:
+                os.close(self.fd)
+                raise
+            else:
+                first, second = os.fstat(self.fd), os.fstat(self.direct_fd)
+                if (first.st_dev, first.st_ino) != (second.st_dev, second.st_ino):
+                    self.close()
+                    raise OSError(errno.ESTALE, "the file was replaced while it was opened")
 
     @property
     def is_direct(self) -> bool:
@@ -116,8 +134,8 @@ class _Descriptors:
 class DirectFile(_Descriptors):
     """An existing file opened for positional writes, O_DIRECT where possible."""
 
-    def __init__(self, path: str, direct: bool = True) -> None:
-        super().__init__(path, os.O_WRONLY, direct)
+    def __init__(self, path: str, direct: bool = True, opener: Opener | None = None) -> None:
+        super().__init__(path, os.O_WRONLY, direct, opener)
 
     def write_at(self, data: np.ndarray, offset: int) -> int:
         """Write all of ``data`` (a 1-D uint8 array, page-aligned for O_DIRECT) at ``offset``."""
@@ -168,8 +186,8 @@ class DirectReader(_Descriptors):
     512 MiB on 2 ranks went from about 630 to about 850 MiB/s per receiver.
     """
 
-    def __init__(self, path: str, direct: bool = True) -> None:
-        super().__init__(path, os.O_RDONLY, direct)
+    def __init__(self, path: str, direct: bool = True, opener: Opener | None = None) -> None:
+        super().__init__(path, os.O_RDONLY, direct, opener)
 
     def read_at(self, buf: np.ndarray, length: int, offset: int) -> int:
         """Read ``length`` bytes at ``offset`` into the start of ``buf``; fewer only at end of file.

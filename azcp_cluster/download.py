@@ -24,10 +24,11 @@ import numpy as np
 
 from azcp_cluster.config import Config, MiB
 from azcp_cluster.credentials import Authorizer
+from azcp_cluster.desttree import DestTree
 from azcp_cluster.directio import ALIGN, DirectFile, aligned_buffers
 from azcp_cluster.errors import DownloadError
 from azcp_cluster.http1 import Connection, Head, ProtocolError, request_bytes
-from azcp_cluster.localfs import fs_error, temp_path
+from azcp_cluster.localfs import fs_error
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import Shard, round_up
 from azcp_cluster.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
@@ -52,6 +53,8 @@ SPARE_BUFFERS = 8
 WRITER_THREADS = 4
 # How often the event loop checks whether another rank failed.
 PEER_POLL_SECONDS = 0.1
+# What a ranged GET of a blob that is no longer there fails with.
+BLOB_DELETED = "the blob was deleted during the copy; rerun to copy what is there now"
 
 
 def pool_buffers(concurrency: int) -> int:
@@ -114,7 +117,7 @@ class Downloader:
     def __init__(
         self,
         files: Sequence[FileEntry],
-        dest: str,
+        tree: DestTree,
         auth: Authorizer,
         cfg: Config,
         *,
@@ -126,7 +129,7 @@ class Downloader:
     ) -> None:
         self.files = files
         self.pacer = pacer  # --max-bandwidth: this rank's share of the cap
-        self.dest = dest
+        self.tree = tree  # the node's DEST: temporary files are opened through it, never by path
         self.auth = auth
         self.cfg = cfg
         self.peer_failed = peer_failed
@@ -272,7 +275,7 @@ class Downloader:
             # One timer per request for the head; the body is watched by the watchdog.
             head = await asyncio.wait_for(conn.request(request), self.cfg.read_timeout)
             if head.status not in (200, 206):
-                self._raise_for_status(head, entry)
+                await self._raise_for_status(head, entry)
             if head.status == 200 and not (block.offset == 0 and block.length == entry.size):
                 raise DownloadError("server ignored the Range header (HTTP 200 for a ranged GET)", path=entry.name)
             watch = _Watch(conn)
@@ -289,31 +292,58 @@ class Downloader:
             if not conn.reusable:  # an error response, a broken body, a cancelled request
                 link.drop()
 
-    def _raise_for_status(self, head: Head, entry: FileEntry) -> None:
+    async def _raise_for_status(self, head: Head, entry: FileEntry) -> None:
         status = head.status
         code = head.headers.get("x-ms-error-code", head.reason)
         if status in RETRYABLE_STATUS:
             retry_after = parse_retry_after(head.headers.get("retry-after"), time.time())
             raise _Retryable(str(status), retry_after)
         if status == 412:
+            # If-Match failed: the blob was replaced, or deleted (Azure and Azurite may answer
+            # a deleted blob's conditional GET with 412, not 404). Ask which.
+            if await self._blob_exists(entry) is False:
+                raise DownloadError(BLOB_DELETED, path=entry.name)
             raise DownloadError(
                 "the blob changed during the copy (its ETag no longer matches the listing); "
                 "rerun to copy the new version",
                 path=entry.name,
             )
         if status == 404:
-            raise DownloadError(f"the blob disappeared during the copy (HTTP 404, {code})", path=entry.name)
+            raise DownloadError(
+                f"the blob was deleted during the copy (HTTP 404, {code}); rerun to copy what is there now",
+                path=entry.name,
+            )
         if status in (401, 403):
             raise DownloadError(f"access denied (HTTP {status}, {code}); check the credentials", path=entry.name)
         raise DownloadError(f"unexpected HTTP {status} ({code})", path=entry.name)
+
+    async def _blob_exists(self, entry: FileEntry) -> bool | None:
+        """Whether blob ``entry`` still exists: a HEAD without If-Match on a new connection (None: no answer).
+
+        Authorized like the GETs (the same SAS in the URL, or bearer header). Any answer but
+        404 counts as "exists"; a failure to ask is "unknown", and the caller says "changed".
+        """
+        headers = {"x-ms-version": API_VERSION}
+        headers.update(self.auth.headers())
+        url = self.auth.blob_url(entry.name)
+        conn: Connection | None = None
+        try:
+            conn = await asyncio.wait_for(Connection.open(url, self._tls), self.cfg.connect_timeout)
+            head = await asyncio.wait_for(conn.request(request_bytes(url, headers, "HEAD")), self.cfg.read_timeout)
+        except (OSError, ProtocolError, asyncio.TimeoutError):
+            return None
+        finally:
+            if conn is not None:
+                conn.abort()
+        return head.status != 404
 
     async def _stream_body(self, conn: Connection, head: Head, block: Block, entry: FileEntry) -> None:
         length = head.content_length
         if length != block.length:
             raise _Retryable("wrong length")
-        path = temp_path(self.dest, entry.path)
+        path = self.tree.temp_shown(entry.path)
         try:
-            target = DirectFile(path)
+            target = DirectFile(path, opener=self.tree.opener(entry.path, temp=True))
         except OSError as exc:
             raise fs_error(exc, path, "open temporary file") from None
         # The body is received straight into page-aligned buffers from the pool (no copy in

@@ -49,6 +49,13 @@ class UsageError(AzcpError):
     stage = "arguments"
 
 
+class ReportPathError(UsageError):
+    """``--json`` names a place the report must not go (inside DEST): refused, and no report written (exit 2)."""
+
+    exit_code = 2
+    stage = "arguments"
+
+
 class CredentialError(UsageError):
     """A credential that cannot be used or yields no token, e.g. an unusable azure-identity source (exit 2).
 
@@ -102,6 +109,13 @@ class VerifyError(AzcpError):
     stage = "verify"
 
 
+class SourceError(DownloadError):
+    """A local SOURCE could not be read, or changed while it was read (exit 5, like a download)."""
+
+    exit_code = 5
+    stage = "source"
+
+
 class LocalFSError(AzcpError):
     """The destination filesystem refused an operation (exit 8)."""
 
@@ -109,11 +123,41 @@ class LocalFSError(AzcpError):
     stage = "local"
 
 
+class LockError(AzcpError):
+    """DEST is held by another run: ``--lock fail``, or ``--lock-timeout`` passed (exit 9)."""
+
+    exit_code = 9
+    stage = "lock"
+
+
+class Interrupted(AzcpError):
+    """The run was stopped by a signal; the exit code is the shell's 128 + signal number."""
+
+    exit_code = 130
+    stage = "interrupted"
+    signal_name = "SIGINT"
+
+
+class SigintError(Interrupted):
+    """SIGINT (a person's Ctrl-C, or ``mpiexec`` passing it on): exit 130."""
+
+    exit_code = 130
+    signal_name = "SIGINT"
+
+
+class SigtermError(Interrupted):
+    """SIGTERM (Slurm at a time limit or ``scancel``, Kubernetes stopping a pod): exit 143."""
+
+    exit_code = 143
+    signal_name = "SIGTERM"
+
+
 ERROR_CLASSES: dict[str, type[AzcpError]] = {
     cls.__name__: cls
     for cls in (
         InternalError,
         UsageError,
+        ReportPathError,
         CredentialError,
         TopologyError,
         ListError,
@@ -121,7 +165,11 @@ ERROR_CLASSES: dict[str, type[AzcpError]] = {
         DownloadError,
         BroadcastError,
         VerifyError,
+        SourceError,
         LocalFSError,
+        LockError,
+        SigintError,
+        SigtermError,
     )
 }
 
@@ -131,10 +179,13 @@ EXIT_CODES: dict[int, str] = {
     2: "bad arguments, credentials or topology",
     3: "listing the source failed",
     4: "comparing local copies failed",
-    5: "download failed",
+    5: "download failed, or a local SOURCE could not be read or changed while it was read",
     6: "broadcast failed",
     7: "verification failed",
-    8: "local filesystem error (mkdir, write, rename, space)",
+    8: "local filesystem error (mkdir, write, rename, space, a link or special file in DEST)",
+    9: "DEST is in use by another run (--lock fail, or --lock-timeout passed)",
+    130: "interrupted by SIGINT",
+    143: "terminated by SIGTERM",
 }
 
 

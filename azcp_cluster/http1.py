@@ -101,8 +101,14 @@ def parse_head(data: bytes) -> Head:
     return Head(parts[0], int(parts[1]), parts[2] if len(parts) > 2 else "", headers)
 
 
-def request_bytes(url: str, headers: dict[str, str]) -> bytes:
-    """The bytes of ``GET url`` with ``headers`` (the URL already percent-encoded)."""
+def request_bytes(url: str, headers: dict[str, str], method: str = "GET") -> bytes:
+    """The bytes of ``GET url`` (or ``method``, e.g. ``HEAD``) with ``headers`` (the URL already percent-encoded).
+
+    A ``HEAD`` response has no body: read its head with :meth:`Connection.request`, then
+    drop the connection.
+    """
+    if method not in ("GET", "HEAD"):
+        raise ValueError(f"unsupported method {method!r}")
     parts = urlsplit(url)
     target = parts.path or "/"
     if parts.query:
@@ -110,7 +116,7 @@ def request_bytes(url: str, headers: dict[str, str]) -> bytes:
     fields = [target, parts.netloc, *headers, *headers.values()]
     if any("\r" in f or "\n" in f for f in fields):
         raise ValueError("CR or LF inside a request line or header")
-    lines = [f"GET {target} HTTP/1.1", f"Host: {parts.netloc}"]
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}"]
     lines += [f"{name}: {value}" for name, value in headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 

@@ -1,8 +1,9 @@
-"""The destination tree: temporary names, preallocation, fsync and rename, presence checks.
+"""Helpers of the destination tree: names, DEST itself, space, preallocation, whole-buffer I/O.
 
 A file is written under a temporary name next to its final one, fsynced, then renamed,
 so a file under its final name is always complete. The temporary name is fixed for a
-given path, so a rerun after a crash reuses (and truncates) it instead of piling up.
+given path, so a rerun after a crash replaces it instead of piling up. Everything below
+DEST is opened through :class:`azcp_cluster.desttree.DestTree`, never by a path string.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ import ctypes
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import numpy as np
 
-from azcp_cluster.errors import DiffError, LocalFSError
+from azcp_cluster.errors import LocalFSError
 from azcp_cluster.naming import TEMP_SUFFIX
 
 
@@ -29,10 +30,15 @@ def final_path(dest: str, rel: str) -> str:
     return os.path.join(dest, *rel.split("/"))
 
 
+def temp_name(base: str) -> str:
+    """The temporary name of the file named ``base``, in the same directory."""
+    return f".{base}{TEMP_SUFFIX}"
+
+
 def temp_path(dest: str, rel: str) -> str:
     """The temporary name file ``rel`` is written under before its rename."""
     head, _, base = rel.rpartition("/")
-    name = f".{base}{TEMP_SUFFIX}"
+    name = temp_name(base)
     return os.path.join(dest, *head.split("/"), name) if head else os.path.join(dest, name)
 
 
@@ -54,22 +60,6 @@ def free_bytes(path: str) -> int:
     """Bytes an unprivileged writer may still use on the filesystem of ``path``."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
-
-
-def space_needed(dest: str, files: Iterable[tuple[str, int]]) -> int:
-    """Bytes that writing ``files`` (relative path, size) into ``dest`` will take from its free space.
-
-    A temporary file left by an interrupted run is truncated and rewritten: the blocks it
-    holds now come back first, so they do not count against the run.
-    """
-    total = 0
-    for rel, size in files:
-        try:
-            held = os.stat(temp_path(dest, rel)).st_blocks * 512
-        except OSError:
-            held = 0
-        total += max(0, size - held)
-    return total
 
 
 def check_space(dest: str, needed: int) -> None:
@@ -102,21 +92,6 @@ def ensure_dest(dest: str, create: bool = True) -> None:
         raise LocalFSError("DEST exists and is not a directory", path=dest)
     if create and not os.access(dest, os.W_OK | os.X_OK):
         raise LocalFSError("DEST is not writable", path=dest)
-
-
-def is_present(dest: str, rel: str, size: int) -> bool:
-    """Whether ``rel`` already stands in ``dest`` as a regular file of ``size`` bytes.
-
-    Absent is an answer; a file that cannot be looked at (permissions, I/O error) is an error.
-    """
-    path = final_path(dest, rel)
-    try:
-        st = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    except OSError as exc:
-        raise DiffError(f"cannot inspect the local copy: {exc.strerror or exc}", path=path) from None
-    return stat.S_ISREG(st.st_mode) and st.st_size == size
 
 
 def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
@@ -171,20 +146,6 @@ def preallocate(fd: int, size: int) -> bool:
     return False
 
 
-def prepare(dest: str, rel: str, size: int) -> None:
-    """Create (or truncate) the temporary file for ``rel`` at its full size, preallocated where possible."""
-    path = temp_path(dest, rel)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            preallocate(fd, size)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise fs_error(exc, path, "create temporary file") from None
-
-
 def pwritev_all(fd: int, buffers: list[memoryview] | list[bytes], offset: int) -> int:
     """Write every byte of ``buffers`` at ``offset``, looping over short writes."""
     views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
@@ -220,33 +181,3 @@ def preadv_all(fd: int, buf: np.ndarray, offset: int, block: int = 1) -> int:
         if got % block:
             break
     return total
-
-
-def finalize(dest: str, rel: str) -> None:
-    """fsync the temporary file of ``rel`` and rename it to its final name."""
-    tmp = temp_path(dest, rel)
-    final = final_path(dest, rel)
-    try:
-        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-    except OSError as exc:
-        raise fs_error(exc, final, "finish file") from None
-
-
-def sync_dirs(dirs: Iterable[str]) -> None:
-    """fsync directories so the renames in them survive a crash."""
-    for directory in dirs:
-        try:
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise fs_error(exc, directory, "open directory") from None
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            raise fs_error(exc, directory, "sync directory") from None
-        finally:
-            os.close(fd)

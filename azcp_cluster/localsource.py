@@ -9,13 +9,15 @@ of SOURCE give the same DEST layout. A local file has no ETag; its identity for
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
+import sys
 
 from azcp_cluster.config import Config
-from azcp_cluster.errors import ListError, UsageError
-from azcp_cluster.model import Listing
-from azcp_cluster.naming import MANIFEST_NAME, TEMP_SUFFIX, RawEntry, select
+from azcp_cluster.errors import ListError, SourceError, UsageError
+from azcp_cluster.model import FileEntry, Listing
+from azcp_cluster.naming import LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX, RawEntry, select
 
 
 def local_etag(st: os.stat_result) -> str:
@@ -31,9 +33,11 @@ def list_local(root: str, cfg: Config) -> Listing:
     """List ``root`` (a file, or a directory walked recursively, symlinks followed).
 
     A single file is copied to ``DEST/<its name>``; a directory's files keep their path
-    below it. Sockets, FIFOs and devices are not data, nor are the tool's own manifest and
-    temporary files (a SOURCE that was once a DEST): they are left out and counted with
-    the filtered files. A directory reached twice through symlinks is walked once.
+    below it. Sockets, FIFOs and devices are not data, nor are the tool's own manifest, lock
+    and temporary files (a SOURCE that was once a DEST): they are left out and counted with
+    the filtered files. A manifest or lock file deeper in the tree, or a directory named like
+    a temporary file, is refused like such a blob name (``naming.check_relative_path``). A
+    directory reached twice through symlinks is walked once.
     """
     try:
         top = os.stat(root)
@@ -47,6 +51,7 @@ def list_local(root: str, cfg: Config) -> Listing:
     entries: list[RawEntry] = []
     special = 0
     tools_own = 0
+    dangling: list[str] = []
     seen = {(top.st_dev, top.st_ino)}
     stack = [("", root)]
     while stack:
@@ -60,20 +65,50 @@ def list_local(root: str, cfg: Config) -> Listing:
             rel = f"{rel_dir}{child.name}"
             try:
                 st = child.stat(follow_symlinks=True)
+            except FileNotFoundError:
+                if child.is_symlink():  # a dangling link (its target is gone): not data, counted and named once
+                    dangling.append(child.path)
+                    continue
+                raise ListError("a file of SOURCE disappeared while it was listed", path=child.path) from None
             except OSError as exc:
                 raise ListError(f"cannot stat a file of SOURCE: {exc.strerror}", path=child.path) from None
             if stat.S_ISDIR(st.st_mode):
                 if (st.st_dev, st.st_ino) not in seen:  # a symlink loop, or the same tree twice
                     seen.add((st.st_dev, st.st_ino))
                     stack.append((rel + "/", child.path))
-            elif rel == MANIFEST_NAME or rel.endswith(TEMP_SUFFIX):
+            elif rel in (MANIFEST_NAME, LOCK_NAME) or rel.endswith(TEMP_SUFFIX):
                 tools_own += 1  # staging from an earlier DEST: its manifest and leftovers are not data
             elif stat.S_ISREG(st.st_mode):
                 entries.append(_entry(rel, st))
             else:
                 special += 1
     listing = select("", None, entries, cfg.include, cfg.exclude)
-    return Listing(files=listing.files, markers_skipped=0, filtered_out=listing.filtered_out + special + tools_own)
+    if dangling:
+        print(
+            f"azcp-cluster: warning: skipped {len(dangling)} dangling symbolic link(s) in SOURCE "
+            f"(e.g. {dangling[0]!r}: its target does not exist)",
+            file=sys.stderr,
+            flush=True,
+        )
+    skipped = special + tools_own + len(dangling)
+    return Listing(files=listing.files, markers_skipped=0, filtered_out=listing.filtered_out + skipped)
+
+
+def restat(root: str, entry: FileEntry, single: bool) -> FileEntry:
+    """``entry`` as its file is now (size, modification time): to read a file again that changed.
+
+    A file that is gone, or no longer a regular file, is a :class:`SourceError`.
+    """
+    path = source_file(root, entry.name, single)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise SourceError("the file was deleted while it was read", path=path) from None
+    except OSError as exc:
+        raise SourceError(f"cannot read the file: {exc.strerror}", path=path) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SourceError("the file was replaced by something that is not a regular file", path=path)
+    return dataclasses.replace(entry, size=st.st_size, etag=local_etag(st), last_modified=st.st_mtime)
 
 
 def source_file(root: str, name: str, single: bool) -> str:

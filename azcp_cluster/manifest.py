@@ -11,16 +11,22 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from azcp_cluster.localfs import final_path, fs_error, is_present
+import numpy as np
+
+from azcp_cluster.desttree import DestTree
+from azcp_cluster.directio import DirectReader, Opener, aligned_buffer
+from azcp_cluster.errors import DiffError
 from azcp_cluster.model import FileEntry
 from azcp_cluster.naming import MANIFEST_NAME
 
 HASH_CHUNK = 8 * 1024 * 1024
+# A manifest larger than this is not one the tool wrote (about 100 bytes a file).
+MANIFEST_LIMIT = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -32,63 +38,87 @@ class Recorded:
     md5: str  # base64, as Azure reports Content-MD5; "" if unknown
 
 
-def manifest_path(dest: str) -> str:
-    """Where the manifest of ``dest`` lives."""
-    return os.path.join(dest, MANIFEST_NAME)
-
-
-def load(dest: str) -> dict[str, Recorded]:
-    """The manifest of ``dest``; empty if there is none or it cannot be read (then nothing matches)."""
+def load(tree: DestTree) -> dict[str, Recorded]:
+    """The manifest of DEST; empty if there is none or it cannot be read (then nothing matches)."""
+    data = tree.read_small(MANIFEST_NAME, MANIFEST_LIMIT)
+    if data is None:
+        return {}
     try:
-        with open(manifest_path(dest), encoding="utf-8") as fh:
-            doc = json.load(fh)
+        doc = json.loads(data.decode("utf-8"))
         return {path: Recorded(int(v[0]), str(v[1]), str(v[2])) for path, v in doc["files"].items()}
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return {}
 
 
-def save(dest: str, files: Sequence[FileEntry], previous: dict[str, Recorded]) -> None:
+def save(tree: DestTree, files: Sequence[FileEntry], previous: dict[str, Recorded]) -> None:
     """Record ``files`` (all present now), keeping earlier entries whose files still exist."""
-    entries = {p: r for p, r in previous.items() if is_present(dest, p, r.size)}
+    entries = {p: r for p, r in previous.items() if tree.is_present(p, r.size)}
     for f in files:
         entries[f.path] = Recorded(f.size, f.etag, f.content_md5)
-    if entries == previous and os.path.exists(manifest_path(dest)):
+    if entries == previous and tree.lstat(MANIFEST_NAME) is not None:
         return  # a rerun that changed nothing writes nothing (and syncs nothing)
     doc = {"version": 1, "files": {p: [r.size, r.etag, r.md5] for p, r in sorted(entries.items())}}
-    path = manifest_path(dest)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, separators=(",", ":"), ensure_ascii=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise fs_error(exc, path, "write the manifest") from None
+    tree.write_atomic(MANIFEST_NAME, json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
 
 
-def md5_of(path: str) -> str:
-    """Base64 MD5 of a file, read in large chunks (hashlib releases the GIL on each)."""
+_buffers = threading.local()  # one aligned read buffer per hashing thread
+
+
+def md5_of(opener: Opener, direct: bool = False) -> str:
+    """Base64 MD5 of a file, read in large chunks (hashlib releases the GIL on each).
+
+    ``direct``: read with O_DIRECT (where the filesystem allows), so the hash is of what is
+    on the disk, not of pages still in the cache, and the read leaves nothing cached.
+    """
+    buf: np.ndarray | None = getattr(_buffers, "buf", None)
+    if buf is None:
+        buf = _buffers.buf = aligned_buffer(HASH_CHUNK)
     digest = hashlib.md5(usedforsecurity=False)
-    buf = bytearray(HASH_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
+    reader = DirectReader("", direct=direct, opener=opener)
+    try:
+        offset = 0
         while True:
-            n = fh.readinto(buf)
-            if not n:
+            got = reader.read_at(buf, HASH_CHUNK, offset)
+            digest.update(memoryview(buf[:got]))  # type: ignore[arg-type]
+            if got < HASH_CHUNK:
                 break
-            digest.update(view[:n])
+            offset += got
+    finally:
+        reader.close()
     return base64.b64encode(digest.digest()).decode("ascii")
 
 
-def present(dest: str, files: Sequence[FileEntry], mode: str) -> list[bool]:
+def hash_files(digest: Callable[[int], str], indices: list[int], threads: int = 4) -> list[str]:
+    """``digest`` of every index, ``threads`` files at once (hashlib and the reads release the GIL).
+
+    Interrupted (a signal, an error), it drops the files not started yet instead of hashing
+    them all before the exception goes on.
+    """
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="azcp-md5")
+    try:
+        return list(pool.map(digest, indices))
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _local_md5(tree: DestTree, rel: str) -> str:
+    try:
+        return md5_of(tree.opener(rel, temp=False))
+    except OSError as exc:
+        raise DiffError(f"cannot read the local copy: {exc.strerror or exc}", path=tree.shown(rel)) from None
+
+
+def present(tree: DestTree, files: Sequence[FileEntry], mode: str) -> list[bool]:
     """For each file, whether this rank's copy counts as present under ``--compare mode``."""
     if mode == "none":
         return [False] * len(files)
-    sized = [is_present(dest, f.path, f.size) for f in files]
+    sized = [tree.is_present(f.path, f.size) for f in files]
     if mode == "size":
         return sized
-    recorded = load(dest)
+    recorded = load(tree)
     if mode == "etag":
         return [
             ok and bool(f.etag) and f.path in recorded and recorded[f.path].etag == f.etag
@@ -103,8 +133,7 @@ def present(dest: str, files: Sequence[FileEntry], mode: str) -> list[bool]:
         return rec.md5 if rec is not None and rec.etag == f.etag else ""
 
     candidates = [i for i, f in enumerate(files) if sized[i] and expected(f)]
-    with ThreadPoolExecutor(max_workers=4, thread_name_prefix="azcp-md5") as pool:
-        digests = list(pool.map(lambda i: md5_of(final_path(dest, files[i].path)), candidates))
+    digests = hash_files(lambda i: _local_md5(tree, files[i].path), candidates)
     result = [False] * len(files)
     for i, digest in zip(candidates, digests, strict=True):
         result[i] = digest == expected(files[i])

@@ -11,6 +11,8 @@ The rules:
 * A name that would land outside DEST (``..``, ``.``, absolute, empty segments, NUL) is
   refused, and so are two names where one is a file and the other needs it as a directory,
   and names too long for a Linux filesystem (a segment over 244 bytes, the path over 3072).
+* The tool's own names are refused at any level of a path: a segment ending in
+  ``.azcp-part`` (temporary files), or equal to ``.azcp-manifest.json`` or ``.azcp-lock``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from azcp_cluster.model import FileEntry, Listing
 
 # The tool's own record inside DEST (see manifest.py); no listed file may take its name.
 MANIFEST_NAME = ".azcp-manifest.json"
+# The per-DEST lock file that keeps two runs from writing the same DEST at once.
+LOCK_NAME = ".azcp-lock"
 # Suffix of the temporary names files are written under (see localfs.temp_path).
 TEMP_SUFFIX = ".azcp-part"
 # Linux filesystems take names of at most 255 bytes per segment (NAME_MAX); the temporary
@@ -65,14 +69,21 @@ def check_relative_path(path: str, name: str) -> str:
     segments = path.split("/")
     if path.startswith("/"):
         raise ListError("name is absolute and would land outside DEST", path=name)
-    if path.endswith(TEMP_SUFFIX):
-        raise ListError(f"names ending in {TEMP_SUFFIX!r} are reserved for the tool's temporary files", path=name)
-    if path == MANIFEST_NAME:
-        raise ListError(f"name {MANIFEST_NAME!r} is reserved for the tool's manifest in DEST", path=name)
     for segment in segments:
         if segment in ("", ".", ".."):
             reason = "an empty segment" if segment == "" else f"a {segment!r} segment"
             raise ListError(f"name has {reason} and would land outside DEST or alias another file", path=name)
+        # The tool's own names, at any depth: a directory named like a temporary file could
+        # collide with one, and a manifest or lock file may sit in a DEST below this one.
+        if segment.endswith(TEMP_SUFFIX):
+            raise ListError(
+                f"names (or directories) ending in {TEMP_SUFFIX!r} are reserved for the tool's temporary files",
+                path=name,
+            )
+        if segment == MANIFEST_NAME:
+            raise ListError(f"name {MANIFEST_NAME!r} is reserved for the tool's manifest in DEST", path=name)
+        if segment == LOCK_NAME:
+            raise ListError(f"name {LOCK_NAME!r} is reserved for the tool's lock file in DEST", path=name)
         if len(segment.encode("utf-8", "surrogateescape")) > MAX_SEGMENT_BYTES:
             raise ListError(
                 f"a path segment of {len(segment.encode('utf-8', 'surrogateescape'))} bytes is too long for the "

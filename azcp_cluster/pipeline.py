@@ -7,7 +7,9 @@ and one I/O module; this file owns only the order and the bookkeeping.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import random
 import resource
 import socket
 import sys
@@ -22,20 +24,21 @@ import numpy as np
 from azcp_cluster import manifest
 from azcp_cluster.broadcast import Broadcaster
 from azcp_cluster.cluster import Cluster, StageOutcome, error_from_payload, error_payload
-from azcp_cluster.config import Config, format_bytes
-from azcp_cluster.errors import AzcpError, LocalFSError, TopologyError, UsageError, VerifyError
-from azcp_cluster.localfs import (
-    check_space,
-    ensure_dest,
-    expand_dest,
-    final_path,
-    finalize,
-    free_bytes,
-    prepare,
-    space_needed,
-    sync_dirs,
+from azcp_cluster.config import Config, format_bytes, json_inside_dest
+from azcp_cluster.destlock import DestLock, lock_backoff
+from azcp_cluster.desttree import DestTree
+from azcp_cluster.errors import (
+    AzcpError,
+    LocalFSError,
+    LockError,
+    ReportPathError,
+    SourceError,
+    TopologyError,
+    UsageError,
+    VerifyError,
 )
-from azcp_cluster.localsource import check_overlap, list_local, source_file
+from azcp_cluster.localfs import check_space, ensure_dest, expand_dest, free_bytes
+from azcp_cluster.localsource import check_overlap, list_local, restat, source_file
 from azcp_cluster.model import Listing, decode_listing, encode_listing
 from azcp_cluster.plan import Plan, plan_transfers
 from azcp_cluster.progress import Progress, wants_progress
@@ -47,6 +50,7 @@ from azcp_cluster.topology import Topology, group_ranks
 if TYPE_CHECKING:
     from azcp_cluster.credentials import Authorizer
     from azcp_cluster.download import WritePool
+    from azcp_cluster.interrupts import Interrupts
 
 
 def _attach(error: AzcpError, report: Report) -> AzcpError:
@@ -95,6 +99,7 @@ def run(
     out: TextIO | None = None,
     host: str | None = None,
     credential: Any = None,
+    interrupts: Interrupts | None = None,
 ) -> Report:
     """Run every stage on this rank (collectively with the others in ``comm``).
 
@@ -104,7 +109,7 @@ def run(
     """
     env = os.environ if env is None else env
     out = sys.stdout if out is None else out
-    cluster = Cluster(comm, clock)
+    cluster = Cluster(comm, clock, interrupts)  # interrupts: the CLI's SIGINT/SIGTERM recorder
     report = Report(ranks=cluster.size, dry_run=cfg.dry_run)
     started = clock()
     state = _Run(cfg, cluster, report, env, wall, out, host or socket.gethostname(), started, credential)
@@ -164,12 +169,22 @@ class _Run:
         self.streamed_md5: dict[int, str] = {}  # --verify: file index -> MD5 hashed in flight
         self.bytes_to_write = 0  # bytes of the files this rank's node writes (for a full-disk message)
         self.write_pool: WritePool | None = None  # the download's buffers and writers (allocate stage)
+        # DEST opened by its real path (leaders, and downloaders once it exists): every file
+        # below it is reached through this handle, never through a link (desttree.py).
+        self.tree: DestTree | None = None
+        self.dest_lock: DestLock | None = None  # leaders: held from setup to the end of the run
 
     def close(self) -> None:
-        """Stop the download writer threads; free the leaders' communicator."""
+        """Stop the download writer threads; release DEST; free the leaders' communicator."""
         if self.write_pool is not None:
             self.write_pool.close()
             self.write_pool = None
+        if self.dest_lock is not None:
+            self.dest_lock.close()
+            self.dest_lock = None
+        if self.tree is not None:
+            self.tree.close()
+            self.tree = None
         if self.node_comm is not None:
             self.node_comm.Free()
             self.node_comm = None
@@ -196,7 +211,11 @@ class _Run:
         if not self.local:
             assert auth is not None
             self.download(listing, plan, auth)
-        self.bcast(schedule, broadcaster)
+        changed = self.bcast(schedule, broadcaster)
+        del broadcaster  # its slots: a second round maps its own
+        if changed:
+            listing = self.read_again(listing, changed)
+        self.sync(listing, transfer)
         if self.cfg.verify:
             self.verify(listing, transfer)  # before the rename: a mismatch leaves no final name
         self.finish(listing, transfer)
@@ -243,11 +262,16 @@ class _Run:
                 download_ranks=cfg.download_ranks,
             )
             self.leader = self.topo.is_leader(self.rank)
-            if self.local and self.rank == self.reader:
+            if self.local:  # on every rank: each knows only its own DEST
                 check_overlap(os.path.realpath(self.source_root), self.dest_identity)
+            if cfg.json_path and json_inside_dest(os.path.realpath(cfg.json_path), self.dest_identity):
+                raise ReportPathError(f"--json {cfg.json_path} lies inside DEST; write the report outside it")
             if self.leader:
                 ensure_dest(self.dest, create=not cfg.dry_run)
+                self.tree = DestTree(self.dest, create=not cfg.dry_run)
         cluster.conclude(t0, outcome)
+        if not cfg.dry_run:
+            self.lock_dest(t0)
         topo = self.topo
         # Collective on every rank; leaders get one communicator, ordered by group.
         self.node_comm = cluster.comm.Split(0 if self.leader else 1, topo.group_of[self.rank])
@@ -258,6 +282,62 @@ class _Run:
         report.source_rank = self.reader if self.local else None
         return auth
 
+    def lock_dest(self, t0: float) -> None:
+        """Every leader takes its DEST's lock, all or none (see destlock.py): try, agree, release, back off.
+
+        Nobody waits while holding a lock, so jobs that share nodes in any order cannot
+        deadlock. ``--lock fail`` ends at the first refusal, ``--lock-timeout`` after that
+        long (the slowest rank's clock, so every rank decides alike); exit 9.
+        """
+        cluster = self.cluster
+        cfg = self.cfg
+        me = f"{self.host} pid {os.getpid()}"
+        rng = random.Random()
+        attempt = 0
+        waited = False
+        while True:
+            outcome = StageOutcome()
+            with cluster.stage(outcome):
+                held_by = None
+                if self.leader:
+                    assert self.tree is not None
+                    if self.dest_lock is None:
+                        self.dest_lock = DestLock(self.tree, me)
+                    held_by = self.dest_lock.try_acquire()
+                outcome.stats = {"held_by": held_by, "me": me, "dest": self.dest}
+            result = cluster.conclude(t0, outcome)
+            refused = [(rank, st) for rank, st in enumerate(result.stats) if st["held_by"] is not None]
+            if not refused:
+                return
+            if self.dest_lock is not None:
+                self.dest_lock.release()
+            rank, st = refused[0]
+            ours = {other["me"]: r for r, other in enumerate(result.stats)}
+            if st["held_by"] in ours:
+                raise TopologyError(
+                    f"DEST is the same directory for rank {ours[st['held_by']]} on another host (a shared "
+                    "filesystem): give each node its own DEST, e.g. with {host}",
+                    path=st["dest"],
+                    rank=rank,
+                )
+            holder = f"in use by another run (host {st['held_by']})"
+            if cfg.lock == "fail":
+                raise LockError(f"DEST is {holder}; --lock fail", path=st["dest"], rank=rank)
+            if cfg.lock_timeout is not None and result.seconds >= cfg.lock_timeout:
+                raise LockError(
+                    f"DEST is still {holder} after --lock-timeout {cfg.lock_timeout:g} s", path=st["dest"], rank=rank
+                )
+            if not waited and self.rank == 0:
+                print(
+                    f"azcp-cluster: notice: rank {rank}: DEST {st['dest']} is {holder}; waiting for it to end "
+                    "(--lock fail exits instead)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            waited = True
+            time.sleep(lock_backoff(attempt, rng))
+            attempt += 1
+
     def list_stage(self, auth: Authorizer | None) -> Listing:
         """The lister (rank 0, or the reader of a local SOURCE) lists; everyone gets the list."""
         cluster = self.cluster
@@ -265,7 +345,7 @@ class _Run:
         payload: bytes | None = None
         outcome = StageOutcome()
         if self.rank == self.reader:
-            with cluster.stage(outcome):
+            with cluster.stage(outcome), cluster.abandonable():  # a signal stops the listing at once
                 if self.local:
                     listed = list_local(self.source_root, self.cfg)
                 else:
@@ -302,7 +382,8 @@ class _Run:
         with cluster.stage(outcome):
             present = b""
             if self.leader:  # one check per copy: the other ranks of a node share the leader's
-                bits = np.array(manifest.present(self.dest, files, self.cfg.compare), dtype=bool)
+                with cluster.abandonable():  # hashing (--compare md5): a signal stops it at once
+                    bits = np.array(manifest.present(self.dest_tree(), files, self.cfg.compare), dtype=bool)
                 present = np.packbits(bits).tobytes()
             outcome.stats = {"present": present, "list_seconds": self._list_seconds}
         result = cluster.conclude(t0, outcome)
@@ -328,6 +409,12 @@ class _Run:
         report.azure_files = report.transfer_files - report.peer_files
         report.stages["diff"] = StageFigures(result.seconds, 0)
         return transfer, holders
+
+    def dest_tree(self) -> DestTree:
+        """This rank's handle on DEST (opened here by a downloader that is not its node's leader)."""
+        if self.tree is None:
+            self.tree = DestTree(self.dest, create=not self.cfg.dry_run)
+        return self.tree
 
     def allocate(self, listing: Listing, transfer: list[int], schedule: list[Chunk], plan: Plan) -> Broadcaster | None:
         """Create the temporary files, the download buffers and the broadcast slots, in an
@@ -358,29 +445,38 @@ class _Run:
                 missing = self.missing_here(transfer)
                 # Checked before anything is written, where the sizes are known.
                 self.bytes_to_write = sum(listing.files[i].size for i in missing)
-                check_space(
-                    self.dest,
-                    space_needed(self.dest, [(listing.files[i].path, listing.files[i].size) for i in missing]),
-                )
-                for index in missing:
-                    entry = listing.files[index]
-                    prepare(self.dest, entry.path, entry.size)
-                if schedule:
-                    broadcaster = Broadcaster(
-                        self.node_comm,
-                        listing.files,
-                        self.dest,
-                        max(c.length for c in schedule),  # no slot larger than the largest chunk
-                        pipeline=min(self.cfg.bcast_pipeline, len(schedule)),
-                        writers=self.cfg.bcast_writers,
-                        direct=self.cfg.bcast_direct,
-                        have=self.have.tolist(),
-                        verify=self.cfg.verify,
-                        source_of=self.read_from_source(listing) if self.rank == self.reader and self.local else None,
-                    )
+                self.prepare_files(listing, missing)
+                broadcaster = self.broadcaster(listing, schedule)
         self.explain_space(outcome)  # the files' blocks are reserved here: a full disk shows here first
         cluster.conclude(cluster.clock(), outcome)
+        if mine and not self.leader:
+            self.dest_tree()  # DEST exists now: its leader made it
         return broadcaster
+
+    def prepare_files(self, listing: Listing, indices: list[int]) -> None:
+        """Leaders: check the space, then make the temporary files of ``indices`` anew at full size."""
+        tree = self.dest_tree()
+        entries = [(listing.files[i].path, listing.files[i].size) for i in indices]
+        check_space(self.dest, tree.space_needed(entries))
+        tree.prepare_all(entries)
+
+    def broadcaster(self, listing: Listing, schedule: list[Chunk]) -> Broadcaster | None:
+        """Leaders: the broadcast engine for ``schedule``, its slots mapped now."""
+        if not schedule:
+            return None
+        return Broadcaster(
+            self.node_comm,
+            listing.files,
+            self.dest_tree(),
+            max(c.length for c in schedule),  # no slot larger than the largest chunk
+            pipeline=min(self.cfg.bcast_pipeline, len(schedule)),
+            writers=self.cfg.bcast_writers,
+            direct=self.cfg.bcast_direct,
+            have=self.have.tolist(),
+            verify=bool(self.cfg.verify),
+            source_of=self.read_from_source(listing) if self.rank == self.reader and self.local else None,
+            stop_requested=self.cluster.interrupted,
+        )
 
     def read_from_source(self, listing: Listing) -> Callable[[int], str | None]:
         """For the reader of a local SOURCE: where each file it lacks is read from."""
@@ -413,7 +509,7 @@ class _Run:
                     pacer = Pacer(rate, burst=self.cfg.block_size, clock=cluster.clock)
                 downloader = Downloader(
                     listing.files,
-                    self.dest,
+                    self.dest_tree(),
                     auth,
                     self.cfg,
                     peer_failed=cluster.peer_failed,
@@ -447,10 +543,13 @@ class _Run:
         self.warn_direct(result.stats)
         self.report.stages["download"] = StageFigures(result.seconds, self.report.downloaded_bytes)
 
-    def bcast(self, schedule: list[Chunk], broadcaster: Broadcaster | None) -> None:
-        """Fan every byte out to every leader (temporary names only; see finish)."""
+    def bcast(self, schedule: list[Chunk], broadcaster: Broadcaster | None) -> list[int]:
+        """Fan every byte out to every leader (temporary names only; see finish).
+
+        Returns the local SOURCE's files that changed while they were read (agreed by all).
+        """
         if not schedule:
-            return
+            return []
         cluster = self.cluster
         t0 = cluster.clock()
         total = sum(c.length for c in schedule)
@@ -460,14 +559,63 @@ class _Run:
             if broadcaster is not None:  # leaders only; the others wait at the agreement
                 broadcaster.on_bytes = progress.add
                 stats = broadcaster.run(schedule)
-                self.streamed_md5 = broadcaster.digests
-                outcome.stats = {"refused": stats.direct_refused}
+                self.streamed_md5.update(broadcaster.digests)
+                outcome.stats = {"refused": stats.direct_refused, "changed": sorted(broadcaster.changed)}
         progress.close()
         self.explain_space(outcome)
         result = cluster.conclude(t0, outcome)
-        self.report.broadcast_bytes = total
+        self.report.broadcast_bytes += total
         self.warn_direct(result.stats)
-        self.report.stages["bcast"] = StageFigures(result.seconds, total)
+        figures = self.report.stages["bcast"]  # a second round (read_again) adds to the first
+        figures.seconds += result.seconds
+        figures.bytes += total
+        return sorted({i for st in result.stats for i in st.get("changed", ())})
+
+    def read_again(self, listing: Listing, changed: list[int]) -> Listing:
+        """Send the local SOURCE's files that changed while they were read once more, as they are now.
+
+        The reader looks at them again; every node makes their temporary files anew and
+        receives them again (a torn copy never reaches a final name: the rename comes after).
+        A file that changes again while it is read ends the run (exit 5), naming it.
+        """
+        cluster = self.cluster
+        outcome = StageOutcome()
+        fresh: list[Any] = []
+        if self.rank == self.reader:
+            with cluster.stage(outcome):
+                fresh = [restat(self.source_root, listing.files[i], self.single_file) for i in changed]
+        message = (fresh, error_payload(outcome.error) if outcome.error else None)
+        fresh, failure = cluster.bcast_object(message, root=self.reader)
+        if failure is not None:
+            raise error_from_payload(failure)
+        files = list(listing.files)
+        for index, entry in zip(changed, fresh, strict=True):
+            files[index] = entry
+        listing = dataclasses.replace(listing, files=tuple(files))
+        self.report.bytes = listing.total_bytes
+        self.have[changed] = False  # a copy some node had is of another version now
+        topo = self.topo
+        lacking = set(changed)
+        holders = [[] if i in lacking else list(topo.leaders) for i in range(len(files))]
+        plan = plan_transfers(
+            [f.size for f in files], holders, topo.size, self.cfg.shard_size, owners=[self.reader], copies=topo.groups
+        )
+        schedule = bcast_schedule(plan, self.cfg.bcast_chunk, root_of=topo.group_of)
+        outcome = StageOutcome()
+        broadcaster: Broadcaster | None = None
+        with cluster.stage(outcome):
+            if self.leader:
+                self.prepare_files(listing, changed)
+                broadcaster = self.broadcaster(listing, schedule)
+        self.explain_space(outcome)
+        cluster.conclude(cluster.clock(), outcome)
+        again = self.bcast(schedule, broadcaster)
+        if again:
+            raise SourceError(
+                "the file changed while it was read, twice (it is being written to); copy it once it is complete",
+                path=source_file(self.source_root, files[again[0]].name, self.single_file),
+            )
+        return listing
 
     def explain_space(self, outcome: StageOutcome) -> None:
         """Add what this node needed and has free to a full-disk error raised while writing."""
@@ -494,14 +642,33 @@ class _Run:
                 flush=True,
             )
 
-    def finish(self, listing: Listing, transfer: list[int]) -> None:
-        """fsync and rename, only once every rank has every byte (counted in the bcast stage)."""
+    def sync(self, listing: Listing, transfer: list[int]) -> None:
+        """fsync every file this node wrote, once every rank has every byte (counted in the bcast stage)."""
         cluster = self.cluster
         t0 = cluster.clock()
         outcome = StageOutcome()
         with cluster.stage(outcome):
-            if self.leader:
-                self.finalize(listing, transfer)
+            if self.leader and transfer:
+                tree = self.dest_tree()
+                # Several at once: an fsync waits on the disk, not on the CPU.
+                with ThreadPoolExecutor(max_workers=8, thread_name_prefix="azcp-sync") as pool:
+                    list(pool.map(tree.sync, [listing.files[i].path for i in self.missing_here(transfer)]))
+        self.explain_space(outcome)
+        result = cluster.conclude(t0, outcome)
+        self.report.stages["bcast"].seconds += result.seconds
+
+    def finish(self, listing: Listing, transfer: list[int]) -> None:
+        """Rename every file this node wrote to its final name, then fsync their directories."""
+        cluster = self.cluster
+        t0 = cluster.clock()
+        outcome = StageOutcome()
+        with cluster.stage(outcome):
+            if self.leader and transfer:
+                tree = self.dest_tree()
+                paths = [listing.files[i].path for i in self.missing_here(transfer)]
+                with ThreadPoolExecutor(max_workers=8, thread_name_prefix="azcp-fin") as pool:
+                    list(pool.map(tree.rename, paths))
+                tree.sync_dirs(paths)
             # ru_maxrss is in KiB on Linux: the rank's peak resident memory of the whole run.
             outcome.stats = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         self.explain_space(outcome)
@@ -510,28 +677,51 @@ class _Run:
         self.report.peak_rss_bytes = max(int(st.get("rss", 0)) for st in result.stats)
 
     def verify(self, listing: Listing, transfer: list[int]) -> None:
-        """Compare every file's MD5 across ranks and with the blob's Content-MD5 (exit 7 on a mismatch)."""
+        """Compare every file's MD5 across ranks and with the blob's Content-MD5 (exit 7 on a mismatch).
+
+        ``--verify disk`` (the default mode): after the fsync, each leader reads every copy
+        back from its disk (O_DIRECT, several files at once) and hashes it: a copy that the
+        disk, the filesystem or another writer changed after it arrived differs from the
+        bytes hashed in flight, which is checked too. ``--verify stream``: only the bytes
+        hashed as they passed through the broadcast (files nobody transferred are read back).
+        """
         cluster = self.cluster
         t0 = cluster.clock()
         outcome = StageOutcome()
         files = listing.files
+        disk = self.cfg.verify == "disk"
         with cluster.stage(outcome):
             digests: dict[int, str] = {}
             if self.leader:  # one copy per node
-                digests = dict(self.streamed_md5)
-                moved = set(transfer)
+                tree = self.dest_tree()
+                written = set(self.missing_here(transfer))
+                streamed = dict(self.streamed_md5)
                 for i in transfer:
                     if files[i].size == 0:
-                        digests[i] = EMPTY_MD5
-                # Files nobody transferred were not streamed: read them back, several at once.
-                skipped = [i for i in range(len(files)) if i not in moved]
-                with ThreadPoolExecutor(max_workers=4, thread_name_prefix="azcp-md5") as pool:
-                    for i, digest in zip(
-                        skipped,
-                        pool.map(lambda i: manifest.md5_of(final_path(self.dest, files[i].path)), skipped),
-                        strict=True,
-                    ):
-                        digests[i] = digest
+                        streamed[i] = EMPTY_MD5
+                # Read back: everything (disk), or what was not streamed past this rank.
+                reread = [i for i in range(len(files)) if disk or i not in streamed]
+
+                def hash_copy(i: int) -> str:
+                    rel = files[i].path
+                    try:
+                        opener = tree.opener(rel, temp=i in written)
+                        return manifest.md5_of(opener, direct=disk and self.cfg.bcast_direct)
+                    except OSError as exc:
+                        where = tree.temp_shown(rel) if i in written else tree.shown(rel)
+                        raise VerifyError(f"cannot read the copy back: {exc.strerror or exc}", path=where) from None
+
+                with self.cluster.abandonable():  # local work: a signal stops it at once
+                    digests = dict(zip(reread, manifest.hash_files(hash_copy, reread), strict=True))
+                for i, digest in streamed.items():
+                    if i not in digests:
+                        digests[i] = digest  # --verify stream
+                    elif digests[i] != digest:
+                        raise VerifyError(
+                            "the copy on disk differs from the bytes this rank received (changed after they "
+                            "arrived: by the disk, the filesystem or another writer)",
+                            path=tree.shown(files[i].path),
+                        )
             outcome.stats = {"md5": digests}
         result = cluster.conclude(t0, outcome)
         leaders = self.topo.leaders
@@ -558,20 +748,13 @@ class _Run:
         known = files if self.cfg.compare in ("etag", "md5") else [files[i] for i in transfer]
         with cluster.stage(outcome):
             if self.leader:
-                manifest.save(self.dest, known, manifest.load(self.dest))
+                tree = self.dest_tree()
+                manifest.save(tree, known, manifest.load(tree))
         cluster.conclude(cluster.clock(), outcome)
 
     def missing_here(self, transfer: list[int]) -> list[int]:
         """The transferred files this rank does not have yet (it writes and renames these)."""
         return [i for i in transfer if not self.have[i]]
-
-    def finalize(self, listing: Listing, transfer: list[int]) -> None:
-        """fsync and rename every transferred file, several at once (fsync waits on the disk)."""
-        paths = [listing.files[i].path for i in self.missing_here(transfer)]
-        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="azcp-fin") as pool:
-            list(pool.map(lambda rel: finalize(self.dest, rel), paths))
-        dirs = {os.path.dirname(final_path(self.dest, rel)) for rel in paths}
-        sync_dirs(sorted(dirs))
 
     # -- output ---------------------------------------------------------------------------
 

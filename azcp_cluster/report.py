@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from azcp_cluster.errors import UsageError
+
 STAGES = ("list", "diff", "download", "bcast", "verify", "total")
+
+
+def check_json_path(path: str | None) -> None:
+    """Refuse a ``--json`` PATH that is an existing directory (exit 2), before any work.
+
+    Whether it lies inside DEST is checked per rank once DEST is expanded
+    (:func:`azcp_cluster.config.json_inside_dest`).
+    """
+    if path and os.path.isdir(path):
+        raise UsageError(f"--json {path!r} is a directory; name a file to write the report to")
 
 
 @dataclass
@@ -56,12 +69,29 @@ class Report:
         return asdict(self)
 
     def write_json(self, path: str) -> None:
-        """Write the JSON report atomically (temporary name, then rename)."""
+        """Write the JSON report atomically: a temporary name in the same directory, fsync, rename.
+
+        The temporary file is created anew (``O_EXCL``, never through a symlink someone put at
+        its name) and removed again on any failure, so a failed write leaves nothing behind.
+        Raises the ``OSError``.
+        """
+        data = (json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n").encode("utf-8")
         tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(self.to_json(), fh, indent=2, sort_keys=True)
-            fh.write("\n")
-        os.replace(tmp, path)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o644)
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 def gbps(nbytes: int, seconds: float) -> str:

@@ -39,11 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from azcp_cluster.config import MiB, parse_size
 from azcp_cluster.credentials import Authorizer, resolve_credential
+from azcp_cluster.desttree import DestTree
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.directio import aligned_buffer
 from azcp_cluster.download import API_VERSION, BUFFER_BYTES, WRITER_THREADS
-from azcp_cluster.localfs import prepare, temp_path
+from azcp_cluster.localfs import temp_path
 from azcp_cluster.source import parse_blob_url
 
 CONTAINER = "bench"
@@ -88,8 +89,10 @@ def _fresh_files(work: Path, files: int, size: int) -> list[int]:
     dest = work / "disk"
     shutil.rmtree(dest, ignore_errors=True)
     names = [f"f{i}" for i in range(files)]
-    for name in names:
-        prepare(str(dest), name, size)
+    dest.mkdir(parents=True)
+    tree = DestTree(str(dest))
+    tree.prepare_all([(name, size) for name in names])
+    tree.close()
     return [os.open(temp_path(str(dest), n), os.O_WRONLY | os.O_DIRECT) for n in names]
 
 
@@ -340,6 +343,83 @@ def bench_bcast(
     return out
 
 
+def _raw_hash(paths: list[Path], threads: int, direct: bool) -> float:
+    """Seconds to read ``paths`` (O_DIRECT where ``direct``) and MD5 them, ``threads`` files at once:
+    what ``--verify`` (disk) does after the copy, without the tool around it."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from azcp_cluster.directio import aligned_buffer
+
+    def digest(path: Path) -> str:
+        buf = aligned_buffer(8 * MiB)
+        md5 = hashlib.md5(usedforsecurity=False)
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            offset = 0
+            while True:
+                got = os.preadv(fd, [memoryview(buf)], offset)  # type: ignore[arg-type]
+                md5.update(memoryview(buf[:got]))  # type: ignore[arg-type]
+                offset += got
+                if got < len(buf):
+                    return md5.hexdigest()
+        finally:
+            os.close(fd)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(digest, paths))
+    return time.perf_counter() - started
+
+
+def bench_verify(emu: azurite.Emulator, prefix: str, ranks: int, repeats: int) -> dict[str, Any]:
+    """What each --verify mode costs: the whole run (and its verify stage) with none, stream and disk.
+
+    ``disk`` reads every copy back after the fsync; its ceiling is the same reads and hashes
+    done raw, measured in the same run (``raw_hash_seconds``: every rank's copy, 4 threads a
+    rank as the tool's leaders use, all at once as the leaders do on this one machine).
+    """
+    source = emu.url(CONTAINER, prefix)
+    env = {**os.environ, **emu.key_env()}
+    modes = {"none": [], "stream": ["--verify=stream"], "disk": ["--verify"]}
+    samples: dict[str, dict[str, list[float]]] = {m: {"total": [], "verify": []} for m in modes}
+    raw: list[float] = []
+    nbytes = 0
+    work = Path(tempfile.mkdtemp(prefix="azcp-bench-verify-"))
+    try:
+        for repeat in range(repeats):
+            order = list(modes)[repeat % len(modes) :] + list(modes)[: repeat % len(modes)]
+            for mode in order:
+                doc = _tool_download(source, work / "{rank}", env, ranks, ["--compare", "none", *modes[mode]])
+                nbytes = doc["bytes"]
+                samples[mode]["total"].append(doc["stages"]["total"]["seconds"])
+                samples[mode]["verify"].append(doc["stages"]["verify"]["seconds"])
+                if mode == "disk":
+                    _quiesce()
+                    copies = [p for r in range(ranks) for p in sorted((work / str(r)).rglob("*.bin"))]
+                    raw.append(_raw_hash(copies, 4 * ranks, direct=True))
+            for r in range(ranks):
+                shutil.rmtree(work / str(r), ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out: dict[str, Any] = {"bytes": nbytes, "ranks": ranks, "repeats": repeats}
+    base = statistics.median(samples["none"]["total"])
+    for mode, figures in samples.items():
+        total, verify = statistics.median(figures["total"]), statistics.median(figures["verify"])
+        out[mode] = {
+            "total_seconds": round(total, 3),
+            "verify_seconds": round(verify, 3),
+            "overhead": round(total / base - 1, 3),
+            "verify_mib_s": round(nbytes / MiB / verify, 1) if verify else None,
+            "samples": {k: [round(x, 3) for x in v] for k, v in figures.items()},
+        }
+    hashed = statistics.median(raw)
+    out["disk"]["raw_hash_seconds"] = round(hashed, 3)
+    out["disk"]["raw_hash_mib_s"] = round(nbytes / MiB / hashed, 1)
+    out["disk"]["ratio"] = round(hashed / out["disk"]["verify_seconds"], 3)
+    return out
+
+
 def bcast_sweep(emu: azurite.Emulator, prefix: str, ranks: int, png: Path | None) -> dict[str, Any]:
     """The broadcast stage over chunk x pipeline x writers x O_DIRECT, one dataset; optional plot."""
     source = emu.url(CONTAINER, prefix)
@@ -499,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
             args.bcast_pipeline,
             args.bcast_writers,
         )
+        results["verify"] = bench_verify(emu, "dl", args.ranks, 3 if args.quick else 5)
         if args.sweep:
             results["bcast_sweep"] = bcast_sweep(emu, "dl", args.ranks, Path(args.plot) if args.plot else None)
     print(json.dumps(results, indent=2))

@@ -46,6 +46,26 @@ def test_options_are_converted_like_the_command_line() -> None:
         ({"compare": "sha"}, "--compare must be one of"),
         ({"bcast_pipeline": 0}, "--bcast-pipeline must be between"),
         ({"download_ranks": 0}, "--download-ranks must be at least 1"),
+        # The same ranges as on the command line (Config.validate):
+        ({"block_size": "32KiB"}, "--block-size must be between 64.00 KiB and 1.00 GiB"),
+        ({"block_size": 1}, "--block-size must be between"),
+        ({"bcast_chunk": 1}, "--bcast-chunk must be between"),
+        ({"shard_size": "1KiB"}, "--shard-size must be at least"),
+        ({"concurrency": 99999}, "--concurrency must be between 1 and 4096"),
+        ({"max_retries": 1000}, "--max-retries must be between 0 and 100"),
+        ({"read_timeout": 1e300}, "--read-timeout must be greater than 0 and at most 86400"),
+        ({"read_timeout": float("nan")}, "--read-timeout"),
+        ({"read_timeout": 10**400}, "option read_timeout cannot be a number of about 401 digits"),
+        ({"connect_timeout": float("inf")}, "connect_timeout must be greater than 0"),
+        ({"max_bandwidth": 10**400}, "option max_bandwidth cannot be a number of about 401 digits"),
+        ({"max_bandwidth": 1e300}, "--max-bandwidth must be greater than zero and at most"),
+        ({"max_bandwidth": "9" * 400}, "is beyond the supported"),
+        ({"verify": "bogus"}, "--verify must be one of disk, stream"),
+        ({"verify": None}, "option verify cannot be None"),
+        ({"lock": "never"}, "--lock must be one of wait, fail"),
+        ({"lock": True}, "option lock cannot be True"),
+        ({"lock_timeout": 0}, "--lock-timeout must be greater than 0"),
+        ({"lock_timeout": "5"}, "option lock_timeout cannot be '5'"),
     ],
 )
 def test_bad_options_raise_usage_error(options: dict[str, Any], words: str) -> None:
@@ -53,6 +73,23 @@ def test_bad_options_raise_usage_error(options: dict[str, Any], words: str) -> N
         make_config("s", "d", options)
     assert words in caught.value.message
     assert caught.value.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"), [(True, "disk"), (False, ""), ("disk", "disk"), ("stream", "stream"), ("", "")]
+)
+def test_verify_takes_booleans_and_modes(value: object, mode: str) -> None:
+    assert make_config("s", "d", {"verify": value}).verify == mode
+
+
+def test_lock_options() -> None:
+    assert make_config("s", "d", {"lock": "fail", "lock_timeout": 30}).lock_timeout == 30.0
+    assert make_config("s", "d", {"lock_timeout": None}).lock_timeout is None
+
+
+def test_a_json_path_that_is_a_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="is a directory"):
+        make_config("s", "d", {"json_path": str(tmp_path)})
 
 
 def test_public_names_are_importable_lazily() -> None:

@@ -31,6 +31,7 @@ class Case:
     env: Callable[[azurite.Emulator], dict[str, str]] = azurite.Emulator.key_env
     dest: str = "sandbox/{rank}"
     warning: bool = False  # exit 0 with one warning instead of an error
+    json_dir: bool = False  # the --json PATH is an existing (empty) directory: it must stay empty
 
 
 def _url(prefix: str = "p") -> Callable[[azurite.Emulator, str], str]:
@@ -75,15 +76,51 @@ CASES: dict[str, Case] = {
     "reserved-temp-name": Case(_url("temp"), 3, "reserved for the tool's temporary files"),
     "empty-segment": Case(_url("empty"), 3, "empty segment"),
     "name-too-long": Case(_url("long"), 3, "too long for the filesystem"),
-    "zero-chunk": Case(_url(), 2, "--bcast-chunk must be greater than zero", args=["--bcast-chunk", "0"]),
+    "zero-chunk": Case(_url(), 2, "--bcast-chunk must be between", args=["--bcast-chunk", "0"]),
     "negative-block": Case(_url(), 2, "--block-size", args=["--block-size", "-1"]),
-    "zero-concurrency": Case(_url(), 2, "--concurrency must be greater than zero", args=["--concurrency", "0"]),
+    "zero-concurrency": Case(_url(), 2, "--concurrency must be between 1 and 4096", args=["--concurrency", "0"]),
     "zero-bandwidth": Case(_url(), 2, "--max-bandwidth", args=["--max-bandwidth", "0"]),
     "bad-size-unit": Case(_url(), 2, "invalid size unit", args=["--shard-size", "3parsecs"]),
     "unknown-option": Case(_url(), 2, "unrecognized arguments: --frobnicate", args=["--frobnicate"]),
-    "beyond-memory": Case(_url(), 2, "available", args=["--bcast-chunk", "1TiB", "--bcast-pipeline", "8"]),
+    # Within the options' ranges (16 GiB x 256 slots), beyond any machine's memory:
+    "beyond-memory": Case(_url(), 2, "available", args=["--bcast-chunk", "16GiB", "--bcast-pipeline", "256"]),
     "bad-compare": Case(_url(), 2, "--compare", args=["--compare", "sha1"]),
     "empty-prefix": Case(_url("nothing-here"), 0, "matched no files", warning=True),
+    # Every numeric option has a range (issue 13): below it a run crawls, above it something
+    # overflows later; refused at once, in one line.
+    "block-size-one-byte": Case(_url(), 2, "--block-size must be between 64.00 KiB", args=["--block-size", "1"]),
+    "block-size-2GiB": Case(_url(), 2, "--block-size must be between", args=["--block-size", "2GiB"]),
+    "block-size-400-digits": Case(_url(), 2, "--block-size must be between", args=["--block-size", "9" * 400]),
+    "bcast-chunk-one-byte": Case(_url(), 2, "--bcast-chunk must be between 64.00 KiB", args=["--bcast-chunk", "1"]),
+    "bcast-chunk-32GiB": Case(_url(), 2, "--bcast-chunk must be between", args=["--bcast-chunk", "32GiB"]),
+    "shard-size-one-byte": Case(_url(), 2, "--shard-size must be at least 64.00 KiB", args=["--shard-size", "1"]),
+    "shard-size-5000-digits": Case(_url(), 2, "--shard-size", args=["--shard-size", "9" * 5000]),
+    "bandwidth-400-digits": Case(_url(), 2, "--max-bandwidth", args=["--max-bandwidth", "9" * 400]),
+    "bandwidth-5000-digits": Case(_url(), 2, "--max-bandwidth", args=["--max-bandwidth", "9" * 5000 + "Gbps"]),
+    "read-timeout-1e300": Case(_url(), 2, "--read-timeout must be greater than 0", args=["--read-timeout", "1e300"]),
+    "read-timeout-nan": Case(_url(), 2, "--read-timeout must be greater than 0", args=["--read-timeout", "nan"]),
+    "read-timeout-inf": Case(_url(), 2, "--read-timeout must be greater than 0", args=["--read-timeout", "inf"]),
+    "read-timeout-a-day-and-more": Case(_url(), 2, "at most 86400", args=["--read-timeout", "86401"]),
+    "concurrency-99999": Case(_url(), 2, "--concurrency must be between 1 and 4096", args=["--concurrency", "99999"]),
+    "concurrency-5000-digits": Case(_url(), 2, "argument --concurrency", args=["--concurrency", "9" * 5000]),
+    "max-retries-negative": Case(_url(), 2, "--max-retries must be between 0 and 100", args=["--max-retries", "-1"]),
+    "max-retries-1000": Case(_url(), 2, "--max-retries must be between 0 and 100", args=["--max-retries", "1000"]),
+    "bcast-writers-zero": Case(_url(), 2, "--bcast-writers must be between 1", args=["--bcast-writers", "0"]),
+    "bcast-pipeline-zero": Case(_url(), 2, "--bcast-pipeline must be between 1", args=["--bcast-pipeline", "0"]),
+    "download-ranks-zero": Case(_url(), 2, "--download-ranks must be at least 1", args=["--download-ranks", "0"]),
+    "source-rank-negative": Case(_url(), 2, "--source-rank must be zero or more", args=["--source-rank", "-1"]),
+    "lock-bogus": Case(_url(), 2, "argument --lock: invalid choice: 'bogus'", args=["--lock", "bogus"]),
+    "lock-timeout-zero": Case(_url(), 2, "--lock-timeout must be greater than 0", args=["--lock-timeout", "0"]),
+    "lock-timeout-negative": Case(_url(), 2, "--lock-timeout must be greater than 0", args=["--lock-timeout", "-5"]),
+    "lock-timeout-a-year": Case(_url(), 2, "at most 604800", args=["--lock-timeout", "31536000"]),
+    "verify-bogus": Case(_url(), 2, "argument --verify: invalid choice: 'bogus'", args=["--verify=bogus"]),
+    "json-onto-a-directory": Case(_url(), 2, "is a directory", json_dir=True),
+    # The tool's own names at any level of a path, not only at its end (exit 3):
+    "reserved-temp-directory": Case(_url("deep"), 3, "reserved for the tool's temporary files"),
+    "reserved-manifest-directory": Case(_url("deep2"), 3, "reserved for the tool's manifest"),
+    "reserved-manifest-below-the-top": Case(_url("deep3"), 3, "reserved for the tool's manifest"),
+    "reserved-lock-name": Case(_url("lock"), 3, "reserved for the tool's lock file"),
+    "reserved-lock-below-the-top": Case(_url("lock2"), 3, "reserved for the tool's lock file"),
 }
 
 
@@ -104,6 +141,11 @@ def container(emulator: azurite.Emulator) -> str:
             "collide/a/b": b"needs a as a directory",
             "reserved/.azcp-manifest.json": b"{}",
             "temp/x.bin.azcp-part": b"half",
+            "deep/x.azcp-part/y": b"a directory named like a temporary file",
+            "deep2/d/.azcp-manifest.json/x": b"a directory named like the manifest",
+            "deep3/d/.azcp-manifest.json": b"{}",
+            "lock/.azcp-lock": b"a file named like the lock",
+            "lock2/d/.azcp-lock": b"a file named like the lock, deeper",
             "empty/x//y.bin": b"alias",
             "long/" + "n" * (MAX_SEGMENT_BYTES + 1): b"too long",
         },
@@ -123,13 +165,18 @@ def test_bad_input(name: str, emulator: azurite.Emulator, container: str, tmp_pa
     work.mkdir()
     (tmp_path / "afile").write_text("not a directory")
     dest = case.dest if case.dest.startswith("/") else str(tmp_path / case.dest)
+    report = tmp_path / "report.json"
+    if case.json_dir:  # --json onto a directory: passed by hand, the harness would read it back
+        report.mkdir()
     result = run_cli(
-        [case.source(emulator, container), dest, *case.args],
+        [case.source(emulator, container), dest, *case.args, *(["--json", str(report)] if case.json_dir else [])],
         env=case.env(emulator),
-        json_path=tmp_path / "report.json",
+        json_path=None if case.json_dir else report,
         n=2,
         cwd=work,
     )
+    if case.json_dir:
+        assert report.is_dir() and list(report.iterdir()) == [], "a file was left in the --json directory"
     assert result.returncode == case.code, result.output
     assert "Traceback" not in result.output
     kind = "warning" if case.warning else "error"
@@ -151,5 +198,7 @@ def test_bad_input(name: str, emulator: azurite.Emulator, container: str, tmp_pa
             assert form not in seen, f"a secret leaked in the output of {name}"
 
 
-def test_there_are_at_least_fifteen_cases() -> None:
-    assert len(CASES) >= 15
+def test_there_are_at_least_fifty_cases() -> None:
+    assert len(CASES) >= 50
+    assert sum(1 for case in CASES.values() if case.code == 2) >= 35  # the option ranges
+    assert sum(1 for case in CASES.values() if "reserved" in case.words) >= 7  # the tool's own names

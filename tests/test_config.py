@@ -1,8 +1,14 @@
-"""Tests for size parsing and Config.validate (config.py), and the error tree (errors.py)."""
+"""Tests for size parsing and Config.validate (config.py), the option ranges on the command
+line (cli.py), the JSON report's writing (report.py), and the error tree (errors.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import json
+import math
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,7 +16,33 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from azcp_cluster import errors
-from azcp_cluster.config import Config, GiB, KiB, MiB, TiB, format_bytes, parse_size
+from azcp_cluster.cli import config_from_args, normalise_verify
+from azcp_cluster.config import (
+    LOCK_MODES,
+    MAX_BANDWIDTH_LIMIT,
+    MAX_BCAST_CHUNK,
+    MAX_BCAST_PIPELINE,
+    MAX_BCAST_WRITERS,
+    MAX_BLOCK_SIZE,
+    MAX_CONCURRENCY,
+    MAX_LOCK_TIMEOUT,
+    MAX_READ_TIMEOUT,
+    MAX_RETRIES_LIMIT,
+    MIN_BCAST_CHUNK,
+    MIN_BLOCK_SIZE,
+    MIN_SHARD_SIZE,
+    VERIFY_MODES,
+    Config,
+    GiB,
+    KiB,
+    MiB,
+    TiB,
+    format_bytes,
+    json_inside_dest,
+    parse_rate,
+    parse_size,
+    shown,
+)
 from azcp_cluster.errors import (
     EXIT_CODES,
     AzcpError,
@@ -20,6 +52,7 @@ from azcp_cluster.errors import (
     UsageError,
     exit_code_for,
 )
+from azcp_cluster.report import Report
 
 # ---------------------------------------------------------------------------------------
 # parse_size
@@ -160,14 +193,49 @@ def test_defaults_validate() -> None:
         ({"compare": "sha1"}, "--compare"),
         ({"compare": ""}, "--compare"),
         ({"concurrency": 0}, "--concurrency"),
-        ({"concurrency": 4097}, "--concurrency"),
+        ({"concurrency": MAX_CONCURRENCY + 1}, "--concurrency"),
+        ({"concurrency": 10**5000}, "--concurrency"),  # more digits than str() shows
         ({"block_size": 0}, "--block-size"),
         ({"block_size": -1}, "--block-size"),
+        ({"block_size": 1}, "--block-size"),
+        ({"block_size": MIN_BLOCK_SIZE - 1}, "--block-size"),
+        ({"block_size": MAX_BLOCK_SIZE + 1}, "--block-size"),
+        ({"block_size": 10**400}, "--block-size"),
         ({"bcast_chunk": 0}, "--bcast-chunk"),
+        ({"bcast_chunk": 1}, "--bcast-chunk"),
+        ({"bcast_chunk": MIN_BCAST_CHUNK - 1}, "--bcast-chunk"),
+        ({"bcast_chunk": MAX_BCAST_CHUNK + 1}, "--bcast-chunk"),
         ({"shard_size": 0}, "--shard-size"),
+        ({"shard_size": MIN_SHARD_SIZE - 1}, "--shard-size"),
+        ({"bcast_pipeline": 0}, "--bcast-pipeline"),
+        ({"bcast_pipeline": MAX_BCAST_PIPELINE + 1}, "--bcast-pipeline"),
+        ({"bcast_writers": 0}, "--bcast-writers"),
+        ({"bcast_writers": MAX_BCAST_WRITERS + 1}, "--bcast-writers"),
         ({"max_retries": -1}, "--max-retries"),
-        ({"read_timeout": 0.0}, "timeouts"),
-        ({"connect_timeout": -1.0}, "timeouts"),
+        ({"max_retries": MAX_RETRIES_LIMIT + 1}, "--max-retries"),
+        ({"read_timeout": 0.0}, "--read-timeout"),
+        ({"read_timeout": -1.0}, "--read-timeout"),
+        ({"read_timeout": MAX_READ_TIMEOUT + 1}, "--read-timeout"),
+        ({"read_timeout": 1e300}, "--read-timeout"),
+        ({"read_timeout": math.nan}, "--read-timeout"),
+        ({"read_timeout": math.inf}, "--read-timeout"),
+        ({"connect_timeout": -1.0}, "connect_timeout"),
+        ({"connect_timeout": math.inf}, "connect_timeout"),
+        ({"max_bandwidth": 0.0}, "--max-bandwidth"),
+        ({"max_bandwidth": float(MAX_BANDWIDTH_LIMIT) * 2}, "--max-bandwidth"),
+        ({"max_bandwidth": math.nan}, "--max-bandwidth"),
+        ({"max_bandwidth": math.inf}, "--max-bandwidth"),
+        ({"source_rank": -1}, "--source-rank"),
+        ({"download_ranks": 0}, "--download-ranks"),
+        ({"lock": "bogus"}, "--lock must be one of wait, fail"),
+        ({"lock": ""}, "--lock"),
+        ({"lock_timeout": 0.0}, "--lock-timeout"),
+        ({"lock_timeout": -5.0}, "--lock-timeout"),
+        ({"lock_timeout": MAX_LOCK_TIMEOUT + 1}, "--lock-timeout"),
+        ({"lock_timeout": math.nan}, "--lock-timeout"),
+        ({"verify": "bogus"}, "--verify must be one of disk, stream"),
+        ({"verify": True}, "--verify"),  # the API converts booleans; Config holds the mode
+        ({"json_path": ""}, "--json"),
         ({"source": ""}, "SOURCE"),
         ({"dest": ""}, "DEST"),
     ],
@@ -178,6 +246,7 @@ def test_validate_names_the_bad_option(changes: dict[str, Any], option: str) -> 
         cfg.validate()
     assert option in info.value.message
     assert exit_code_for(info.value) == 2
+    assert "\n" not in info.value.message and len(info.value.message) < 200  # one short line
 
 
 @pytest.mark.parametrize(
@@ -187,12 +256,256 @@ def test_validate_names_the_bad_option(changes: dict[str, Any], option: str) -> 
         {"concurrency": 1},
         {"concurrency": 4096},
         {"max_retries": 0},
-        {"block_size": 1, "bcast_chunk": 1, "shard_size": 1},
+        {"max_retries": 100},
+        {"block_size": 64 * KiB, "bcast_chunk": 64 * KiB, "shard_size": 64 * KiB},
+        {"block_size": GiB, "bcast_chunk": 16 * GiB, "shard_size": 10**400},
+        {"bcast_pipeline": 1, "bcast_writers": 1},
+        {"bcast_pipeline": 256, "bcast_writers": 64},
         {"read_timeout": 0.001, "connect_timeout": 0.001},
+        {"read_timeout": 86400.0, "connect_timeout": 86400.0},
+        {"max_bandwidth": 0.125},  # 1 bit per second
+        {"max_bandwidth": 1e15},
+        {"lock": "fail", "lock_timeout": 0.001},
+        {"lock": "wait", "lock_timeout": 7 * 86400.0},
+        {"verify": "disk"},
+        {"verify": "stream"},
+        {"verify": ""},
+        {"source_rank": 0, "download_ranks": 1},
     ],
 )
 def test_validate_accepts_boundaries(changes: dict[str, Any]) -> None:
     dataclasses.replace(Config(source="s", dest="d"), **changes).validate()
+
+
+def test_limits_are_the_documented_ones() -> None:
+    assert MIN_BLOCK_SIZE == MIN_BCAST_CHUNK == MIN_SHARD_SIZE == 64 * KiB
+    assert (MAX_BLOCK_SIZE, MAX_BCAST_CHUNK) == (2**30, 16 * 2**30)
+    assert (MAX_CONCURRENCY, MAX_BCAST_PIPELINE, MAX_BCAST_WRITERS, MAX_RETRIES_LIMIT) == (4096, 256, 64, 100)
+    assert (MAX_READ_TIMEOUT, MAX_LOCK_TIMEOUT, MAX_BANDWIDTH_LIMIT) == (86400, 7 * 86400, 10**15)
+    assert VERIFY_MODES == ("disk", "stream") and LOCK_MODES == ("wait", "fail")
+    defaults = Config(source="s", dest="d")
+    assert (defaults.verify, defaults.lock, defaults.lock_timeout) == ("", "wait", None)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("abc", "'abc'"),
+        (12, "12"),
+        ("9" * 400, "'" + "9" * 29 + "... (402 characters)"),
+        pytest.param(10**400, "a number of about 401 digits", id="401-digits"),
+        pytest.param(10**5000, "a number of about 5001 digits", id="5001-digits"),
+    ],
+)
+def test_shown_keeps_messages_short(value: object, expected: str) -> None:
+    assert shown(value) == expected
+
+
+# ---------------------------------------------------------------------------------------
+# parse_rate
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1", 1.0), ("1b", 0.125), ("25Gbps", 25e9 / 8), ("3GiB/s", 3.0 * GiB), ("1000TB/s", 1e15)],
+)
+def test_parse_rate_examples(text: str, expected: float) -> None:
+    assert parse_rate(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "9" * 400,  # float(Fraction) overflowed: an OverflowError traceback
+        "9" * 5000,  # more digits than int() converts
+        "1001TB/s",
+        "8001Tbps",
+        "0." + "0" * 400 + "1",  # positive, but 0.0 as a float
+        "0",
+        "fast",
+    ],
+)
+def test_parse_rate_refuses_in_one_short_line(text: str) -> None:
+    with pytest.raises(UsageError) as info:
+        parse_rate(text)
+    assert len(info.value.message) < 200
+
+
+@given(st.text(max_size=30))
+@settings(max_examples=200)
+def test_parse_rate_never_raises_anything_but_usage_error(text: str) -> None:
+    try:
+        rate = parse_rate(text)
+    except UsageError:
+        return
+    assert 0 < rate <= MAX_BANDWIDTH_LIMIT
+
+
+# ---------------------------------------------------------------------------------------
+# json_inside_dest
+
+
+@pytest.mark.parametrize(
+    ("json_real", "dest_real", "inside"),
+    [
+        ("/data/x/report.json", "/data/x", True),
+        ("/data/x/sub/report.json", "/data/x", True),
+        ("/data/x", "/data/x", True),
+        ("/data/x/report.json", "/data/x/", True),
+        ("/anything.json", "/", True),
+        ("/data/xy/report.json", "/data/x", False),
+        ("/data/x.json", "/data/x", False),
+        ("/data/report.json", "/data/x", False),
+        ("/tmp/report.json", "/data/x", False),
+    ],
+)
+def test_json_inside_dest(json_real: str, dest_real: str, inside: bool) -> None:
+    assert json_inside_dest(json_real, dest_real) is inside
+
+
+segment = st.text(st.sampled_from("abxy.-"), min_size=1, max_size=4).filter(lambda s: s not in (".", ".."))
+
+
+@given(st.lists(segment, min_size=1, max_size=4), st.lists(segment, max_size=3), st.lists(segment, min_size=1))
+@settings(max_examples=200)
+def test_json_inside_dest_is_path_prefix_by_segments(dest: list[str], below: list[str], other: list[str]) -> None:
+    dest_real = "/" + "/".join(dest)
+    assert json_inside_dest("/" + "/".join([*dest, *below]), dest_real)
+    sibling = "/" + "/".join([*dest[:-1], dest[-1] + "z", *below])  # shares a prefix, not a segment
+    assert not json_inside_dest(sibling, dest_real)
+    outside = "/" + "/".join(other)
+    assert json_inside_dest(outside, dest_real) == (other[: len(dest)] == dest)
+
+
+# ---------------------------------------------------------------------------------------
+# The command line: ranges, --verify MODE, --lock, --json
+
+
+ARGS = ["http://127.0.0.1:1/acct/c", "/tmp/x"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--block-size", "1"], "--block-size must be between 64.00 KiB and 1.00 GiB"),
+        (["--block-size", "2GiB"], "--block-size must be between"),
+        (["--bcast-chunk", "1"], "--bcast-chunk must be between"),
+        (["--bcast-chunk", "17GiB"], "--bcast-chunk must be between"),
+        (["--shard-size", "1"], "--shard-size must be at least 64.00 KiB"),
+        (["--shard-size", "9" * 5000], "size '999"),
+        (["--max-bandwidth", "9" * 400], "is beyond the supported"),
+        (["--read-timeout", "1e300"], "--read-timeout must be greater than 0 and at most 86400 seconds"),
+        (["--read-timeout", "nan"], "--read-timeout"),
+        (["--read-timeout", "inf"], "--read-timeout"),
+        (["--read-timeout", "9" * 5000], "--read-timeout"),
+        (["--concurrency", "99999"], "--concurrency must be between 1 and 4096"),
+        (["--concurrency", "9" * 5000], "argument --concurrency: '999"),
+        (["--concurrency", "many"], "argument --concurrency: invalid whole number 'many'"),
+        (["--max-retries", "-1"], "--max-retries must be between 0 and 100"),
+        (["--max-retries", "1000"], "--max-retries must be between 0 and 100"),
+        (["--bcast-writers", "0"], "--bcast-writers must be between 1 and 64"),
+        (["--bcast-pipeline", "0"], "--bcast-pipeline must be between 1 and 256"),
+        (["--download-ranks", "0"], "--download-ranks must be at least 1"),
+        (["--source-rank", "-1"], "--source-rank must be zero or more"),
+        (["--lock", "bogus"], "argument --lock: invalid choice"),
+        (["--lock-timeout", "0"], "--lock-timeout must be greater than 0 and at most 604800 seconds"),
+        (["--lock-timeout", "-5"], "--lock-timeout"),
+        (["--lock-timeout", "1e9"], "--lock-timeout"),
+        (["--verify=bogus"], "argument --verify: invalid choice: 'bogus'"),
+        (["--json", ""], "--json PATH is empty"),
+    ],
+)
+def test_cli_refuses_out_of_range_values_in_one_short_line(extra: list[str], words: str) -> None:
+    with pytest.raises(UsageError) as info:
+        config_from_args([*ARGS, *extra])
+    line = info.value.one_line()
+    assert words in line, line
+    assert len(line) < 300 and "\n" not in line
+
+
+def test_cli_refuses_a_json_path_that_is_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="is a directory"):
+        config_from_args([*ARGS, "--json", str(tmp_path)])
+    assert config_from_args([*ARGS, "--json", str(tmp_path / "r.json")]).json_path == str(tmp_path / "r.json")
+    assert list(tmp_path.iterdir()) == []  # checked, nothing written
+
+
+@pytest.mark.parametrize(
+    ("argv", "mode", "source"),
+    [
+        ([*ARGS], "", ARGS[0]),
+        (["--verify", *ARGS], "disk", ARGS[0]),  # a bare --verify before SOURCE keeps SOURCE
+        ([*ARGS, "--verify"], "disk", ARGS[0]),
+        (["--verify", "disk", *ARGS], "disk", ARGS[0]),
+        (["--verify", "stream", *ARGS], "stream", ARGS[0]),
+        ([*ARGS, "--verify", "stream"], "stream", ARGS[0]),
+        (["--verify=stream", *ARGS], "stream", ARGS[0]),
+        (["--verify=disk", *ARGS], "disk", ARGS[0]),
+        (["--verif", *ARGS], "disk", ARGS[0]),  # an abbreviation, as argparse allows
+        (["--verify", "--no-progress", *ARGS], "disk", ARGS[0]),
+    ],
+)
+def test_cli_verify_modes(argv: list[str], mode: str, source: str) -> None:
+    cfg = config_from_args(argv)
+    assert (cfg.verify, cfg.source, cfg.dest) == (mode, source, ARGS[1])
+
+
+def test_normalise_verify_leaves_everything_after_a_double_dash() -> None:
+    assert normalise_verify(["--verify", "--", "--verify"]) == ["--verify=disk", "--", "--verify"]
+    assert normalise_verify(["--version"]) == ["--version"]
+
+
+def test_cli_lock_options() -> None:
+    cfg = config_from_args(ARGS)
+    assert (cfg.lock, cfg.lock_timeout) == ("wait", None)
+    cfg = config_from_args([*ARGS, "--lock", "fail"])
+    assert cfg.lock == "fail"
+    cfg = config_from_args([*ARGS, "--lock", "wait", "--lock-timeout", "90.5"])
+    assert (cfg.lock, cfg.lock_timeout) == ("wait", 90.5)
+
+
+# ---------------------------------------------------------------------------------------
+# Report.write_json: atomic, never through a symlink, nothing left behind
+
+
+def test_write_json_writes_atomically(tmp_path: Path) -> None:
+    target = tmp_path / "r.json"
+    target.write_text("old")
+    Report(files=3).write_json(str(target))
+    assert json.loads(target.read_text())["files"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+
+
+def test_write_json_onto_a_directory_leaves_no_temporary_file(tmp_path: Path) -> None:
+    target = tmp_path / "r.json"
+    target.mkdir()
+    with pytest.raises(OSError):
+        Report().write_json(str(target))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"] and list(target.iterdir()) == []
+
+
+def test_write_json_does_not_follow_a_symlink_at_the_temporary_name(tmp_path: Path) -> None:
+    target = tmp_path / "r.json"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("precious")
+    planted = tmp_path / f"r.json.tmp{os.getpid()}"
+    planted.symlink_to(elsewhere)
+    with pytest.raises(OSError):
+        Report().write_json(str(target))
+    assert elsewhere.read_text() == "precious"
+    assert planted.is_symlink() and not target.exists()  # someone else's link: left as it was
+
+
+def test_write_json_removes_its_temporary_file_when_the_rename_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(src: str, dst: str) -> None:
+        raise OSError(errno.EXDEV, "refused")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError):
+        Report().write_json(str(tmp_path / "r.json"))
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------------------
@@ -246,6 +559,8 @@ def test_one_line_escapes_line_breaks_in_paths() -> None:
         (errors.BroadcastError, 6),
         (errors.VerifyError, 7),
         (errors.LocalFSError, 8),
+        (errors.SigintError, 130),
+        (errors.SigtermError, 143),
     ],
 )
 def test_exit_code_for_project_errors(cls: type[AzcpError], code: int) -> None:
@@ -262,5 +577,11 @@ def test_error_table_is_complete() -> None:
     assert set(errors.ERROR_CLASSES) == {c.__name__ for c in ALL_ERRORS}
     assert all(issubclass(c, AzcpError) for c in ALL_ERRORS)
     assert {c.exit_code for c in ALL_ERRORS} <= set(EXIT_CODES)
-    assert len({c.stage for c in ALL_ERRORS}) == len(ALL_ERRORS)  # each class names its own stage
+    # Each class names its own stage, but the signals: SIGINT and SIGTERM are both [interrupted].
+    stopped = [c for c in ALL_ERRORS if issubclass(c, errors.Interrupted)]
+    assert {c.stage for c in stopped} == {"interrupted"} and {c.exit_code for c in stopped} == {130, 143}
+    # ReportPathError is an [arguments] error that tells the CLI not to write the report.
+    others = [c for c in ALL_ERRORS if c not in stopped and c is not errors.ReportPathError]
+    assert len({c.stage for c in others}) == len(others)
+    assert errors.ReportPathError.stage == errors.UsageError.stage
     assert errors.EXIT_OK == 0 and 0 in EXIT_CODES

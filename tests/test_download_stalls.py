@@ -18,12 +18,13 @@ import pytest
 from azcp_cluster.api import make_config
 from azcp_cluster.config import Config, MiB
 from azcp_cluster.credentials import Authorizer, resolve_credential
+from azcp_cluster.desttree import DestTree
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
 from azcp_cluster.directio import DirectFile
 from azcp_cluster.download import Downloader, DownloadStats, WritePool, blocks_for
-from azcp_cluster.localfs import prepare, temp_path
+from azcp_cluster.localfs import temp_path
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import Shard
 from azcp_cluster.source import parse_blob_url
@@ -46,10 +47,11 @@ def _download_one(
     parsed = parse_blob_url(source)
     auth = Authorizer(parsed, resolve_credential(parsed, key_env), time.time)
     cfg = make_config(source, str(dest), options)
-    prepare(str(dest), name, size)
+    tree = DestTree(str(dest), create=True)
+    tree.prepare(name, size)
     writes = pool(cfg) if pool is not None else None
     try:
-        downloader = Downloader([FileEntry(name=name, path=name, size=size)], str(dest), auth, cfg, pool=writes)
+        downloader = Downloader([FileEntry(name=name, path=name, size=size)], tree, auth, cfg, pool=writes)
         return downloader.run(blocks_for([Shard(0, 0, size, 0)], cfg.block_size))
     finally:
         if writes is not None:

@@ -1,8 +1,9 @@
 """Faults on the wire: the job runs through a fault-injecting proxy in front of the real Azurite.
 
 Each fault kind hits some ranged GETs of one blob; the copy must still complete byte-identical
-on every rank, with the retries counted by cause. A blob replaced during the copy must end the
-job with exit 5 and one line naming it, and leave no wrong file under a final name.
+on every rank, with the retries counted by cause. A blob replaced (or deleted) during the copy
+must end the job with exit 5 and one line naming it and saying "changed" (or "deleted"), and
+leave no wrong file under a final name.
 """
 
 from __future__ import annotations
@@ -154,6 +155,40 @@ def test_blob_replaced_during_the_copy_exits_5_and_leaves_no_wrong_file(
         assert VICTIM not in got, f"rank {rank}: the changed blob stands under its final name"
         for path, data in got.items():
             if not path.endswith(".azcp-part"):  # temporary names may stay; final names must be right
+                assert data == expected[path], f"rank {rank}: {path} is under its final name but wrong"
+
+
+def test_blob_deleted_during_the_copy_exits_5_saying_deleted(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    """A conditional GET of a deleted blob may be answered 412 (as for a replaced one): the tool
+    asks the service whether the blob is still there, and says "deleted", not "changed"."""
+    container, expected = _dataset(emulator)
+    deleted: list[bool] = []
+
+    def delete_victim() -> None:  # before the first ranged GET of the victim reaches the emulator
+        azurite.delete(emulator, container, [f"d/{VICTIM}"])
+        deleted.append(True)
+
+    with FaultProxy(emulator, [Rule("pass", blob=f"d/{VICTIM}", before=delete_victim)]) as proxy:
+        result = run_cli(
+            [proxy.url(container, "d"), str(tmp_path / "{rank}"), *OPTIONS],
+            env=emulator.key_env(),
+            json_path=tmp_path / "report.json",
+        )
+    assert deleted == [True] and proxy.injected == 1 and proxy.errors == []
+    assert result.returncode == 5, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    assert len(errors) == 1, result.stderr
+    assert f"d/{VICTIM}" in errors[0] and "deleted" in errors[0] and "changed" not in errors[0], errors[0]
+    assert "Traceback" not in result.output
+    assert result.json is not None and result.json["exit_code"] == 5 and "deleted" in result.json["error"]
+    # The tool asked whether the blob is still there: a HEAD of it, after the failed GET.
+    failed_get = next(s for s in proxy.log if s.fault)
+    assert any(s.method == "HEAD" and s.blob == f"d/{VICTIM}" and s.at >= failed_get.at for s in proxy.log)
+    for rank in range(RANKS):
+        got = tree_of(tmp_path / str(rank))
+        assert VICTIM not in got, f"rank {rank}: the deleted blob stands under its final name"
+        for path, data in got.items():
+            if not path.endswith(".azcp-part"):
                 assert data == expected[path], f"rank {rank}: {path} is under its final name but wrong"
 
 

@@ -90,6 +90,13 @@ def test_request_bytes_has_the_target_host_and_headers() -> None:
     assert data == (b"GET /acct/c/a%20b.bin?sv=1&sig=x HTTP/1.1\r\nHost: 127.0.0.1:10000\r\nRange: bytes=0-9\r\n\r\n")
 
 
+def test_request_bytes_makes_a_head_request() -> None:
+    data = request_bytes("http://h:1/acct/c/x?sig=s", {"x-ms-version": "v"}, method="HEAD")
+    assert data == b"HEAD /acct/c/x?sig=s HTTP/1.1\r\nHost: h:1\r\nx-ms-version: v\r\n\r\n"
+    with pytest.raises(ValueError, match="unsupported method"):
+        request_bytes("http://h/c/x", {}, method="DELETE")
+
+
 @pytest.mark.parametrize("value", ["a\r\nInjected: 1", "a\nb", "a\rb"])
 def test_request_bytes_refuses_line_breaks_in_headers(value: str) -> None:
     with pytest.raises(ValueError, match="CR or LF"):

@@ -13,19 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from azcp_cluster import localfs
-from azcp_cluster.errors import LocalFSError, exit_code_for
+from azcp_cluster.errors import LocalFSError
 from azcp_cluster.localfs import (
     TEMP_SUFFIX,
     expand_dest,
     final_path,
-    finalize,
-    is_present,
     preallocate,
-    prepare,
     pwritev_all,
     temp_path,
 )
-from tests.conftest import fstype
 
 # ---------------------------------------------------------------------------------------
 # expand_dest
@@ -90,50 +86,7 @@ def test_temp_sits_next_to_final(dest: str, parts: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# prepare / finalize / is_present
-
-
-def test_prepare_finalize_is_present(tmp_path: Path) -> None:
-    dest = str(tmp_path)
-    rel = "deep/er/file.bin"
-    assert not is_present(dest, rel, 10)
-    prepare(dest, rel, 10)
-    temp = Path(temp_path(dest, rel))
-    assert temp.stat().st_size == 10
-    assert not is_present(dest, rel, 10)  # a temporary file never counts
-    fd = os.open(temp, os.O_WRONLY)
-    try:
-        assert pwritev_all(fd, [b"0123", b"456789"], 0) == 10
-    finally:
-        os.close(fd)
-    finalize(dest, rel)
-    assert not temp.exists()
-    assert Path(final_path(dest, rel)).read_bytes() == b"0123456789"
-    assert is_present(dest, rel, 10)
-    assert not is_present(dest, rel, 11)
-    assert not is_present(dest, "deep/er", 0)  # a directory is not a file
-
-
-def test_prepare_truncates_a_leftover_temp(tmp_path: Path) -> None:
-    dest = str(tmp_path)
-    temp = Path(temp_path(dest, "f"))
-    temp.write_bytes(b"x" * 100)
-    prepare(dest, "f", 3)
-    assert temp.read_bytes() == b"\0\0\0"
-    prepare(dest, "empty", 0)
-    assert Path(temp_path(dest, "empty")).stat().st_size == 0
-
-
-def test_prepare_reserves_the_blocks_where_the_filesystem_can(tmp_path: Path) -> None:
-    size = 8 << 20
-    prepare(str(tmp_path), "big", size)
-    st = os.stat(temp_path(str(tmp_path), "big"))
-    assert st.st_size == size
-    if fstype(tmp_path) in ("ext4", "xfs", "btrfs", "tmpfs"):
-        # Reserved, not a hole: ext4 lets O_DIRECT writes into reserved blocks of one file
-        # run at once, and a full disk shows before the download.
-        assert st.st_blocks * 512 >= size
-    assert Path(temp_path(str(tmp_path), "big")).read_bytes() == bytes(size)  # reads back as zeros
+# preallocate (the temporary files themselves: tests/test_desttree.py)
 
 
 @pytest.mark.parametrize("code", [errno.EOPNOTSUPP, errno.ENOSYS])
@@ -153,35 +106,6 @@ def test_preallocate_falls_back_to_a_sparse_file_where_the_filesystem_cannot(tmp
         os.close(fd)
     assert path.stat().st_size == 4 << 20
     assert path.stat().st_blocks * 512 < 4 << 20  # a hole: no emulation that writes every block
-
-
-def test_prepare_reports_a_file_too_large_for_the_filesystem(tmp_path: Path) -> None:
-    if localfs._FALLOCATE is None:
-        pytest.skip("no fallocate(2) in this libc")
-    # The kernel refuses before reserving anything (ext4: EFBIG, "File too large"; tmpfs:
-    # ENOSPC), and the error is the local-filesystem one, exit 8.
-    with pytest.raises(LocalFSError) as info:
-        prepare(str(tmp_path), "huge", 1 << 62)
-    assert exit_code_for(info.value) == 8
-    assert "cannot create temporary file" in str(info.value)
-
-
-def test_finalize_replaces_an_old_copy(tmp_path: Path) -> None:
-    dest = str(tmp_path)
-    Path(final_path(dest, "f")).write_bytes(b"old!")
-    prepare(dest, "f", 2)
-    finalize(dest, "f")
-    assert Path(final_path(dest, "f")).read_bytes() == b"\0\0"
-
-
-def test_filesystem_errors_are_local_fs_errors(tmp_path: Path) -> None:
-    dest = str(tmp_path)
-    Path(tmp_path, "blocker").write_bytes(b"")
-    with pytest.raises(LocalFSError) as info:
-        prepare(dest, "blocker/child", 1)  # a file stands where a directory is needed
-    assert exit_code_for(info.value) == 8
-    with pytest.raises(LocalFSError):
-        finalize(dest, "never-prepared")
 
 
 def test_fs_error_names_the_cause() -> None:
@@ -286,22 +210,3 @@ def test_preadv_all_fills_the_buffer_and_stops_at_eof(tmp_path: Path) -> None:
         assert preadv_all(fd, buf, 9000) == 1240  # short only at end of file
     finally:
         os.close(fd)
-
-
-def test_is_present_reports_an_unreadable_copy_as_an_error(tmp_path: Path) -> None:
-    from azcp_cluster.errors import DiffError
-
-    (tmp_path / "loop").symlink_to(tmp_path / "loop")  # stat fails with ELOOP, not "absent"
-    with pytest.raises(DiffError, match="cannot inspect"):
-        is_present(str(tmp_path), "loop", 1)
-    assert is_present(str(tmp_path), "missing/file", 1) is False
-
-
-def test_space_needed_counts_what_leftover_temporary_files_give_back(tmp_path: Path) -> None:
-    from azcp_cluster.localfs import space_needed
-
-    assert space_needed(str(tmp_path), [("a.bin", 1 << 20), ("sub/b.bin", 4096)]) == (1 << 20) + 4096
-    (tmp_path / ".a.bin.azcp-part").write_bytes(b"x" * (1 << 19))  # half of a.bin, from a crashed run
-    assert space_needed(str(tmp_path), [("a.bin", 1 << 20)]) == 1 << 19
-    (tmp_path / ".a.bin.azcp-part").write_bytes(b"x" * (2 << 20))  # larger than the new size
-    assert space_needed(str(tmp_path), [("a.bin", 1 << 20)]) == 0

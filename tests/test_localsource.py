@@ -10,7 +10,7 @@ import pytest
 from azcp_cluster.config import Config
 from azcp_cluster.errors import ListError, UsageError
 from azcp_cluster.localsource import check_overlap, list_local, local_etag, source_file
-from azcp_cluster.naming import MANIFEST_NAME, TEMP_SUFFIX
+from azcp_cluster.naming import LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX
 
 
 def _cfg(**kw: object) -> Config:
@@ -74,6 +74,22 @@ def test_special_files_and_the_tools_own_files_are_left_out(tmp_path: Path) -> N
     (tmp_path / "data").write_bytes(b"ok")
     listing = list_local(str(tmp_path), _cfg())
     assert [f.path for f in listing.files] == ["data"] and listing.filtered_out == 3
+
+
+def test_a_top_level_lock_file_is_left_out(tmp_path: Path) -> None:
+    (tmp_path / LOCK_NAME).write_text("held by an earlier run")
+    (tmp_path / "data").write_bytes(b"ok")
+    listing = list_local(str(tmp_path), _cfg())
+    assert [f.path for f in listing.files] == ["data"] and listing.filtered_out == 1
+
+
+@pytest.mark.parametrize("reserved", [f"sub/{LOCK_NAME}", f"sub/{MANIFEST_NAME}", f"d{TEMP_SUFFIX}/f"])
+def test_the_tools_names_deeper_in_the_tree_are_refused(tmp_path: Path, reserved: str) -> None:
+    path = tmp_path / reserved
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"x")
+    with pytest.raises(ListError, match="reserved"):
+        list_local(str(tmp_path), _cfg())
 
 
 def test_missing_and_unreadable_sources(tmp_path: Path) -> None:

@@ -9,6 +9,9 @@ from hypothesis import strategies as st
 from azcp_cluster.errors import ListError, exit_code_for
 from azcp_cluster.model import FileEntry
 from azcp_cluster.naming import (
+    LOCK_NAME,
+    MANIFEST_NAME,
+    TEMP_SUFFIX,
     RawEntry,
     check_collisions,
     check_relative_path,
@@ -266,15 +269,75 @@ def test_select_properties(
     assert select(prefix, None, list(reversed(children)), include, exclude) == listing
 
 
-@pytest.mark.parametrize("name", ["p/.x.azcp-part", "p/d/y.azcp-part", "p/.azcp-manifest.json"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "p/.x.azcp-part",
+        "p/d/y.azcp-part",
+        "p/.azcp-manifest.json",
+        "p/.azcp-lock",
+        # At any level, not only at the end:
+        "p/x.azcp-part/y",
+        "p/.x.azcp-part/y",  # would be x's temporary name as a directory
+        "p/.azcp-part/y",
+        "p/d/.azcp-manifest.json",
+        "p/d/.azcp-manifest.json/x",
+        "p/d/.azcp-lock",
+        "p/.azcp-lock/x",
+    ],
+)
 def test_names_reserved_by_the_tool_are_refused(name: str) -> None:
-    with pytest.raises(ListError, match="reserved"):
+    with pytest.raises(ListError, match="reserved") as info:
         select("p", None, [RawEntry(name, 1)])
+    assert info.value.path == name and exit_code_for(info.value) == 3
 
 
-def test_manifest_name_is_fine_below_the_top() -> None:
-    listing = select("p", None, [RawEntry("p/sub/.azcp-manifest.json", 1)])
-    assert [f.path for f in listing.files] == ["sub/.azcp-manifest.json"]
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        ("a/b.azcp-part/c", "reserved for the tool's temporary files"),
+        ("a/.azcp-manifest.json", "reserved for the tool's manifest"),
+        ("a/.azcp-manifest.json/b", "reserved for the tool's manifest"),
+        ("lock/.azcp-lock", "reserved for the tool's lock file"),
+    ],
+)
+def test_reserved_names_say_what_they_are_reserved_for(path: str, words: str) -> None:
+    with pytest.raises(ListError, match=words):
+        check_relative_path(path, path)
+
+
+@pytest.mark.parametrize(
+    "path", ["x.azcp-partial", "azcp-part", "a/.azcp-manifest.json.bak", "a/azcp-lock", "a/.azcp-lock2", "x.azcp-par"]
+)
+def test_names_that_only_resemble_the_tools_are_kept(path: str) -> None:
+    assert check_relative_path(path, path) == path
+
+
+reserved_segment = st.one_of(
+    st.sampled_from([MANIFEST_NAME, LOCK_NAME, TEMP_SUFFIX]),
+    safe_segment.map(lambda s: s + TEMP_SUFFIX),
+    safe_segment.map(lambda s: "." + s + TEMP_SUFFIX),
+)
+
+
+@given(st.lists(safe_segment, max_size=4), reserved_segment, st.lists(safe_segment, max_size=4))
+@settings(max_examples=200)
+def test_a_reserved_segment_at_any_level_is_refused(before: list[str], reserved: str, after: list[str]) -> None:
+    path = "/".join([*before, reserved, *after])
+    with pytest.raises(ListError, match="reserved"):
+        check_relative_path(path, path)
+
+
+@given(st.lists(safe_segment, min_size=1, max_size=3))
+@settings(max_examples=100)
+def test_a_file_and_its_temporary_name_as_a_directory_cannot_both_be_listed(segments: list[str]) -> None:
+    """``x`` and ``.x.azcp-part/y``: the second is refused, so it cannot collide with x's temporary file."""
+    *parent, base = segments
+    first = "/".join([*parent, base])
+    second = "/".join([*parent, f".{base}{TEMP_SUFFIX}", "y"])
+    assert check_relative_path(first, first) == first
+    with pytest.raises(ListError, match="reserved"):
+        select("", None, [RawEntry(first, 1), RawEntry(second, 1)])
 
 
 def test_names_too_long_for_the_filesystem_are_refused() -> None:

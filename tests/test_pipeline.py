@@ -385,7 +385,7 @@ def test_the_copies_do_not_pass_through_the_page_cache(emulator: azurite.Emulato
 
 def test_buffers_beyond_memory_are_refused(emulator: azurite.Emulator, tmp_path: Path) -> None:
     result = run_cli(
-        [emulator.url("whatever"), str(tmp_path / "{rank}"), "--bcast-chunk", "1TiB", "--bcast-pipeline", "8"],
+        [emulator.url("whatever"), str(tmp_path / "{rank}"), "--bcast-chunk", "16GiB", "--bcast-pipeline", "256"],
         env=emulator.key_env(),
         n=2,
     )

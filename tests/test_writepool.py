@@ -16,7 +16,7 @@ from azcp_cluster.download import WritePool, _BlockWrites, pool_buffers, pool_bu
 
 @pytest.fixture
 def pool() -> Iterator[WritePool]:
-    cfg = make_config("http://127.0.0.1:1/devstoreaccount1/c", "/tmp/unused", {"block_size": 4096, "concurrency": 1})
+    cfg = make_config("http://127.0.0.1:1/devstoreaccount1/c", "/tmp/unused", {"block_size": 65536, "concurrency": 1})
     made = WritePool(cfg, threads=1)
     yield made
     made.close()

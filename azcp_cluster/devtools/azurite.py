@@ -8,7 +8,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,3 +164,10 @@ def upload(emulator: Emulator, container: str, blobs: Mapping[str, bytes]) -> No
     client = container_client(emulator, container)
     for name, data in blobs.items():
         client.upload_blob(name, data, overwrite=True, max_concurrency=4)
+
+
+def delete(emulator: Emulator, container: str, names: Iterable[str]) -> None:
+    """Delete the blobs ``names`` from ``container`` (e.g. from a fault proxy's hook, mid-copy)."""
+    client = container_client(emulator, container, create=False)
+    for name in names:
+        client.delete_blob(name)

@@ -4,7 +4,7 @@ Every request is forwarded to the emulator and every response streamed back, kee
 included (one emulator connection per client connection). Only the ranged GETs that a
 :class:`Rule` picks are treated otherwise: they get a 503 ServerBusy with Retry-After, a
 500, or their body is reset, stalled or truncated part-way; or a hook runs (e.g. one that
-replaces the blob) before they are forwarded. Listings, HEADs and everything else pass
+replaces or deletes the blob) before they are forwarded. Listings, HEADs and everything else pass
 through untouched.
 
     rules = [Rule("reset", blob="data/b.bin", nth=2)]

@@ -22,8 +22,9 @@ import numpy as np
 from mpi4py import MPI
 
 from azcp_cluster.broadcast import Broadcaster
+from azcp_cluster.desttree import DestTree
 from azcp_cluster.directio import DirectFile, DirectReader
-from azcp_cluster.localfs import prepare, temp_path
+from azcp_cluster.localfs import temp_path
 from azcp_cluster.model import FileEntry
 from azcp_cluster.schedule import Chunk
 
@@ -39,7 +40,8 @@ def main() -> int:
         fh.write(data)
     dest = os.path.join(work, "dest")
     os.makedirs(dest)
-    prepare(dest, "f.bin", len(data))
+    tree = DestTree(dest)
+    tree.prepare("f.bin", len(data))
     first_written = threading.Event()
     seen: dict[str, Any] = {}
     write_at, read_at = DirectFile.write_at, DirectReader.read_at
@@ -58,7 +60,7 @@ def main() -> int:
     DirectReader.read_at = reading  # type: ignore[method-assign]
     files = [FileEntry(name="f.bin", path="f.bin", size=len(data))]
     chunks = [Chunk(seq=i, file=0, offset=i * CHUNK, length=CHUNK, root=0, last_of_file=i == 2) for i in range(3)]
-    broadcaster = Broadcaster(MPI.COMM_WORLD, files, dest, CHUNK, pipeline=4, writers=1, source_of=lambda i: source)
+    broadcaster = Broadcaster(MPI.COMM_WORLD, files, tree, CHUNK, pipeline=4, writers=1, source_of=lambda i: source)
     broadcaster.run(chunks)
     with open(temp_path(dest, "f.bin"), "rb") as fh:
         seen["whole"] = fh.read() == data

@@ -84,7 +84,7 @@ try:
         credential=credential,
         quiet=rank != 0,
         progress=False,
-        block_size="32KiB",
+        block_size="64KiB",  # the smallest --block-size: several GETs per rank
         shard_size="128KiB",
         concurrency=2,
         bcast_chunk="1MiB",

@@ -1,0 +1,410 @@
+"""DEST as a directory handle: every name below it is reached one component at a time, never through a link.
+
+The tool runs as root on nodes that other jobs share, and anyone who may write into DEST
+(or a directory below it) can put a symbolic link, a hard link, a FIFO or a directory where
+the tool is about to write, at any moment of the run. So no path below DEST is ever handed
+to the kernel whole:
+
+* DEST's real path is opened once (:class:`DestTree`); every directory below it is opened
+  relative to its parent with ``O_NOFOLLOW | O_DIRECTORY``, so a symlinked directory is
+  refused (exit 8, naming it), never written through, wherever it points;
+* a temporary name is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` after whatever stood
+  there (a leftover of a crashed run, a link, a FIFO) is unlinked: the file written is one
+  this run made;
+* every later open of a file for writing or reading (the downloaders, the broadcast's
+  writers and owner, fsync, verify) is ``O_NOFOLLOW | O_NONBLOCK`` relative to its
+  directory, and the file must be a regular file with one link: a FIFO cannot hang the job
+  and a hard link to a file elsewhere is never written into;
+* renames are ``renameat`` within one directory descriptor, checked afterwards.
+
+What this does not defend against is stated in docs/reliability.md (a root attacker, and
+someone who moves a directory of the run's own files away while it runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+
+from azcp_cluster.directio import Opener
+from azcp_cluster.errors import DiffError, LocalFSError
+from azcp_cluster.localfs import fs_error, preallocate, temp_name
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# No file the tool opens may block the open (a FIFO) or be followed (a link).
+_FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# Tries at creating a temporary name that someone keeps putting something at.
+_CREATE_TRIES = 3
+
+
+def split(rel: str) -> tuple[list[str], str]:
+    """``"a/b/c"`` -> (``["a", "b"]``, ``"c"``)."""
+    head, _, base = rel.rpartition("/")
+    return (head.split("/") if head else []), base
+
+
+class NotAFileError(OSError):
+    """A name the tool must write or read is not a regular file with a single link."""
+
+
+class DestTree:
+    """DEST, opened by its real path; the files and directories below it, reached without links.
+
+    ``path`` is DEST as the user gave it (expanded), used in messages. Thread-safe: every
+    method works on descriptors of its own, relative to the one root descriptor.
+    """
+
+    def __init__(self, path: str, create: bool = False) -> None:
+        self.path = path
+        self.real = os.path.realpath(path)
+        self.fd = -1
+        try:
+            # The real path's last component must itself be a directory, not a link put there
+            # since realpath() looked.
+            self.fd = os.open(self.real, _DIR_FLAGS)
+        except FileNotFoundError:
+            if create:
+                missing = FileNotFoundError(errno.ENOENT, "No such file or directory")
+                raise fs_error(missing, path, "open DEST") from None
+        except OSError as exc:
+            raise fs_error(exc, path, "open DEST") from None
+
+    @property
+    def exists(self) -> bool:
+        """Whether DEST existed when opened (a dry run's DEST may not)."""
+        return self.fd >= 0
+
+    def close(self) -> None:
+        """Close the root descriptor."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def shown(self, rel: str) -> str:
+        """``rel`` as a path below DEST, for messages."""
+        return os.path.join(self.path, *rel.split("/")) if rel else self.path
+
+    # -- directories ----------------------------------------------------------------------
+
+    def _open_dir(self, parts: list[str], create: bool) -> int:
+        """A descriptor of DEST/``parts`` (the caller closes it), reached component by component.
+
+        A component that is a symlink, or anything but a directory, is refused with a
+        :class:`LocalFSError` naming it. Missing components are made when ``create``; else
+        FileNotFoundError.
+        """
+        if self.fd < 0:
+            raise FileNotFoundError(errno.ENOENT, "DEST does not exist")
+        fd = os.dup(self.fd)
+        try:
+            for depth, part in enumerate(parts):
+                try:
+                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    with contextlib.suppress(FileExistsError):  # made meanwhile by another writer: checked below
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                    child = self._open_child_dir(fd, parts, depth)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise self._not_a_directory(fd, parts, depth) from None
+                    raise
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_child_dir(self, fd: int, parts: list[str], depth: int) -> int:
+        try:
+            return os.open(parts[depth], _DIR_FLAGS, dir_fd=fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise self._not_a_directory(fd, parts, depth) from None
+            raise
+
+    def _not_a_directory(self, fd: int, parts: list[str], depth: int) -> LocalFSError:
+        where = self.shown("/".join(parts[: depth + 1]))
+        try:
+            st = os.stat(parts[depth], dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            return LocalFSError(
+                "is a symbolic link where the copy needs a directory; refusing to write through it "
+                "(remove it, or make DEST a directory that holds no links)",
+                path=where,
+            )
+        return LocalFSError("is not a directory, but the copy needs a directory there", path=where)
+
+    @contextlib.contextmanager
+    def directory(self, parts: list[str], create: bool = False) -> Iterator[int]:
+        """The descriptor of DEST/``parts`` for the ``with`` block."""
+        fd = self._open_dir(parts, create)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    # -- looking ----------------------------------------------------------------------------
+
+    def lstat(self, rel: str) -> os.stat_result | None:
+        """What stands at DEST/``rel`` itself (a link is not followed); None if nothing, or if a
+        directory on the way is missing, a link or not a directory."""
+        parts, base = split(rel)
+        try:
+            with self.directory(parts) as fd:
+                return os.stat(base, dir_fd=fd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError, LocalFSError):
+            return None
+
+    def is_present(self, rel: str, size: int) -> bool:
+        """Whether ``rel`` stands in DEST as a regular file of ``size`` bytes with a single link.
+
+        A link, a hard-linked file, a FIFO or a file below a symlinked directory is not a copy:
+        it is copied again (and replaced by the rename). Absent is an answer; a file that
+        cannot be looked at (permissions, I/O error) is a :class:`DiffError`.
+        """
+        parts, base = split(rel)
+        try:
+            with self.directory(parts) as fd:
+                st = os.stat(base, dir_fd=fd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError, LocalFSError):
+            return False
+        except OSError as exc:
+            raise DiffError(f"cannot inspect the local copy: {exc.strerror or exc}", path=self.shown(rel)) from None
+        return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size == size
+
+    def held_bytes(self, rel: str) -> int:
+        """Disk bytes held by a leftover temporary file of ``rel`` (given back when it is replaced)."""
+        parts, base = split(rel)
+        st = self.lstat("/".join([*parts, temp_name(base)]))
+        return st.st_blocks * 512 if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
+
+    def space_needed(self, files: Iterable[tuple[str, int]]) -> int:
+        """Bytes that writing ``files`` (relative path, size) will take from DEST's free space.
+
+        A temporary file left by an interrupted run is replaced: the blocks it holds come back
+        first, so they do not count against the run.
+        """
+        return sum(max(0, size - self.held_bytes(rel)) for rel, size in files)
+
+    def free_bytes(self) -> int:
+        """Bytes an unprivileged writer may still use on DEST's filesystem."""
+        st = os.statvfs(self.fd)
+        return st.f_bavail * st.f_frsize
+
+    # -- opening files --------------------------------------------------------------------
+
+    def _open_file(self, parts: list[str], name: str, flags: int) -> int:
+        with self.directory(parts) as dfd:
+            fd = os.open(name, flags | _FILE_FLAGS, dir_fd=dfd)
+        return checked(fd)
+
+    def opener(self, rel: str, temp: bool) -> Opener:
+        """For :mod:`directio`: opens ``rel``'s temporary (``temp``) or final name with the flags given.
+
+        Each call walks from DEST's descriptor again: a directory swapped for a link since the
+        last open is refused, not followed.
+        """
+        parts, base = split(rel)
+        name = temp_name(base) if temp else base
+
+        def open_with(flags: int) -> int:
+            try:
+                return self._open_file(parts, name, flags)
+            except NotAFileError as exc:
+                raise LocalFSError(exc.strerror or str(exc), path=self.shown("/".join([*parts, name]))) from None
+            except OSError as exc:
+                # ELOOP: a symlink (O_NOFOLLOW); ENXIO: a FIFO or socket (O_NONBLOCK, no reader).
+                if exc.errno in (errno.ELOOP, errno.ENXIO):
+                    what = "a symbolic link" if exc.errno == errno.ELOOP else "not a regular file"
+                    raise LocalFSError(
+                        f"is {what}; the copy writes and reads only files it made itself",
+                        path=self.shown("/".join([*parts, name])),
+                    ) from None
+                raise
+
+        return open_with
+
+    def temp_shown(self, rel: str) -> str:
+        """DEST/dir/.name.azcp-part, for messages."""
+        parts, base = split(rel)
+        return self.shown("/".join([*parts, temp_name(base)]))
+
+    # -- making files -----------------------------------------------------------------------
+
+    def prepare_all(self, files: Iterable[tuple[str, int]]) -> None:
+        """Create every file's temporary name at its full size (blocks reserved where possible).
+
+        Grouped by directory, so each directory is walked (and made) once.
+        """
+        by_dir: dict[tuple[str, ...], list[tuple[str, int]]] = defaultdict(list)
+        for rel, size in files:
+            parts, base = split(rel)
+            by_dir[tuple(parts)].append((base, size))
+        for folder, entries in by_dir.items():
+            where = self.shown("/".join(folder))
+            try:
+                with self.directory(list(folder), create=True) as dfd:
+                    for base, size in entries:
+                        self._create_temp(dfd, "/".join([*folder, base]), base, size)
+            except OSError as exc:
+                raise fs_error(exc, where, "create directory") from None
+
+    def prepare(self, rel: str, size: int) -> None:
+        """Create (anew) the temporary file of ``rel`` at ``size`` bytes."""
+        self.prepare_all([(rel, size)])
+
+    def _create_temp(self, dfd: int, rel: str, base: str, size: int) -> None:
+        name = temp_name(base)
+        shown = self.temp_shown(rel)
+        for _ in range(_CREATE_TRIES):
+            self._clear(dfd, name, shown)
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o644, dir_fd=dfd)
+            except FileExistsError:
+                continue  # someone put something there again since: clear it again
+            except OSError as exc:
+                raise fs_error(exc, shown, "create temporary file") from None
+            try:
+                preallocate(fd, size)
+            except OSError as exc:
+                raise fs_error(exc, shown, "create temporary file") from None
+            finally:
+                os.close(fd)
+            return
+        raise LocalFSError("something keeps being put at this temporary name while the copy makes it", path=shown)
+
+    def _clear(self, dfd: int, name: str, shown: str) -> None:
+        """Remove what stands at a temporary name: a leftover, a link, a FIFO. A directory is refused."""
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise fs_error(exc, shown, "inspect temporary file") from None
+        if stat.S_ISDIR(st.st_mode):
+            raise LocalFSError("a directory stands at the temporary name of a file to copy; remove it", path=shown)
+        try:
+            os.unlink(name, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise fs_error(exc, shown, "replace a leftover temporary file") from None
+
+    # -- finishing --------------------------------------------------------------------------
+
+    def sync(self, rel: str) -> None:
+        """fsync the temporary file of ``rel``."""
+        try:
+            fd = self.opener(rel, temp=True)(os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise fs_error(exc, self.temp_shown(rel), "sync file") from None
+
+    def rename(self, rel: str) -> None:
+        """Rename ``rel``'s temporary name to its final name (replacing what stood there), then
+        check that the final name is the file that was renamed."""
+        parts, base = split(rel)
+        name = temp_name(base)
+        try:
+            with self.directory(parts) as dfd:
+                fd = os.open(name, os.O_RDONLY | _FILE_FLAGS, dir_fd=dfd)
+                try:
+                    st = os.fstat(checked(fd, close=False))
+                    os.rename(name, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    now = os.stat(base, dir_fd=dfd, follow_symlinks=False)
+                finally:
+                    os.close(fd)
+        except NotAFileError as exc:
+            raise LocalFSError(str(exc), path=self.temp_shown(rel)) from None
+        except OSError as exc:
+            raise fs_error(exc, self.shown(rel), "finish file") from None
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise LocalFSError("was replaced by something else while the copy renamed it", path=self.shown(rel))
+
+    def finalize(self, rel: str) -> None:
+        """fsync the temporary file of ``rel`` and rename it to its final name."""
+        self.sync(rel)
+        self.rename(rel)
+
+    def sync_dirs(self, rels: Iterable[str]) -> None:
+        """fsync the directories holding ``rels`` (so the renames in them survive a crash)."""
+        for parts in sorted({tuple(split(rel)[0]) for rel in rels}):
+            where = self.shown("/".join(parts))
+            try:
+                with self.directory(list(parts)) as fd:
+                    os.fsync(fd)
+            except OSError as exc:
+                raise fs_error(exc, where, "sync directory") from None
+
+    # -- small files of the tool's own at DEST's top ----------------------------------------
+
+    def read_small(self, name: str, limit: int) -> bytes | None:
+        """The content of DEST/``name`` (a regular file, at most ``limit`` bytes), or None."""
+        try:
+            fd = self._open_file([], name, os.O_RDONLY)
+        except (OSError, LocalFSError):
+            return None
+        try:
+            data = os.pread(fd, limit + 1, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return data if len(data) <= limit else None
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        """Replace DEST/``name`` with ``data``: a temporary name made anew, fsync, rename."""
+        shown = self.shown(name)
+        tmp = temp_name(name)
+        try:
+            self._clear(self.fd, tmp, shown)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o644, dir_fd=self.fd)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            os.fsync(self.fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self.fd)
+            raise fs_error(exc, shown, "write") from None
+
+
+def checked(fd: int, close: bool = True) -> int:
+    """``fd`` if it is a regular file with a single link; else closed (when ``close``) and refused."""
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+        return fd
+    if close:
+        os.close(fd)
+    what = "a hard-linked file" if stat.S_ISREG(st.st_mode) else "not a regular file"
+    raise NotAFileError(errno.EPERM, f"is {what}; the copy writes and reads only files it made itself")
+
+
+def source_opener(path: str) -> Opener:
+    """For a local SOURCE's files: opens ``path`` without blocking on a FIFO; refuses anything but a regular file."""
+
+    def open_with(flags: int) -> int:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise NotAFileError(errno.EPERM, "is not a regular file any more")
+        return fd
+
+    return open_with

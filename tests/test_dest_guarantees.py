@@ -1,0 +1,368 @@
+"""What a hostile or busy machine can do to DEST and SOURCE, end to end under a real `mpiexec -n 4`.
+
+One run per DEST (the lock), nothing written outside DEST's real path (links, FIFOs), a local
+SOURCE that changes while it is read, and a ``--verify`` that reads the disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from azcp_cluster.config import MiB
+from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.naming import LOCK_NAME, TEMP_SUFFIX
+from tests.conftest import clean_env, mpiexec_path, run_cli, tree_of
+
+RANKS = 4
+PROGRAMS = Path(__file__).parent / "programs"
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("azcp-cluster: error")]
+
+
+def _write_tree(root: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+
+
+def _cli(args: list[str], n: int = RANKS, env: dict[str, str] | None = None) -> list[str]:
+    return [mpiexec_path(), "-n", str(n), sys.executable, "-m", "azcp_cluster", *args, "--no-progress"]
+
+
+def _md5(data: bytes) -> str:
+    return hashlib.md5(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+# one run per DEST
+
+
+@pytest.fixture(scope="module")
+def slow_blobs(emulator: azurite.Emulator) -> tuple[str, dict[str, bytes]]:
+    """48 blobs of 1 MiB (48 MiB): with --max-bandwidth 16MiB/s, a download of about 3 s."""
+    container = "lock" + uuid.uuid4().hex[:12]
+    blobs = {f"ckpt/shard-{i:02d}.bin": pseudo_random(MiB, f"lock{i}") for i in range(48)}
+    azurite.upload(emulator, container, blobs)
+    return container, {k.removeprefix("ckpt/"): v for k, v in blobs.items()}
+
+
+SLOW = ["--max-bandwidth", "16MiB/s", "--block-size", "256KiB"]
+
+
+def test_two_runs_on_one_dest_one_second_apart_both_end_with_every_copy_right(
+    emulator: azurite.Emulator, slow_blobs: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    container, files = slow_blobs
+    args = [emulator.url(container, "ckpt"), str(tmp_path / "d" / "{rank}"), *SLOW]
+    env = clean_env(emulator.key_env())
+    first = subprocess.Popen(_cli(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    second = subprocess.Popen(_cli(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err1 = first.communicate(timeout=120)
+    out2, err2 = second.communicate(timeout=120)
+    assert first.returncode == 0, err1
+    assert second.returncode == 0, err2
+    # The second waited for the first (one notice naming the holder), then found the files in place.
+    notices = [line for line in err2.splitlines() if line.startswith("azcp-cluster: notice")]
+    assert len(notices) == 1 and "in use by another run" in notices[0] and "pid" in notices[0], err2
+    assert "0 to transfer" in out2 or "48 skipped" in out2, out2
+    zeros = _md5(bytes(MiB))
+    for rank in range(RANKS):
+        copy = tree_of(tmp_path / "d" / str(rank))
+        assert sorted(copy) == sorted(files)
+        for rel, data in files.items():
+            assert _md5(copy[rel]) == _md5(data) != zeros, f"rank {rank}: {rel}"
+        assert not (tmp_path / "d" / str(rank) / LOCK_NAME).exists(), "the lock file goes with its run"
+
+
+def test_lock_fail_exits_9_at_once_while_another_run_holds_dest(
+    emulator: azurite.Emulator, slow_blobs: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    container, files = slow_blobs
+    args = [emulator.url(container, "ckpt"), str(tmp_path / "d" / "{rank}"), *SLOW]
+    env = clean_env(emulator.key_env())
+    first = subprocess.Popen(_cli(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "d" / "3" / LOCK_NAME).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        started = time.monotonic()
+        second = run_cli([*args, "--lock", "fail"], env=emulator.key_env(), json_path=tmp_path / "r.json")
+        took = time.monotonic() - started
+        assert first.poll() is None, "the first run must still hold DEST for this test to mean anything"
+    finally:
+        _, err1 = first.communicate(timeout=120)
+    assert second.returncode == 9, second.output
+    (line,) = _errors(second.stderr)
+    assert "[lock]" in line and "in use by another run" in line and "--lock fail" in line, line
+    assert second.json is not None and second.json["exit_code"] == 9
+    assert took < 15, f"--lock fail must not wait ({took:.1f} s)"
+    assert first.returncode == 0, err1
+    for rank in range(RANKS):
+        assert tree_of(tmp_path / "d" / str(rank)) == files
+
+
+def test_lock_timeout_bounds_the_wait(
+    emulator: azurite.Emulator, slow_blobs: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    container, _ = slow_blobs
+    args = [emulator.url(container, "ckpt"), str(tmp_path / "d" / "{rank}"), *SLOW]
+    env = clean_env(emulator.key_env())
+    first = subprocess.Popen(_cli(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "d" / "0" / LOCK_NAME).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        second = run_cli([*args, "--lock-timeout", "0.5"], env=emulator.key_env())
+    finally:
+        first.communicate(timeout=120)
+    assert second.returncode == 9, second.output
+    (line,) = _errors(second.stderr)
+    assert "--lock-timeout" in line, line
+
+
+def test_two_jobs_whose_nodes_overlap_in_opposite_order_both_complete(
+    emulator: azurite.Emulator, slow_blobs: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    # Job A: rank 0 writes X, rank 1 writes Y. Job B: rank 0 writes Y, rank 1 writes X (through
+    # links: the same real directories). A lock taken in rank order would deadlock them.
+    container, files = slow_blobs
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    for job, order in (("a", ("x", "y")), ("b", ("y", "x"))):
+        (tmp_path / job).mkdir()
+        for rank, target in enumerate(order):
+            (tmp_path / job / str(rank)).symlink_to(tmp_path / target)
+    env = clean_env(emulator.key_env())
+    jobs = [
+        subprocess.Popen(
+            _cli([emulator.url(container, "ckpt"), str(tmp_path / job / "{rank}"), *SLOW, "--compare", "none"], n=2),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for job in ("a", "b")
+    ]
+    results = [job.communicate(timeout=120) for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], results
+    for target in ("x", "y"):
+        assert tree_of(tmp_path / target) == files
+
+
+# ---------------------------------------------------------------------------------------
+# nothing written outside DEST
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    path = tmp_path / "outside" / "victim.bin"
+    path.parent.mkdir()
+    path.write_bytes(b"must not change")
+    return path
+
+
+def test_a_symlink_at_a_temporary_name_is_replaced_and_nothing_outside_dest_changes(
+    tmp_path: Path, victim: Path
+) -> None:
+    files = {"model.bin": pseudo_random(3 * MiB, "m"), "sub/tok.json": b"{}"}
+    _write_tree(tmp_path / "src", files)
+    for rank in range(RANKS):
+        (tmp_path / "d" / str(rank) / "sub").mkdir(parents=True)
+        (tmp_path / "d" / str(rank) / f".model.bin{TEMP_SUFFIX}").symlink_to(victim)
+        (tmp_path / "d" / str(rank) / "sub" / f".tok.json{TEMP_SUFFIX}").symlink_to(victim)
+    started = time.monotonic()
+    result = run_cli([str(tmp_path / "src"), str(tmp_path / "d" / "{rank}")], timeout=30)
+    assert time.monotonic() - started < 30
+    assert result.returncode == 0, result.output
+    assert victim.read_bytes() == b"must not change"
+    for rank in range(RANKS):
+        assert tree_of(tmp_path / "d" / str(rank)) == files
+        assert not (tmp_path / "d" / str(rank) / "model.bin").is_symlink()
+
+
+def test_a_symlinked_directory_inside_dest_is_refused_with_exit_8_naming_it(tmp_path: Path, victim: Path) -> None:
+    files = {"sub/victim.bin": pseudo_random(MiB, "v"), "top.bin": b"top"}
+    _write_tree(tmp_path / "src", files)
+    for rank in range(RANKS):
+        (tmp_path / "d" / str(rank)).mkdir(parents=True)
+    (tmp_path / "d" / "2" / "sub").symlink_to(victim.parent)
+    started = time.monotonic()
+    result = run_cli([str(tmp_path / "src"), str(tmp_path / "d" / "{rank}")], timeout=30)
+    assert time.monotonic() - started < 30
+    assert result.returncode == 8, result.output
+    (line,) = _errors(result.stderr)
+    assert f"rank 2: '{tmp_path / 'd' / '2' / 'sub'}'" in line and "symbolic link" in line, line
+    assert "Traceback" not in result.output
+    assert victim.read_bytes() == b"must not change"
+    assert sorted(p.name for p in victim.parent.iterdir()) == ["victim.bin"]
+    for rank in range(RANKS):
+        assert not (tmp_path / "d" / str(rank) / "top.bin").exists(), "nothing under a final name"
+
+
+def test_a_fifo_at_a_temporary_name_is_removed_and_the_job_does_not_hang(tmp_path: Path) -> None:
+    files = {"a.bin": pseudo_random(MiB, "a")}
+    _write_tree(tmp_path / "src", files)
+    for rank in range(RANKS):
+        (tmp_path / "d" / str(rank)).mkdir(parents=True)
+        os.mkfifo(tmp_path / "d" / str(rank) / f".a.bin{TEMP_SUFFIX}")
+    result = run_cli([str(tmp_path / "src"), str(tmp_path / "d" / "{rank}")], timeout=30)
+    assert result.returncode == 0, result.output
+    for rank in range(RANKS):
+        assert tree_of(tmp_path / "d" / str(rank)) == files
+
+
+def test_json_report_inside_dest_is_refused(tmp_path: Path) -> None:
+    _write_tree(tmp_path / "src", {"a.bin": b"a"})
+    (tmp_path / "d" / "0").mkdir(parents=True)
+    result = run_cli(
+        [str(tmp_path / "src"), str(tmp_path / "d" / "{rank}")], json_path=tmp_path / "d" / "0" / "a.bin"
+    )
+    assert result.returncode == 2, result.output
+    (line,) = _errors(result.stderr)
+    assert "--json" in line and "inside DEST" in line, line
+    assert list((tmp_path / "d" / "0").iterdir()) == []
+
+
+def test_dest_inside_source_is_refused_on_every_rank(tmp_path: Path) -> None:
+    _write_tree(tmp_path / "src", {"a.bin": b"a"})
+    # Only rank 3's DEST lies inside SOURCE, and rank 0 reads: still refused, before any write.
+    (tmp_path / "d").mkdir()
+    for rank in range(RANKS):
+        target = tmp_path / "src" / "inner" if rank == 3 else tmp_path / "elsewhere" / str(rank)
+        if rank != 3:
+            target.mkdir(parents=True)
+        (tmp_path / "d" / str(rank)).symlink_to(target)
+    result = run_cli([str(tmp_path / "src"), str(tmp_path / "d" / "{rank}"), "--source-rank", "0"])
+    assert result.returncode == 2, result.output
+    (line,) = _errors(result.stderr)
+    assert "rank 3" in line and "inside SOURCE" in line, line
+    assert not (tmp_path / "src" / "inner").exists()
+
+
+# ---------------------------------------------------------------------------------------
+# a local SOURCE that changes while it is read
+
+
+def _rewriter(path: Path, stop: threading.Event, started: threading.Event) -> None:
+    """Rewrite bytes of ``path`` in place (no truncation, no rename) until told to stop."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        size = path.stat().st_size
+        step = 0
+        while not stop.is_set():
+            os.pwrite(fd, os.urandom(4096), (step * 7919 * 4096) % (size - 4096))
+            step += 1
+            started.set()
+            time.sleep(0.002)
+    finally:
+        os.close(fd)
+
+
+def _when_the_broadcast_runs(dest: Path, name: str, proc: subprocess.Popen[str]) -> None:
+    marker = dest / "3" / f".{name}{TEMP_SUFFIX}"
+    deadline = time.monotonic() + 60
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def test_a_local_file_rewritten_in_place_while_it_is_read_never_ends_in_a_torn_copy(tmp_path: Path) -> None:
+    data = pseudo_random(96 * MiB, "torn")
+    _write_tree(tmp_path / "src", {"big.bin": data, "small.bin": b"small"})
+    stop, started = threading.Event(), threading.Event()
+    args = [str(tmp_path / "src"), str(tmp_path / "d" / "{rank}"), "--bcast-chunk", "1MiB", "--bcast-pipeline", "2"]
+    proc = subprocess.Popen(_cli(args), env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _when_the_broadcast_runs(tmp_path / "d", "big.bin", proc)
+    writer = threading.Thread(target=_rewriter, args=(tmp_path / "src" / "big.bin", stop, started))
+    writer.start()
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        stop.set()
+        writer.join()
+    assert started.is_set()
+    # Written to all along: read once, read again, still changing: exit 5 naming the file.
+    assert proc.returncode == 5, (out, err)
+    (line,) = _errors(err)
+    assert "[source]" in line and "changed while it was read" in line and "big.bin" in line, line
+    for rank in range(RANKS):
+        assert not (tmp_path / "d" / str(rank) / "big.bin").exists(), "a torn copy under its final name"
+
+
+def test_a_local_file_changed_once_while_it_is_read_is_read_again(tmp_path: Path) -> None:
+    data = pseudo_random(64 * MiB, "once")
+    _write_tree(tmp_path / "src", {"big.bin": data})
+    args = [str(tmp_path / "src"), str(tmp_path / "d" / "{rank}"), "--bcast-chunk", "1MiB", "--bcast-pipeline", "2"]
+    proc = subprocess.Popen(_cli(args), env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _when_the_broadcast_runs(tmp_path / "d", "big.bin", proc)
+    fd = os.open(tmp_path / "src" / "big.bin", os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"CHANGED!" * 512, 0)  # once, at the start: the first chunk went out before
+    finally:
+        os.close(fd)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, (out, err)
+    now = (tmp_path / "src" / "big.bin").read_bytes()
+    for rank in range(RANKS):
+        assert (tmp_path / "d" / str(rank) / "big.bin").read_bytes() == now, f"rank {rank}: not the file as it is"
+
+
+def test_dangling_symlinks_in_a_local_source_are_skipped_with_one_warning(tmp_path: Path) -> None:
+    files = {"a.bin": b"a", "sub/b.bin": b"b"}
+    _write_tree(tmp_path / "src", files)
+    (tmp_path / "src" / "gone").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "src" / "sub" / "gone2").symlink_to(tmp_path / "nowhere2")
+    result = run_cli([str(tmp_path / "src"), str(tmp_path / "d" / "{rank}")], json_path=tmp_path / "r.json")
+    assert result.returncode == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: warning")]
+    assert len(warnings) == 1 and "2 dangling symbolic link" in warnings[0], result.stderr
+    assert result.json is not None and result.json["filtered_out"] == 2
+    for rank in range(RANKS):
+        assert tree_of(tmp_path / "d" / str(rank)) == files
+
+
+def test_an_unreadable_source_file_is_a_source_error(tmp_path: Path) -> None:
+    _write_tree(tmp_path / "src", {"a.bin": b"a" * 5000, "b.bin": b"b"})
+    # Root reads anything: deny with a FIFO swapped in after listing instead of permissions.
+    program = PROGRAMS / "swap_source_for_fifo.py"
+    result = run_cli([str(tmp_path / "src"), str(tmp_path / "d" / "{rank}")], program=[str(program)])
+    assert result.returncode == 5, result.output
+    (line,) = _errors(result.stderr)
+    assert "[source]" in line and "a.bin" in line and "cannot read" in line, line
+
+
+# ---------------------------------------------------------------------------------------
+# --verify reads the disk
+
+
+@pytest.mark.parametrize("mode", ["disk", "stream"])
+def test_verify_disk_catches_a_copy_corrupted_after_it_was_written(tmp_path: Path, mode: str) -> None:
+    files = {"a.bin": pseudo_random(2 * MiB, "va"), "sub/b.bin": pseudo_random(MiB + 17, "vb")}
+    _write_tree(tmp_path / "src", files)
+    args = [str(tmp_path / "src"), str(tmp_path / "d" / "{rank}"), "--verify" if mode == "disk" else "--verify=stream"]
+    result = run_cli(
+        args,
+        program=[str(PROGRAMS / "corrupt_before_verify.py")],
+        env={"AZCP_CORRUPT_RANK": "2", "AZCP_CORRUPT_FILE": "sub/b.bin"},
+    )
+    if mode == "stream":
+        # The in-flight check hashes the bytes as they pass, not the disk: it cannot see this.
+        assert result.returncode == 0, result.output
+        return
+    assert result.returncode == 7, result.output
+    (line,) = _errors(result.stderr)
+    assert "[verify]" in line and "rank 2" in line and "sub/b.bin" in line and "on disk" in line, line
+    for rank in range(RANKS):
+        assert not (tmp_path / "d" / str(rank) / "sub" / "b.bin").exists(), "renamed before the verify"
