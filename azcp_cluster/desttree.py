@@ -164,28 +164,55 @@ class DestTree:
         except (FileNotFoundError, NotADirectoryError, LocalFSError):
             return None
 
-    def is_present(self, rel: str, size: int) -> bool:
-        """Whether ``rel`` stands in DEST as a regular file of ``size`` bytes with a single link.
+    def lstat_all(self, rels: Iterable[str]) -> list[os.stat_result | None]:
+        """:meth:`lstat` of every name, each directory walked once (a million files, a few
+        directories: a few million system calls fewer). Errors other than "not there" raise
+        ``OSError``, with ``filename`` set to the name looked at."""
+        names = list(rels)
+        found: list[os.stat_result | None] = [None] * len(names)
+        by_dir: dict[tuple[str, ...], list[tuple[int, str]]] = defaultdict(list)
+        for index, rel in enumerate(names):
+            parts, base = split(rel)
+            by_dir[tuple(parts)].append((index, base))
+        for folder, entries in by_dir.items():
+            try:
+                dfd = self._open_dir(list(folder), create=False)
+            except (FileNotFoundError, NotADirectoryError, LocalFSError):
+                continue  # missing, a link or not a directory: nothing of ours below it
+            try:
+                for index, base in entries:
+                    try:
+                        found[index] = os.stat(base, dir_fd=dfd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        pass
+                    except OSError as exc:
+                        exc.filename = names[index]
+                        raise
+            finally:
+                os.close(dfd)
+        return found
+
+    def present_all(self, files: Iterable[tuple[str, int]]) -> list[bool]:
+        """For each (path, size): whether it stands in DEST as a regular file of that size with one link.
 
         A link, a hard-linked file, a FIFO or a file below a symlinked directory is not a copy:
         it is copied again (and replaced by the rename). Absent is an answer; a file that
         cannot be looked at (permissions, I/O error) is a :class:`DiffError`.
         """
-        parts, base = split(rel)
+        wanted = list(files)
         try:
-            with self.directory(parts) as fd:
-                st = os.stat(base, dir_fd=fd, follow_symlinks=False)
-        except (FileNotFoundError, NotADirectoryError, LocalFSError):
-            return False
+            stats = self.lstat_all(rel for rel, _ in wanted)
         except OSError as exc:
-            raise DiffError(f"cannot inspect the local copy: {exc.strerror or exc}", path=self.shown(rel)) from None
-        return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size == size
+            where = self.shown(str(exc.filename)) if exc.filename else self.path
+            raise DiffError(f"cannot inspect the local copy: {exc.strerror or exc}", path=where) from None
+        return [
+            st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size == size
+            for st, (_, size) in zip(stats, wanted, strict=True)
+        ]
 
-    def held_bytes(self, rel: str) -> int:
-        """Disk bytes held by a leftover temporary file of ``rel`` (given back when it is replaced)."""
-        parts, base = split(rel)
-        st = self.lstat("/".join([*parts, temp_name(base)]))
-        return st.st_blocks * 512 if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
+    def is_present(self, rel: str, size: int) -> bool:
+        """:meth:`present_all` of one file."""
+        return self.present_all([(rel, size)])[0]
 
     def space_needed(self, files: Iterable[tuple[str, int]]) -> int:
         """Bytes that writing ``files`` (relative path, size) will take from DEST's free space.
@@ -193,7 +220,17 @@ class DestTree:
         A temporary file left by an interrupted run is replaced: the blocks it holds come back
         first, so they do not count against the run.
         """
-        return sum(max(0, size - self.held_bytes(rel)) for rel, size in files)
+        wanted = list(files)
+        temps = []
+        for rel, _ in wanted:
+            parts, base = split(rel)
+            temps.append("/".join([*parts, temp_name(base)]))
+        try:
+            stats = self.lstat_all(temps)
+        except OSError:
+            stats = [None] * len(temps)  # cannot say: the files' own creation will tell
+        held = [_blocks_of_our_own(st) for st in stats]
+        return sum(max(0, size - h) for (_, size), h in zip(wanted, held, strict=True))
 
     def free_bytes(self) -> int:
         """Bytes an unprivileged writer may still use on DEST's filesystem."""
@@ -384,6 +421,11 @@ class DestTree:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=self.fd)
             raise fs_error(exc, shown, "write") from None
+
+
+def _blocks_of_our_own(st: os.stat_result | None) -> int:
+    """Disk bytes a leftover temporary file gives back when it is replaced (0 for a link, a FIFO, a hard link)."""
+    return st.st_blocks * 512 if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
 
 
 def checked(fd: int, close: bool = True) -> int:

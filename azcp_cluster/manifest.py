@@ -52,7 +52,8 @@ def load(tree: DestTree) -> dict[str, Recorded]:
 
 def save(tree: DestTree, files: Sequence[FileEntry], previous: dict[str, Recorded]) -> None:
     """Record ``files`` (all present now), keeping earlier entries whose files still exist."""
-    entries = {p: r for p, r in previous.items() if tree.is_present(p, r.size)}
+    still = tree.present_all((p, r.size) for p, r in previous.items())
+    entries = {p: r for (p, r), ok in zip(previous.items(), still, strict=True) if ok}
     for f in files:
         entries[f.path] = Recorded(f.size, f.etag, f.content_md5)
     if entries == previous and tree.lstat(MANIFEST_NAME) is not None:
@@ -115,7 +116,7 @@ def present(tree: DestTree, files: Sequence[FileEntry], mode: str) -> list[bool]
     """For each file, whether this rank's copy counts as present under ``--compare mode``."""
     if mode == "none":
         return [False] * len(files)
-    sized = [tree.is_present(f.path, f.size) for f in files]
+    sized = tree.present_all((f.path, f.size) for f in files)
     if mode == "size":
         return sized
     recorded = load(tree)
