@@ -31,7 +31,10 @@ _LAZY = {
     "DownloadError": ("azcp_cluster.errors", "DownloadError"),
     "BroadcastError": ("azcp_cluster.errors", "BroadcastError"),
     "VerifyError": ("azcp_cluster.errors", "VerifyError"),
+    "SourceError": ("azcp_cluster.errors", "SourceError"),
     "LocalFSError": ("azcp_cluster.errors", "LocalFSError"),
+    "LockError": ("azcp_cluster.errors", "LockError"),
+    "Interrupted": ("azcp_cluster.errors", "Interrupted"),
     "InternalError": ("azcp_cluster.errors", "InternalError"),
 }
 

@@ -23,9 +23,11 @@ from azcp_cluster.config import (
     MAX_LOCK_TIMEOUT,
     MAX_READ_TIMEOUT,
     MAX_RETRIES_LIMIT,
+    MIN_BANDWIDTH,
     MIN_BCAST_CHUNK,
     MIN_BLOCK_SIZE,
     MIN_SHARD_SIZE,
+    MIN_TIMEOUT,
     VERIFY_MODES,
     Config,
     parse_rate,
@@ -198,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RATE",
         help="cap the cluster's aggregate download, split over the downloading ranks: 25Gbps, 800Mb/s "
         "(bits), 3GiB/s, 500MB/s (bytes) or bytes per second; stays under a storage account's egress "
-        f"limit instead of meeting its 503s; greater than 0, at most {MAX_BANDWIDTH_LIMIT:.0e} bytes per "
+        f"limit instead of meeting its 503s; at least {MIN_BANDWIDTH} and at most {MAX_BANDWIDTH_LIMIT:.0e} bytes per "
         "second, i.e. 8000Tbps (default: no cap)",
     )
     p.add_argument(
@@ -212,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_seconds,
         default=60.0,
         metavar="SECONDS",
-        help="a request whose response sends nothing for this long is abandoned and retried; greater than 0, "
-        f"at most {MAX_READ_TIMEOUT:.0f} (default 60)",
+        help="a request whose response sends nothing for this long is abandoned and retried; at least "
+        f"{MIN_TIMEOUT:g}, at most {MAX_READ_TIMEOUT:.0f} (default 60)",
     )
     p.add_argument(
         "--include",
@@ -247,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--lock-timeout",
         type=_seconds,
         metavar="SECONDS",
-        help=f"how long --lock wait waits for another run on the same DEST before exiting 9; greater than 0, "
-        f"at most {MAX_LOCK_TIMEOUT:.0f} (7 days) (default: no limit)",
+        help=f"how long --lock wait waits for another run on the same DEST before exiting 9; at least "
+        f"{MIN_TIMEOUT:g}, at most {MAX_LOCK_TIMEOUT:.0f} (7 days) (default: no limit)",
     )
     p.add_argument(
         "--dry-run",

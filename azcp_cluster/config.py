@@ -55,7 +55,12 @@ MAX_BCAST_PIPELINE = 256
 MAX_BCAST_WRITERS = 64
 MAX_RETRIES_LIMIT = 100
 MAX_READ_TIMEOUT = 86400.0  # seconds (a day); also the bound of the API's connect_timeout
+# Every timeout: shorter than the download watchdog's tick (0.1 s) would abandon every body
+# at its first pause (and a lock wait that short is no wait).
+MIN_TIMEOUT = 0.1
 MAX_BANDWIDTH_LIMIT = 10**15  # bytes per second (8 Pb/s)
+# Below this a cap paces a 16 MiB ranged GET over hours: a typo, not a setting.
+MIN_BANDWIDTH = 1024  # bytes per second
 _RATE_LIMIT_TEXT = "10**15 bytes per second (8000Tbps)"
 MAX_LOCK_TIMEOUT = 7 * 86400.0  # seconds (a week)
 # A number shown in a message is cut to this many characters (a value may have thousands of digits).
@@ -253,10 +258,10 @@ class Config:
             raise UsageError(f"--source-rank must be zero or more (got {shown(self.source_rank)})")
         if self.download_ranks is not None and self.download_ranks < 1:
             raise UsageError(f"--download-ranks must be at least 1 (got {shown(self.download_ranks)})")
-        if self.max_bandwidth is not None and not 0 < self.max_bandwidth <= MAX_BANDWIDTH_LIMIT:  # also nan
-            raise UsageError(
-                f"--max-bandwidth must be greater than zero and at most {_RATE_LIMIT_TEXT} "
-                f"(got {shown(self.max_bandwidth)})"
+        if self.max_bandwidth is not None and not MIN_BANDWIDTH <= self.max_bandwidth <= MAX_BANDWIDTH_LIMIT:
+            raise UsageError(  # also nan
+                f"--max-bandwidth must be at least {MIN_BANDWIDTH} bytes per second (8Kbps) and at most "
+                f"{_RATE_LIMIT_TEXT} (got {shown(self.max_bandwidth)})"
             )
         timeouts = {
             "--read-timeout": (self.read_timeout, MAX_READ_TIMEOUT),
@@ -264,9 +269,9 @@ class Config:
             "--lock-timeout": (self.lock_timeout, MAX_LOCK_TIMEOUT),
         }
         for name, (seconds, longest) in timeouts.items():
-            if seconds is not None and not 0 < seconds <= longest:  # also nan and inf
+            if seconds is not None and not MIN_TIMEOUT <= seconds <= longest:  # also nan and inf
                 raise UsageError(
-                    f"{name} must be greater than 0 and at most {longest:.0f} seconds (got {shown(seconds)})"
+                    f"{name} must be at least {MIN_TIMEOUT:g} and at most {longest:.0f} seconds (got {shown(seconds)})"
                 )
         if not isinstance(self.verify, str) or (self.verify and self.verify not in VERIFY_MODES):
             raise UsageError(f"--verify must be one of {', '.join(VERIFY_MODES)}, not {shown(self.verify)}")

@@ -19,8 +19,9 @@ import errno
 import fcntl
 import os
 import random
+import time
 
-from azcp_cluster.desttree import DestTree, NotAFileError, checked
+from azcp_cluster.desttree import DestTree, NotAFileError, checked, identity
 from azcp_cluster.errors import LocalFSError
 from azcp_cluster.localfs import fs_error
 from azcp_cluster.naming import LOCK_NAME
@@ -30,6 +31,9 @@ from azcp_cluster.naming import LOCK_NAME
 FIRST_PAUSE = 0.05
 LONGEST_PAUSE = 2.0
 _HOLDER_BYTES = 512
+# A holder writes who it is right after it takes the lock: an empty file is read again.
+_HOLDER_TRIES = 5
+_HOLDER_PAUSE = 0.01
 
 
 def lock_backoff(attempt: int, rng: random.Random) -> float:
@@ -72,14 +76,12 @@ class DestLock:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return self.holder()
+                return self._wait_for_holder()
             except OSError as exc:
                 raise fs_error(exc, self.tree.shown(LOCK_NAME), "lock DEST") from None
             # The holder before us may have removed the file after we opened it: a lock on a
             # file no longer at the name guards nothing. Open the name again and retry.
-            now = self.tree.lstat(LOCK_NAME)
-            mine = os.fstat(self.fd)
-            if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            if self._at_the_name():
                 break
             os.close(self.fd)
             self._open()
@@ -88,6 +90,16 @@ class DestLock:
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, f"{self.owner}\n".encode(), 0)
         return None
+
+    def _wait_for_holder(self) -> str:
+        """Who holds the lock; the holder writes it just after it takes the lock, so an empty
+        file is given a moment before it counts as unknown."""
+        for _ in range(_HOLDER_TRIES):
+            text = self.holder()
+            if text != "unknown":
+                return text
+            time.sleep(_HOLDER_PAUSE)
+        return "unknown"
 
     def holder(self) -> str:
         """Who holds the lock, as its holder wrote it ("unknown" if unreadable)."""
@@ -103,15 +115,31 @@ class DestLock:
             return
         self.held = False
         with contextlib.suppress(OSError):
-            if remove:
+            if remove and self._at_the_name():
                 # Removed while still held: whoever opens the name next makes a new file.
                 os.unlink(LOCK_NAME, dir_fd=self.tree.fd)
             else:
                 os.ftruncate(self.fd, 0)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
 
+    def _at_the_name(self) -> bool:
+        now = self.tree.lstat(LOCK_NAME)
+        return now is not None and identity(now) == identity(os.fstat(self.fd))
+
     def close(self) -> None:
-        """Release (removing the file) and close."""
+        """Release (removing the file) and close.
+
+        A run that gave the lock up (refused elsewhere, or --lock fail) takes it once more
+        without waiting: if nobody holds it, the file it may have made is removed; if another
+        run holds it, it stays theirs.
+        """
+        if self.fd >= 0 and not self.held:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                pass
+            else:
+                self.held = True
         self.release(remove=True)
         if self.fd >= 0:
             os.close(self.fd)

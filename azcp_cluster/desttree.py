@@ -62,6 +62,9 @@ class DestTree:
         self.path = path
         self.real = os.path.realpath(path)
         self.fd = -1
+        # The temporary files this run made (relative path -> identity): only these are ever
+        # written into, read back, synced or renamed. A node's other ranks adopt the leader's.
+        self.made: dict[str, int] = {}
         try:
             # The real path's last component must itself be a directory, not a link put there
             # since realpath() looked.
@@ -102,14 +105,12 @@ class DestTree:
         fd = os.dup(self.fd)
         try:
             for depth, part in enumerate(parts):
+                if create:
+                    # Whatever stands there already (a directory, or a link: refused below) stays.
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, 0o755, dir_fd=fd)
                 try:
                     child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create:
-                        raise
-                    with contextlib.suppress(FileExistsError):  # made meanwhile by another writer: checked below
-                        os.mkdir(part, 0o755, dir_fd=fd)
-                    child = self._open_child_dir(fd, parts, depth)
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                         raise self._not_a_directory(fd, parts, depth) from None
@@ -120,14 +121,6 @@ class DestTree:
             os.close(fd)
             raise
         return fd
-
-    def _open_child_dir(self, fd: int, parts: list[str], depth: int) -> int:
-        try:
-            return os.open(parts[depth], _DIR_FLAGS, dir_fd=fd)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise self._not_a_directory(fd, parts, depth) from None
-            raise
 
     def _not_a_directory(self, fd: int, parts: list[str], depth: int) -> LocalFSError:
         where = self.shown("/".join(parts[: depth + 1]))
@@ -255,7 +248,7 @@ class DestTree:
 
         def open_with(flags: int) -> int:
             try:
-                return self._open_file(parts, name, flags)
+                fd = self._open_file(parts, name, flags)
             except NotAFileError as exc:
                 raise LocalFSError(exc.strerror or str(exc), path=self.shown("/".join([*parts, name]))) from None
             except OSError as exc:
@@ -267,8 +260,22 @@ class DestTree:
                         path=self.shown("/".join([*parts, name])),
                     ) from None
                 raise
+            if temp and not self._ours(rel, fd):
+                os.close(fd)
+                raise LocalFSError(
+                    "is not the temporary file this run made (something replaced it); refusing to use it",
+                    path=self.shown("/".join([*parts, name])),
+                )
+            return fd
 
         return open_with
+
+    def _ours(self, rel: str, fd: int) -> bool:
+        return self.made.get(rel) == identity(os.fstat(fd))
+
+    def adopt(self, made: dict[str, int]) -> None:
+        """Take over the identities of the temporary files another rank of this node made."""
+        self.made.update(made)
 
     def temp_shown(self, rel: str) -> str:
         """DEST/dir/.name.azcp-part, for messages."""
@@ -311,6 +318,7 @@ class DestTree:
             except OSError as exc:
                 raise fs_error(exc, shown, "create temporary file") from None
             try:
+                self.made[rel] = identity(os.fstat(fd))
                 preallocate(fd, size)
             except OSError as exc:
                 raise fs_error(exc, shown, "create temporary file") from None
@@ -328,7 +336,7 @@ class DestTree:
         except OSError as exc:
             raise fs_error(exc, shown, "inspect temporary file") from None
         if stat.S_ISDIR(st.st_mode):
-            raise LocalFSError("a directory stands at the temporary name of a file to copy; remove it", path=shown)
+            raise LocalFSError("a directory stands where the copy makes a temporary file; remove it", path=shown)
         try:
             os.unlink(name, dir_fd=dfd)
         except FileNotFoundError:
@@ -356,19 +364,18 @@ class DestTree:
         name = temp_name(base)
         try:
             with self.directory(parts) as dfd:
-                fd = os.open(name, os.O_RDONLY | _FILE_FLAGS, dir_fd=dfd)
+                fd = self.opener(rel, temp=True)(os.O_RDONLY)
                 try:
-                    st = os.fstat(checked(fd, close=False))
+                    made = identity(os.fstat(fd))
                     os.rename(name, base, src_dir_fd=dfd, dst_dir_fd=dfd)
-                    now = os.stat(base, dir_fd=dfd, follow_symlinks=False)
+                    now = identity(os.stat(base, dir_fd=dfd, follow_symlinks=False))
                 finally:
                     os.close(fd)
-        except NotAFileError as exc:
-            raise LocalFSError(str(exc), path=self.temp_shown(rel)) from None
         except OSError as exc:
             raise fs_error(exc, self.shown(rel), "finish file") from None
-        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        if now != made:
             raise LocalFSError("was replaced by something else while the copy renamed it", path=self.shown(rel))
+        del self.made[rel]
 
     def finalize(self, rel: str) -> None:
         """fsync the temporary file of ``rel`` and rename it to its final name."""
@@ -421,6 +428,16 @@ class DestTree:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=self.fd)
             raise fs_error(exc, shown, "write") from None
+
+
+def identity(st: os.stat_result) -> int:
+    """One number for (device, owner, inode): which file a name or a descriptor is.
+
+    The owner is part of it because a filesystem may give a removed file's inode number to
+    the next file made (ext4 does at once): a file someone else put there in its place is
+    theirs, not the run's.
+    """
+    return (st.st_dev << 96) | (st.st_uid << 64) | st.st_ino
 
 
 def _blocks_of_our_own(st: os.stat_result | None) -> int:

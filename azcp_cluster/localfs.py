@@ -79,6 +79,11 @@ def ensure_dest(dest: str, create: bool = True) -> None:
     try:
         st = os.stat(dest)
     except FileNotFoundError:
+        if os.path.islink(dest):
+            raise LocalFSError(
+                f"DEST is a symbolic link to {os.readlink(dest)!r}, which does not exist; create it or fix the link",
+                path=dest,
+            ) from None
         if not create:
             return
         try:

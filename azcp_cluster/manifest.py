@@ -55,7 +55,11 @@ def save(tree: DestTree, files: Sequence[FileEntry], previous: dict[str, Recorde
     still = tree.present_all((p, r.size) for p, r in previous.items())
     entries = {p: r for (p, r), ok in zip(previous.items(), still, strict=True) if ok}
     for f in files:
-        entries[f.path] = Recorded(f.size, f.etag, f.content_md5)
+        md5 = f.content_md5
+        old = previous.get(f.path)
+        if not md5 and old is not None and (old.size, old.etag) == (f.size, f.etag):
+            md5 = old.md5  # the same version: an MD5 found earlier (by --verify) still holds
+        entries[f.path] = Recorded(f.size, f.etag, md5)
     if entries == previous and tree.lstat(MANIFEST_NAME) is not None:
         return  # a rerun that changed nothing writes nothing (and syncs nothing)
     doc = {"version": 1, "files": {p: [r.size, r.etag, r.md5] for p, r in sorted(entries.items())}}

@@ -149,7 +149,8 @@ class _Run:
         self.out = out
         self.host = host
         self.rank = cluster.rank
-        self.dest = os.path.abspath(expand_dest(cfg.dest, self.rank, host))
+        # Absolute, but not normalised: "link/../x" is where the kernel says, not "x".
+        self.dest = os.path.join(os.getcwd(), expand_dest(cfg.dest, self.rank, host))
         # Symlinks and "..": two spellings of one directory are still one directory.
         self.dest_identity = os.path.realpath(self.dest)
         self.show_progress = wants_progress(cfg.progress, self.rank)
@@ -163,10 +164,12 @@ class _Run:
         self.leader = True
         self.reader = 0  # lists the source (and reads it, when it is local)
         self.node_comm: Any = None  # the leaders' communicator, for the broadcast
+        self.group_comm: Any = None  # this node's ranks, its leader as rank 0
         # Filled in by the stages, in order: list, diff, bcast.
         self._list_seconds = 0.0
         self.have: np.ndarray = np.zeros(0, dtype=bool)  # per file: this rank's group already has it
         self.streamed_md5: dict[int, str] = {}  # --verify: file index -> MD5 hashed in flight
+        self.verified_md5: dict[int, str] = {}  # --verify: file index -> the MD5 every copy has
         self.bytes_to_write = 0  # bytes of the files this rank's node writes (for a full-disk message)
         self.write_pool: WritePool | None = None  # the download's buffers and writers (allocate stage)
         # DEST opened by its real path (leaders, and downloaders once it exists): every file
@@ -188,6 +191,9 @@ class _Run:
         if self.node_comm is not None:
             self.node_comm.Free()
             self.node_comm = None
+        if self.group_comm is not None:
+            self.group_comm.Free()
+            self.group_comm = None
 
     def execute(self) -> None:
         auth = self.setup()
@@ -275,6 +281,9 @@ class _Run:
         topo = self.topo
         # Collective on every rank; leaders get one communicator, ordered by group.
         self.node_comm = cluster.comm.Split(0 if self.leader else 1, topo.group_of[self.rank])
+        # Each node's own ranks, its leader first: the leader hands its downloaders the
+        # identities of the temporary files it made (they write into no other file).
+        self.group_comm = cluster.comm.Split(topo.group_of[self.rank], 0 if self.leader else self.rank + 1)
         report = self.report
         report.nodes = topo.hosts
         report.writers = topo.groups
@@ -291,7 +300,9 @@ class _Run:
         """
         cluster = self.cluster
         cfg = self.cfg
-        me = f"{self.host} pid {os.getpid()}"
+        # The pid alone is not unique (containers have their own pid namespaces): a random
+        # token tells this run's ranks from another run's.
+        me = f"{self.host} pid {os.getpid()}, run {random.getrandbits(32):08x}"
         rng = random.Random()
         attempt = 0
         waited = False
@@ -449,8 +460,11 @@ class _Run:
                 broadcaster = self.broadcaster(listing, schedule)
         self.explain_space(outcome)  # the files' blocks are reserved here: a full disk shows here first
         cluster.conclude(cluster.clock(), outcome)
-        if mine and not self.leader:
-            self.dest_tree()  # DEST exists now: its leader made it
+        if not self.local and any(not self.topo.is_leader(r) for r in self.topo.downloaders):
+            # Some node has downloaders besides its leader: they get the files' identities.
+            made = self.group_comm.bcast(self.tree.made if self.leader and self.tree is not None else None, root=0)
+            if mine and not self.leader:
+                self.dest_tree().adopt(made or {})  # DEST exists now: its leader made it
         return broadcaster
 
     def prepare_files(self, listing: Listing, indices: list[int]) -> None:
@@ -733,6 +747,7 @@ class _Run:
                 ranks = ", ".join(map(str, bad))
                 against = "the blob's Content-MD5" if entry.content_md5 else "the other ranks"
                 raise VerifyError(f"MD5 on rank(s) {ranks} differs from {against}", path=entry.path)
+            self.verified_md5[i] = expected
         self.report.verified_files = len(files)
         self.report.stages["verify"] = StageFigures(result.seconds, self.report.bytes)
 
@@ -745,7 +760,15 @@ class _Run:
         cluster = self.cluster
         outcome = StageOutcome()
         files = listing.files
-        known = files if self.cfg.compare in ("etag", "md5") else [files[i] for i in transfer]
+        indices = range(len(files)) if self.cfg.compare in ("etag", "md5") else transfer
+        # A file without a Content-MD5 (a local SOURCE, a blob uploaded without one) is
+        # recorded with the MD5 --verify found on every copy: --compare md5 can use it next time.
+        known = [
+            dataclasses.replace(files[i], content_md5=self.verified_md5[i])
+            if not files[i].content_md5 and i in self.verified_md5
+            else files[i]
+            for i in indices
+        ]
         with cluster.stage(outcome):
             if self.leader:
                 tree = self.dest_tree()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -21,6 +23,24 @@ def check_json_path(path: str | None) -> None:
     """
     if path and os.path.isdir(path):
         raise UsageError(f"--json {path!r} is a directory; name a file to write the report to")
+    if path and not _replaceable(path):
+        raise UsageError(
+            f"--json {path!r} exists and is not a regular file (a link, a device, a FIFO); name a file to write"
+        )
+
+
+def _replaceable(path: str) -> bool:
+    """Whether the report may take ``path``'s place: nothing there, or a regular file.
+
+    A link, a device node (``--json /dev/null`` as root) or a FIFO is never replaced.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return True  # the write will say what is wrong
+    return stat.S_ISREG(st.st_mode)
 
 
 @dataclass
@@ -87,6 +107,8 @@ class Report:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if not _replaceable(path):  # put there since the start: not ours to replace
+                raise OSError(errno.EEXIST, "exists and is not a regular file", path)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):

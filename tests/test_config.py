@@ -261,11 +261,11 @@ def test_validate_names_the_bad_option(changes: dict[str, Any], option: str) -> 
         {"block_size": GiB, "bcast_chunk": 16 * GiB, "shard_size": 10**400},
         {"bcast_pipeline": 1, "bcast_writers": 1},
         {"bcast_pipeline": 256, "bcast_writers": 64},
-        {"read_timeout": 0.001, "connect_timeout": 0.001},
+        {"read_timeout": 0.1, "connect_timeout": 0.1},
         {"read_timeout": 86400.0, "connect_timeout": 86400.0},
-        {"max_bandwidth": 0.125},  # 1 bit per second
+        {"max_bandwidth": 1024.0},  # 8 Kb/s, the least
         {"max_bandwidth": 1e15},
-        {"lock": "fail", "lock_timeout": 0.001},
+        {"lock": "fail", "lock_timeout": 0.1},
         {"lock": "wait", "lock_timeout": 7 * 86400.0},
         {"verify": "disk"},
         {"verify": "stream"},
@@ -394,7 +394,7 @@ ARGS = ["http://127.0.0.1:1/acct/c", "/tmp/x"]
         (["--shard-size", "1"], "--shard-size must be at least 64.00 KiB"),
         (["--shard-size", "9" * 5000], "size '999"),
         (["--max-bandwidth", "9" * 400], "is beyond the supported"),
-        (["--read-timeout", "1e300"], "--read-timeout must be greater than 0 and at most 86400 seconds"),
+        (["--read-timeout", "1e300"], "--read-timeout must be at least 0.1 and at most 86400 seconds"),
         (["--read-timeout", "nan"], "--read-timeout"),
         (["--read-timeout", "inf"], "--read-timeout"),
         (["--read-timeout", "9" * 5000], "--read-timeout"),
@@ -408,7 +408,7 @@ ARGS = ["http://127.0.0.1:1/acct/c", "/tmp/x"]
         (["--download-ranks", "0"], "--download-ranks must be at least 1"),
         (["--source-rank", "-1"], "--source-rank must be zero or more"),
         (["--lock", "bogus"], "argument --lock: invalid choice"),
-        (["--lock-timeout", "0"], "--lock-timeout must be greater than 0 and at most 604800 seconds"),
+        (["--lock-timeout", "0"], "--lock-timeout must be at least 0.1 and at most 604800 seconds"),
         (["--lock-timeout", "-5"], "--lock-timeout"),
         (["--lock-timeout", "1e9"], "--lock-timeout"),
         (["--verify=bogus"], "argument --verify: invalid choice: 'bogus'"),
@@ -494,6 +494,27 @@ def test_write_json_does_not_follow_a_symlink_at_the_temporary_name(tmp_path: Pa
         Report().write_json(str(target))
     assert elsewhere.read_text() == "precious"
     assert planted.is_symlink() and not target.exists()  # someone else's link: left as it was
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_json_never_replaces_a_link_or_a_special_file(tmp_path: Path, kind: str) -> None:
+    # As root, --json /dev/null would otherwise replace the system's device node with a file.
+    from azcp_cluster.report import check_json_path
+
+    target = tmp_path / "r.json"
+    if kind == "symlink":
+        (tmp_path / "elsewhere").write_text("precious")
+        target.symlink_to(tmp_path / "elsewhere")
+    else:
+        os.mkfifo(target)
+    with pytest.raises(UsageError, match="not a regular file"):
+        check_json_path(str(target))
+    with pytest.raises(OSError):
+        Report().write_json(str(target))  # put there after the check: still not replaced
+    assert target.is_symlink() if kind == "symlink" else target.is_fifo()
+    left = ["elsewhere", "r.json"] if kind == "symlink" else ["r.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == left  # and no temporary file beside it
+    check_json_path(str(tmp_path / "new.json"))  # nothing there, or a regular file: fine
 
 
 def test_write_json_removes_its_temporary_file_when_the_rename_fails(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -160,6 +161,49 @@ def test_two_jobs_whose_nodes_overlap_in_opposite_order_both_complete(
     assert [job.returncode for job in jobs] == [0, 0], results
     for target in ("x", "y"):
         assert tree_of(tmp_path / target) == files
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="pid namespaces need root and unshare")
+def test_runs_in_separate_pid_namespaces_are_told_apart(
+    emulator: azurite.Emulator, slow_blobs: tuple[str, dict[str, bytes]], tmp_path: Path
+) -> None:
+    # Two containers on one host: the same hostname and the same small pids. The second run
+    # must see another run holding DEST (exit 9 with --lock fail), not its own rank (exit 2).
+    container, _ = slow_blobs
+    args = [emulator.url(container, "ckpt"), str(tmp_path / "d"), *SLOW]
+    env = clean_env(emulator.key_env())
+    # Each "container" also gets its own /dev/shm, as containers do: two MPICH jobs with the
+    # same hostname and pids would otherwise meet in the same shared-memory names.
+    own_shm = 'mount -t tmpfs tmpfs /dev/shm && exec "$@"'
+    isolated = ["unshare", "--pid", "--fork", "--mount-proc", "--ipc", "sh", "-c", own_shm, "sh"]
+    first = subprocess.Popen(
+        [*isolated, *_cli(args, n=2)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "d" / LOCK_NAME).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        second = subprocess.run(
+            [*isolated, *_cli([*args, "--lock", "fail"], n=2)], env=env, capture_output=True, text=True, timeout=60
+        )
+    finally:
+        _, err1 = first.communicate(timeout=120)
+    assert first.returncode == 0, err1
+    assert second.returncode == 9, second.stderr
+    assert "in use by another run" in second.stderr
+
+
+def test_a_dest_spelled_through_a_link_and_dot_dot_is_where_the_kernel_says(tmp_path: Path) -> None:
+    files = {"a.bin": b"a"}
+    _write_tree(tmp_path / "src", files)
+    (tmp_path / "b" / "deep").mkdir(parents=True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "link").symlink_to(tmp_path / "b" / "deep")
+    result = run_cli([str(tmp_path / "src"), str(tmp_path / "a" / "link" / ".." / "x{rank}")], n=2)
+    assert result.returncode == 0, result.output
+    for rank in range(2):
+        assert tree_of(tmp_path / "b" / f"x{rank}") == files  # "link/.." is b, as the kernel resolves it
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["link"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -366,3 +410,19 @@ def test_verify_disk_catches_a_copy_corrupted_after_it_was_written(tmp_path: Pat
     assert "[verify]" in line and "rank 2" in line and "sub/b.bin" in line and "on disk" in line, line
     for rank in range(RANKS):
         assert not (tmp_path / "d" / str(rank) / "sub" / "b.bin").exists(), "renamed before the verify"
+
+
+def test_verify_records_the_md5_a_local_source_lacks_so_compare_md5_can_skip(tmp_path: Path) -> None:
+    files = {"a.bin": pseudo_random(MiB, "ma"), "sub/b.bin": b"b"}
+    _write_tree(tmp_path / "src", files)
+    args = [str(tmp_path / "src"), str(tmp_path / "d" / "{rank}")]
+    assert run_cli([*args, "--verify"]).returncode == 0
+    rerun = run_cli([*args, "--compare", "md5"], json_path=tmp_path / "r.json")
+    assert rerun.returncode == 0, rerun.output
+    assert rerun.json is not None and rerun.json["skipped_files"] == len(files), rerun.output
+    # A copy that no longer has that MD5 is copied again.
+    (tmp_path / "d" / "1" / "a.bin").write_bytes(pseudo_random(MiB, "other"))
+    again = run_cli([*args, "--compare", "md5"], json_path=tmp_path / "r2.json")
+    assert again.returncode == 0 and again.json is not None and again.json["transfer_files"] == 1
+    for rank in range(RANKS):
+        assert tree_of(tmp_path / "d" / str(rank)) == files

@@ -195,6 +195,36 @@ def test_a_hard_link_at_a_temporary_name_is_never_written_into(dest: Path, outsi
     assert not tree.is_present("weights.bin", len(b"precious"))
 
 
+def test_a_file_of_someone_else_put_at_a_temporary_name_during_the_run_is_never_used(dest: Path) -> None:
+    tree = DestTree(str(dest))
+    tree.prepare("model.bin", 4)
+    temp = Path(temp_path(str(dest), "model.bin"))
+    held = os.open(temp, os.O_RDONLY)  # the run's file stays allocated: its inode is not reused below
+    temp.unlink()
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # theirs: a plain file, one link
+    if os.geteuid() == 0:
+        os.fchown(fd, 65534, 65534)  # and made by another user, as someone else's file is
+    os.close(fd)
+    os.close(held)
+    for use in (
+        lambda: tree.opener("model.bin", temp=True)(os.O_WRONLY),
+        lambda: DirectReader("x", opener=tree.opener("model.bin", temp=True)),
+        lambda: tree.sync("model.bin"),
+        lambda: tree.finalize("model.bin"),
+    ):
+        with pytest.raises(LocalFSError, match="not the temporary file this run made"):
+            use()
+    assert not (dest / "model.bin").exists()
+    # A temporary name this handle never made is refused alike; another rank of the node
+    # that adopts the maker's identities may use it.
+    other = DestTree(str(dest))
+    tree.prepare("w.bin", 2)
+    with pytest.raises(LocalFSError, match="not the temporary file this run made"):
+        other.opener("w.bin", temp=True)(os.O_WRONLY)
+    other.adopt(tree.made)
+    os.close(other.opener("w.bin", temp=True)(os.O_WRONLY))
+
+
 def test_a_symlinked_directory_inside_dest_is_refused_and_named(dest: Path, outside: Path) -> None:
     (dest / "sub").symlink_to(outside.parent)
     tree = DestTree(str(dest))
@@ -236,7 +266,7 @@ def test_a_fifo_at_a_temporary_name_is_removed_and_never_blocks(dest: Path) -> N
 
 def test_a_directory_at_a_temporary_name_is_refused(dest: Path) -> None:
     (dest / ".a.bin.azcp-part").mkdir()
-    with pytest.raises(LocalFSError, match="directory stands at the temporary name"):
+    with pytest.raises(LocalFSError, match="directory stands where the copy makes a temporary file"):
         DestTree(str(dest)).prepare("a.bin", 2)
 
 
@@ -338,6 +368,29 @@ def test_a_lock_name_that_is_not_a_plain_file_is_refused(dest: Path, outside: Pa
         DestLock(DestTree(str(dest)), "me pid 1")
     assert exit_code_for(info.value) == 8 and info.value.path == str(where)
     assert outside.read_bytes() == b"precious"
+
+
+def test_a_lock_given_up_removes_its_file_unless_another_run_holds_it(dest: Path) -> None:
+    lock = DestLock(DestTree(str(dest)), "me pid 1")
+    assert lock.try_acquire() is None
+    lock.release()  # refused on another node: given up, the file stays for the next try
+    assert (dest / LOCK_NAME).exists()
+    lock.close()  # the end of a refused run: nobody holds it, so it goes
+    assert not (dest / LOCK_NAME).exists()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(dest)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        refused = DestLock(DestTree(str(dest)), "me pid 1")
+        assert refused.try_acquire() == "otherhost pid 4242"
+        refused.close()
+        assert (dest / LOCK_NAME).read_text() == "otherhost pid 4242\n", "another run's lock file is theirs"
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        holder.wait(timeout=30)
 
 
 def test_lock_backoff_grows_to_its_bound_and_stays_random() -> None:
