@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator
 
 from azcp_cluster.directio import Opener
 from azcp_cluster.errors import DiffError, LocalFSError
-from azcp_cluster.localfs import fs_error, preallocate, temp_name
+from azcp_cluster.localfs import fs_error, preallocate, temp_name, write_synced
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # No file the tool opens may block the open (a FIFO) or be followed (a link).
@@ -416,10 +416,7 @@ class DestTree:
             self._clear(self.fd, tmp, shown)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o644, dir_fd=self.fd)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
+                write_synced(fd, data)
             finally:
                 os.close(fd)
             os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)

@@ -95,16 +95,15 @@ class Report:
         its name) and removed again on any failure, so a failed write leaves nothing behind.
         Raises the ``OSError``.
         """
+        from azcp_cluster.localfs import write_synced  # not at the top: numpy, for the CLI's quick paths
+
         data = (json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n").encode("utf-8")
         tmp = f"{path}.tmp{os.getpid()}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(tmp, flags, 0o644)
         try:
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
+                write_synced(fd, data)
             finally:
                 os.close(fd)
             if not _replaceable(path):  # put there since the start: not ours to replace

@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,20 @@ def slow_blobs(emulator: azurite.Emulator) -> tuple[str, dict[str, bytes]]:
 SLOW = ["--max-bandwidth", "16MiB/s", "--block-size", "256KiB"]
 
 
+@contextmanager
+def _holding(cmd: list[str], env: dict[str, str], lock: Path) -> Iterator[subprocess.Popen[str]]:
+    """A first run of ``cmd``, once it has made ``lock`` (it is taking DEST); waited for at the end."""
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not lock.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        yield first
+    finally:
+        _, err = first.communicate(timeout=120)
+        assert first.returncode == 0, err
+
+
 def test_two_runs_on_one_dest_one_second_apart_both_end_with_every_copy_right(
     emulator: azurite.Emulator, slow_blobs: tuple[str, dict[str, bytes]], tmp_path: Path
 ) -> None:
@@ -93,24 +109,16 @@ def test_lock_fail_exits_9_at_once_while_another_run_holds_dest(
 ) -> None:
     container, files = slow_blobs
     args = [emulator.url(container, "ckpt"), str(tmp_path / "d" / "{rank}"), *SLOW]
-    env = clean_env(emulator.key_env())
-    first = subprocess.Popen(_cli(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "d" / "3" / LOCK_NAME).exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
+    with _holding(_cli(args), clean_env(emulator.key_env()), tmp_path / "d" / "3" / LOCK_NAME) as first:
         started = time.monotonic()
         second = run_cli([*args, "--lock", "fail"], env=emulator.key_env(), json_path=tmp_path / "r.json")
         took = time.monotonic() - started
         assert first.poll() is None, "the first run must still hold DEST for this test to mean anything"
-    finally:
-        _, err1 = first.communicate(timeout=120)
     assert second.returncode == 9, second.output
     (line,) = _errors(second.stderr)
     assert "[lock]" in line and "in use by another run" in line and "--lock fail" in line, line
     assert second.json is not None and second.json["exit_code"] == 9
     assert took < 15, f"--lock fail must not wait ({took:.1f} s)"
-    assert first.returncode == 0, err1
     for rank in range(RANKS):
         assert tree_of(tmp_path / "d" / str(rank)) == files
 
@@ -120,15 +128,8 @@ def test_lock_timeout_bounds_the_wait(
 ) -> None:
     container, _ = slow_blobs
     args = [emulator.url(container, "ckpt"), str(tmp_path / "d" / "{rank}"), *SLOW]
-    env = clean_env(emulator.key_env())
-    first = subprocess.Popen(_cli(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "d" / "0" / LOCK_NAME).exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
+    with _holding(_cli(args), clean_env(emulator.key_env()), tmp_path / "d" / "0" / LOCK_NAME):
         second = run_cli([*args, "--lock-timeout", "0.5"], env=emulator.key_env())
-    finally:
-        first.communicate(timeout=120)
     assert second.returncode == 9, second.output
     (line,) = _errors(second.stderr)
     assert "--lock-timeout" in line, line
@@ -176,19 +177,10 @@ def test_runs_in_separate_pid_namespaces_are_told_apart(
     # same hostname and pids would otherwise meet in the same shared-memory names.
     own_shm = 'mount -t tmpfs tmpfs /dev/shm && exec "$@"'
     isolated = ["unshare", "--pid", "--fork", "--mount-proc", "--ipc", "sh", "-c", own_shm, "sh"]
-    first = subprocess.Popen(
-        [*isolated, *_cli(args, n=2)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "d" / LOCK_NAME).exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
+    with _holding([*isolated, *_cli(args, n=2)], env, tmp_path / "d" / LOCK_NAME):
         second = subprocess.run(
             [*isolated, *_cli([*args, "--lock", "fail"], n=2)], env=env, capture_output=True, text=True, timeout=60
         )
-    finally:
-        _, err1 = first.communicate(timeout=120)
-    assert first.returncode == 0, err1
     assert second.returncode == 9, second.stderr
     assert "in use by another run" in second.stderr
 
