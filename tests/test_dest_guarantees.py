@@ -64,6 +64,17 @@ def slow_blobs(emulator: azurite.Emulator) -> tuple[str, dict[str, bytes]]:
 SLOW = ["--max-bandwidth", "16MiB/s", "--block-size", "256KiB"]
 
 
+def _wait(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[str, str]:
+    """``proc``'s output once it ends; killed if it outlives ``timeout`` (a hung run must not
+    outlive its test and spin the machine's cores)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+
+
 @contextmanager
 def _holding(cmd: list[str], env: dict[str, str], lock: Path) -> Iterator[subprocess.Popen[str]]:
     """A first run of ``cmd``, once it has made ``lock`` (it is taking DEST); waited for at the end."""
@@ -73,9 +84,12 @@ def _holding(cmd: list[str], env: dict[str, str], lock: Path) -> Iterator[subpro
         while not lock.exists() and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         yield first
+        _, err = _wait(first)
     finally:
-        _, err = first.communicate(timeout=120)
-        assert first.returncode == 0, err
+        if first.poll() is None:  # a hung run must not outlive the test (and spin its cores)
+            first.kill()
+            first.communicate()
+    assert first.returncode == 0, err
 
 
 def test_two_runs_on_one_dest_one_second_apart_both_end_with_every_copy_right(
@@ -87,8 +101,8 @@ def test_two_runs_on_one_dest_one_second_apart_both_end_with_every_copy_right(
     first = subprocess.Popen(_cli(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1.0)
     second = subprocess.Popen(_cli(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, err1 = first.communicate(timeout=120)
-    out2, err2 = second.communicate(timeout=120)
+    _, err1 = _wait(first)
+    out2, err2 = _wait(second)
     assert first.returncode == 0, err1
     assert second.returncode == 0, err2
     # The second waited for the first (one notice naming the holder), then found the files in place.
@@ -158,7 +172,7 @@ def test_two_jobs_whose_nodes_overlap_in_opposite_order_both_complete(
         )
         for job in ("a", "b")
     ]
-    results = [job.communicate(timeout=120) for job in jobs]
+    results = [_wait(job) for job in jobs]
     assert [job.returncode for job in jobs] == [0, 0], results
     for target in ("x", "y"):
         assert tree_of(tmp_path / target) == files
@@ -176,7 +190,8 @@ def test_runs_in_separate_pid_namespaces_are_told_apart(
     # Each "container" also gets its own /dev/shm, as containers do: two MPICH jobs with the
     # same hostname and pids would otherwise meet in the same shared-memory names.
     own_shm = 'mount -t tmpfs tmpfs /dev/shm && exec "$@"'
-    isolated = ["unshare", "--pid", "--fork", "--mount-proc", "--ipc", "sh", "-c", own_shm, "sh"]
+    # --kill-child: killing unshare (a test that times out) ends everything in its namespace.
+    isolated = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "sh", "-c", own_shm, "sh"]
     with _holding([*isolated, *_cli(args, n=2)], env, tmp_path / "d" / LOCK_NAME):
         second = subprocess.run(
             [*isolated, *_cli([*args, "--lock", "fail"], n=2)], env=env, capture_output=True, text=True, timeout=60
@@ -324,7 +339,7 @@ def test_a_local_file_rewritten_in_place_while_it_is_read_never_ends_in_a_torn_c
     writer = threading.Thread(target=_rewriter, args=(tmp_path / "src" / "big.bin", stop, started))
     writer.start()
     try:
-        out, err = proc.communicate(timeout=120)
+        out, err = _wait(proc)
     finally:
         stop.set()
         writer.join()
@@ -348,7 +363,7 @@ def test_a_local_file_changed_once_while_it_is_read_is_read_again(tmp_path: Path
         os.pwrite(fd, b"CHANGED!" * 512, 0)  # once, at the start: the first chunk went out before
     finally:
         os.close(fd)
-    out, err = proc.communicate(timeout=120)
+    out, err = _wait(proc)
     assert proc.returncode == 0, (out, err)
     now = (tmp_path / "src" / "big.bin").read_bytes()
     for rank in range(RANKS):
