@@ -29,16 +29,20 @@ import os
 import stat
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from azcp_cluster.directio import Opener
 from azcp_cluster.errors import DiffError, LocalFSError
-from azcp_cluster.localfs import fs_error, preallocate, temp_name, write_synced
+from azcp_cluster.localfs import fs_error, preallocate, syncfs, temp_name, write_synced
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # No file the tool opens may block the open (a FIFO) or be followed (a link).
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # Tries at creating a temporary name that someone keeps putting something at.
 _CREATE_TRIES = 3
+# From this many files (or directories) on, one syncfs makes them durable instead of one
+# fsync each.
+BULK_SYNC = 16
 
 
 def split(rel: str) -> tuple[list[str], str]:
@@ -347,15 +351,38 @@ class DestTree:
     # -- finishing --------------------------------------------------------------------------
 
     def sync(self, rel: str) -> None:
-        """fsync the temporary file of ``rel``."""
+        """Make the temporary file of ``rel`` durable (``fdatasync``: its size was set when it
+        was made, and the data is what has to reach the disk)."""
         try:
             fd = self.opener(rel, temp=True)(os.O_RDONLY)
             try:
-                os.fsync(fd)
+                os.fdatasync(fd)
             finally:
                 os.close(fd)
         except OSError as exc:
             raise fs_error(exc, self.temp_shown(rel), "sync file") from None
+
+    def sync_all(self, rels: list[str]) -> None:
+        """Make the temporary files of ``rels`` durable, before any of them is renamed.
+
+        From :data:`BULK_SYNC` files on, one ``syncfs`` of DEST's filesystem does it (an
+        fsync each cost 20,000 small files 3.2 s here); else, or where syncfs cannot be
+        trusted, an ``fdatasync`` each, 8 at a time (each waits on the disk, not the CPU).
+        """
+        root = os.fstat(self.fd).st_dev
+        # A directory below DEST may be another filesystem's mount point: its files are
+        # synced one by one (syncfs covers DEST's own filesystem only).
+        elsewhere = [rel for rel in rels if self.made.get(rel, 0) >> 96 != root]
+        if len(rels) - len(elsewhere) >= BULK_SYNC and self._syncfs():
+            rels = elsewhere
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="azcp-sync") as pool:
+            list(pool.map(self.sync, rels))
+
+    def _syncfs(self) -> bool:
+        try:
+            return syncfs(self.fd)
+        except OSError as exc:
+            raise fs_error(exc, self.path, "sync DEST's filesystem") from None
 
     def rename(self, rel: str) -> None:
         """Rename ``rel``'s temporary name to its final name (replacing what stood there), then
@@ -383,12 +410,18 @@ class DestTree:
         self.rename(rel)
 
     def sync_dirs(self, rels: Iterable[str]) -> None:
-        """fsync the directories holding ``rels`` (so the renames in them survive a crash)."""
-        for parts in sorted({tuple(split(rel)[0]) for rel in rels}):
+        """fsync the directories holding ``rels`` (so the renames in them survive a crash);
+        one ``syncfs`` for many directories."""
+        folders = sorted({tuple(split(rel)[0]) for rel in rels})
+        # With one syncfs, only a directory on another filesystem (a mount point below DEST)
+        # still needs its own fsync.
+        synced = os.fstat(self.fd).st_dev if len(folders) >= BULK_SYNC and self._syncfs() else None
+        for parts in folders:
             where = self.shown("/".join(parts))
             try:
                 with self.directory(list(parts)) as fd:
-                    os.fsync(fd)
+                    if os.fstat(fd).st_dev != synced:
+                        os.fsync(fd)
             except OSError as exc:
                 raise fs_error(exc, where, "sync directory") from None
 

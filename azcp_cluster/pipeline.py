@@ -663,10 +663,7 @@ class _Run:
         outcome = StageOutcome()
         with cluster.stage(outcome):
             if self.leader and transfer:
-                tree = self.dest_tree()
-                # Several at once: an fsync waits on the disk, not on the CPU.
-                with ThreadPoolExecutor(max_workers=8, thread_name_prefix="azcp-sync") as pool:
-                    list(pool.map(tree.sync, [listing.files[i].path for i in self.missing_here(transfer)]))
+                self.dest_tree().sync_all([listing.files[i].path for i in self.missing_here(transfer)])
         self.explain_space(outcome)
         result = cluster.conclude(t0, outcome)
         self.report.stages["bcast"].seconds += result.seconds

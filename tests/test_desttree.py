@@ -399,3 +399,88 @@ def test_lock_backoff_grows_to_its_bound_and_stays_random() -> None:
     assert all(FIRST_PAUSE / 2 <= p <= LONGEST_PAUSE for p in pauses)
     assert max(pauses[:2]) <= 2 * FIRST_PAUSE and min(pauses[20:]) >= LONGEST_PAUSE / 2
     assert len(set(pauses[20:])) == 20  # jittered: two jobs that collide drift apart
+
+
+# ---------------------------------------------------------------------------------------
+# durability in bulk
+
+
+def test_many_files_are_made_durable_with_one_syncfs(dest: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from azcp_cluster import desttree
+
+    tree = DestTree(str(dest))
+    rels = [f"d{i % 3}/f{i}.bin" for i in range(desttree.BULK_SYNC + 4)]
+    tree.prepare_all([(rel, 10) for rel in rels])
+    calls: list[int] = []
+    monkeypatch.setattr(desttree, "syncfs", lambda fd: calls.append(fd) is None)
+    monkeypatch.setattr(os, "fdatasync", lambda fd: pytest.fail("one fdatasync per file despite syncfs"))
+    tree.sync_all(rels)
+    assert calls == [tree.fd]
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fdatasync", synced.append)
+    tree.sync_all(rels[:3])  # a few files: one fdatasync each is as cheap
+    assert calls == [tree.fd] and len(synced) == 3
+
+
+def test_without_a_trustworthy_syncfs_each_file_is_synced(dest: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from azcp_cluster import desttree
+
+    tree = DestTree(str(dest))
+    rels = [f"f{i}.bin" for i in range(desttree.BULK_SYNC + 4)]
+    tree.prepare_all([(rel, 10) for rel in rels])
+    monkeypatch.setattr(desttree, "syncfs", lambda fd: False)  # e.g. Linux before 5.8
+    synced: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd))[1])
+    tree.sync_all(rels)
+    assert len(synced) == len(rels)
+
+
+def test_a_write_back_error_of_syncfs_is_a_local_fs_error(dest: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from azcp_cluster import desttree
+
+    def failing(fd: int) -> bool:
+        raise OSError(errno.EIO, "Input/output error")
+
+    tree = DestTree(str(dest))
+    rels = [f"f{i}.bin" for i in range(desttree.BULK_SYNC)]
+    tree.prepare_all([(rel, 1) for rel in rels])
+    monkeypatch.setattr(desttree, "syncfs", failing)
+    with pytest.raises(LocalFSError, match="Input/output error") as info:
+        tree.sync_all(rels)
+    assert exit_code_for(info.value) == 8
+
+
+def test_syncfs_is_used_only_where_it_reports_errors(dest: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fd = os.open(dest, os.O_RDONLY)
+    try:
+        release = tuple(int(p) for p in os.uname().release.split(".")[:2])
+        assert localfs.syncfs(fd) is (release >= (5, 8))
+        monkeypatch.setattr(localfs, "_SYNCFS", None)
+        assert localfs.syncfs(fd) is False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_files_below_a_mount_point_in_dest_are_synced_on_their_own(dest: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from azcp_cluster import desttree
+
+    (dest / "other").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(dest / "other")], check=True, timeout=30)
+    try:
+        tree = DestTree(str(dest))
+        here = [f"f{i}.bin" for i in range(desttree.BULK_SYNC)]
+        there = [f"other/g{i}.bin" for i in range(3)]
+        tree.prepare_all([(rel, 10) for rel in here + there])
+        calls: list[int] = []
+        monkeypatch.setattr(desttree, "syncfs", lambda fd: calls.append(fd) is None)
+        synced: list[int] = []
+        monkeypatch.setattr(os, "fdatasync", lambda fd: synced.append(os.fstat(fd).st_dev))
+        tree.sync_all(here + there)
+        assert calls == [tree.fd]  # DEST's own filesystem: one syncfs
+        assert synced == [os.stat(dest / "other").st_dev] * 3  # the other filesystem: one by one
+    finally:
+        subprocess.run(["umount", "-l", str(dest / "other")], check=False, timeout=30)
