@@ -229,11 +229,6 @@ class DestTree:
         held = [_blocks_of_our_own(st) for st in stats]
         return sum(max(0, size - h) for (_, size), h in zip(wanted, held, strict=True))
 
-    def free_bytes(self) -> int:
-        """Bytes an unprivileged writer may still use on DEST's filesystem."""
-        st = os.statvfs(self.fd)
-        return st.f_bavail * st.f_frsize
-
     # -- opening files --------------------------------------------------------------------
 
     def _open_file(self, parts: list[str], name: str, flags: int) -> int:
@@ -389,15 +384,18 @@ class DestTree:
         check that the final name is the file that was renamed."""
         parts, base = split(rel)
         name = temp_name(base)
+        made = self.made.get(rel)
         try:
             with self.directory(parts) as dfd:
-                fd = self.opener(rel, temp=True)(os.O_RDONLY)
-                try:
-                    made = identity(os.fstat(fd))
-                    os.rename(name, base, src_dir_fd=dfd, dst_dir_fd=dfd)
-                    now = identity(os.stat(base, dir_fd=dfd, follow_symlinks=False))
-                finally:
-                    os.close(fd)
+                # Nothing to open: the name must still be the file this run made, before the
+                # rename and (someone may swap it in between) under the final name after it.
+                if identity(os.stat(name, dir_fd=dfd, follow_symlinks=False)) != made:
+                    raise LocalFSError(
+                        "is not the temporary file this run made (something replaced it); refusing to rename it",
+                        path=self.temp_shown(rel),
+                    )
+                os.rename(name, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+                now = identity(os.stat(base, dir_fd=dfd, follow_symlinks=False))
         except OSError as exc:
             raise fs_error(exc, self.shown(rel), "finish file") from None
         if now != made:

@@ -210,6 +210,7 @@ def test_a_file_of_someone_else_put_at_a_temporary_name_during_the_run_is_never_
         lambda: tree.opener("model.bin", temp=True)(os.O_WRONLY),
         lambda: DirectReader("x", opener=tree.opener("model.bin", temp=True)),
         lambda: tree.sync("model.bin"),
+        lambda: tree.rename("model.bin"),
         lambda: tree.finalize("model.bin"),
     ):
         with pytest.raises(LocalFSError, match="not the temporary file this run made"):
