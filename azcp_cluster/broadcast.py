@@ -1,47 +1,51 @@
-"""Fan every downloaded byte out to every rank: a pipeline of non-blocking broadcasts.
+"""Fan every byte out to the nodes that need it: the driver of :mod:`azcp_cluster.fanout`.
 
-``pipeline`` slots of ``chunk_size`` bytes, page-aligned and allocated once, cycle through
-the schedule (chunk ``j`` uses slot ``j % pipeline``), so up to ``pipeline`` ``MPI_Ibcast``
-calls are in flight at once, across files and owners, in the order every rank derives
-from the plan. Around the MPI calls, threads keep the disk off MPI's critical path:
-
-* the owner of a chunk has it read into its slot by a read-ahead thread as soon as the
-  slot is free, so the broadcast can start the moment its turn comes;
-* receivers hand each completed slot to ``writers`` threads through a bounded queue; the
-  threads write it with O_DIRECT (``directio.DirectFile``) and give the slot back.
+The schedule (:mod:`azcp_cluster.schedule`) is a list of transfers; the state machine
+(:class:`azcp_cluster.fanout.FanOut`) decides when each slot is read, posted, written and
+released. This module owns what the machine does not: ``pipeline`` slots of the largest
+transfer's size, page-aligned and allocated once; a read-ahead thread that fills a slot
+from the source, the node's download or a complete copy; ``writers`` threads that write
+the extents of a completed slot (O_DIRECT where the extent allows it, see
+``schedule.Extent.direct``) and a hasher thread (``--verify stream``); and the MPI calls,
+made on this (the main) thread only: one ``MPI_Ibcast`` per transfer that every other rank
+receives, point-to-point sends and receives for a transfer with fewer receivers.
 
 Errors never leave a rank behind in a collective: a rank that fails keeps taking part
-(without touching the disk) until the next check, where all ranks stop together.
+(without touching the disk) until the next agreement, where all ranks stop together.
+Streaming (the download still running) adds one input: which transfers' bytes have landed
+on this node (see :class:`Landed`).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import os
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from azcp_cluster.cluster import PeerFailed
 from azcp_cluster.desttree import DestTree, source_opener
 from azcp_cluster.directio import ALIGN, DirectFile, DirectReader, Opener, aligned_buffer
 from azcp_cluster.errors import AzcpError, BroadcastError, InternalError, SourceError
+from azcp_cluster.fanout import Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
 from azcp_cluster.localfs import fs_error
 from azcp_cluster.localsource import local_etag
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import round_up
-from azcp_cluster.schedule import Chunk, call_slices
+from azcp_cluster.schedule import Extent, Transfer, call_slices, completions, streamed_files
 
-# Ranks compare error flags this often (in chunks): rare enough to cost nothing, often
-# enough that a failure stops the stage within a few chunks.
-CHECK_EVERY = 16
-# Seconds between tests of a broadcast in flight (see _wait).
+# Seconds between tests of a transfer in flight (see _wait).
 POLL_NAP = 0.0002
+# Seconds between looks at signals, landings and peers while nothing is in flight.
+IDLE_NAP = 0.005
+# The tag of point-to-point transfers on the broadcast communicator (collectives never match it).
+P2P_TAG = 11
 
 
 @dataclass
@@ -50,40 +54,51 @@ class BroadcastStats:
 
     sent_bytes: int = 0
     received_bytes: int = 0
-    chunks: int = 0
+    chunks: int = 0  # transfers this rank took part in
     direct_refused: str = ""  # a path whose filesystem refused O_DIRECT, if any
 
 
+class Landed(Protocol):
+    """Streaming: what the download has put on this node so far (polled on the MPI thread)."""
+
+    def waits(self, seq: int) -> bool:
+        """Whether transfer ``seq`` (rooted here) must wait for downloaded bytes."""
+
+    def poll(self) -> list[int]:
+        """The transfers rooted here whose bytes have all landed since the last poll."""
+
+    def failed(self) -> AzcpError | None:
+        """This rank's own download error, if any (a peer's shows in ``peer_failed``)."""
+
+
 class _Slot:
-    """One pipeline buffer and the signal that it may be used for its next chunk."""
+    """One pipeline buffer."""
 
     def __init__(self, size: int) -> None:
-        # Rounded up to whole blocks: an O_DIRECT read of a chunk with an unaligned end
+        # Rounded up to whole blocks: an O_DIRECT read of an extent with an unaligned end
         # (a file's last) reads the whole last block.
         self.buffer = aligned_buffer(round_up(size, ALIGN), populate=True)
-        self.ready = threading.Event()
-        self.users = 0  # threads (writer, hasher) still reading the chunk in it
-        self.lock = threading.Lock()
 
 
 class Broadcaster:
-    """Walks a schedule: read ahead (owner), Ibcast (all), write behind (receivers)."""
+    """Drives one rank's :class:`FanOut` over a schedule: read ahead (root), MPI (all), write behind."""
 
     def __init__(
         self,
         comm: Any,
         files: Sequence[FileEntry],
         tree: DestTree,
-        chunk_size: int,
+        slot_size: int,
         *,
         pipeline: int = 4,
         writers: int = 2,
         direct: bool = True,
         have: Sequence[bool] | None = None,
         verify: bool = False,
-        on_bytes: Callable[[int], None] = lambda n: None,
+        on_bytes: Callable[[int, int], None] = lambda n, files: None,
         source_of: Callable[[int], str | None] | None = None,
         stop_requested: Callable[[], AzcpError | None] = lambda: None,
+        peer_failed: Callable[[], bool] = lambda: False,
     ) -> None:
         if pipeline < 1 or writers < 1:
             raise ValueError("pipeline and writers must be at least 1")
@@ -98,165 +113,174 @@ class Broadcaster:
         # A local SOURCE's reader sends from the source itself, not from a downloaded
         # temporary file, so it writes its own copy of what it sends like a receiver.
         self.source_of = source_of if source_of is not None else (lambda index: None)
-        self.on_bytes = on_bytes
-        # Polled at every chunk (a SIGINT/SIGTERM this rank got): its error fails this rank
-        # like a local one, so the next check stops every rank at the same chunk.
+        self.on_bytes = on_bytes  # (bytes, files complete) per transfer done: the progress bar
+        self._completes: list[int] = []
+        # Polled at every turn of the loop (a SIGINT/SIGTERM this rank got): its error fails
+        # this rank like a local one, so the next agreement stops every rank together.
         self.stop_requested = stop_requested
+        # Streaming: another rank's failure (a downloader of this node, say) seen before the
+        # next agreement, so a root stops waiting for bytes that will not come.
+        self.peer_failed = peer_failed
         self.stats = BroadcastStats()
-        self.slots = [_Slot(chunk_size) for _ in range(pipeline)]
+        self.slots = [_Slot(slot_size) for _ in range(pipeline)]
         self.writer_count = writers
-        self._error: AzcpError | None = None
-        self._error_lock = threading.Lock()
-        self._schedule: Sequence[Chunk] = ()
-        # --verify: every rank sees every chunk in its slot, in file and offset order, so it
-        # hashes whole files as they stream past (no second read of anything it wrote).
+        self._schedule: Sequence[Transfer] = ()
+        # --verify stream: every file whose bytes pass this rank's slots in order is hashed
+        # as it streams past (no second read of anything it wrote).
         self.verify = verify
         self.digests: dict[int, str] = {}
         # A local SOURCE's files that changed while they were read (or since they were
         # listed): their copies are torn, and the pipeline reads them again or fails.
         self.changed: set[int] = set()
+        self._events: queue.SimpleQueue[tuple[str, int, AzcpError | None]] = queue.SimpleQueue()
 
     # -- the MPI side (main thread) -------------------------------------------------------
 
-    def run(self, schedule: Sequence[Chunk]) -> BroadcastStats:
-        """Broadcast every chunk; raise the first local error after all ranks have stopped."""
+    def run(self, schedule: Sequence[Transfer], landed: Landed | None = None) -> BroadcastStats:
+        """Carry out every transfer this rank takes part in; raise the first local error after all ranks stopped.
+
+        ``landed``: streaming, the download still running (see :class:`Landed`).
+        """
         from mpi4py import MPI
 
         self._schedule = schedule
-        depth = len(self.slots)
-        reads: queue.SimpleQueue[tuple[Chunk, _Slot] | None] = queue.SimpleQueue()
-        writes: queue.Queue[tuple[Chunk, _Slot] | None] = queue.Queue(maxsize=depth)
+        self._completes = completions(schedule)
+        rank = self.rank
+        hashed = streamed_files(schedule, rank, [f.size for f in self.files]) if self.verify else set()
+
+        def writes(transfer: Transfer, extent: Extent) -> bool:
+            if self.have[extent.file]:
+                return False
+            return transfer.root != rank or self.source_of(extent.file) is not None
+
+        machine = FanOut(
+            rank,
+            schedule,
+            len(self.slots),
+            writes,
+            hashes=hashed.__contains__,
+            writers=self.writer_count,
+            waits_landing=landed.waits if landed is not None else (lambda seq: False),
+        )
+        reads: queue.SimpleQueue[Read | None] = queue.SimpleQueue()
+        jobs: queue.SimpleQueue[Write | None] = queue.SimpleQueue()
+        hashes: queue.SimpleQueue[Hash | None] = queue.SimpleQueue()
         threads = [threading.Thread(target=self._reader, args=(reads,), name="azcp-readahead", daemon=True)]
         threads += [
-            threading.Thread(target=self._writer, args=(writes,), name=f"azcp-bcast-writer-{i}", daemon=True)
+            threading.Thread(target=self._writer, args=(jobs,), name=f"azcp-bcast-writer-{i}", daemon=True)
             for i in range(self.writer_count)
         ]
-        hashes: queue.SimpleQueue[tuple[Chunk, _Slot] | None] = queue.SimpleQueue()
-        if self.verify:
+        if hashed:
             threads.append(threading.Thread(target=self._hasher, args=(hashes,), name="azcp-md5", daemon=True))
-        self._hashes = hashes
         for thread in threads:
             thread.start()
-        self._reads = reads
-        for seq in range(min(depth, len(schedule))):
-            self._prepare(seq)
-        inflight: deque[tuple[Chunk, _Slot, list[Any]]] = deque()
-        stopped_for_peer = False
+        inflight: deque[tuple[Transfer, list[Any]]] = deque()
+        todo: deque[Instruction] = deque(machine.start())
+        finish: Finish | None = None
         try:
-            for chunk in schedule:
-                while len(inflight) >= depth:
-                    self._retire(inflight.popleft(), writes)
-                slot = self.slots[chunk.seq % depth]
-                # While this rank's read-ahead fills the slot, the chunks already posted
-                # go on: MPI moves a nonblocking broadcast only inside MPI calls, and a
-                # finished chunk goes to the writers now, not after the next read (which
-                # had left the disk without writes while the reads ran).
-                while not slot.ready.is_set():
-                    if not inflight:
-                        slot.ready.wait()  # nothing to move meanwhile: no need to poll
-                    elif MPI.Request.Testall(inflight[0][2]):
-                        self._retire(inflight.popleft(), writes)
+            while finish is None:
+                while todo:
+                    step = todo.popleft()
+                    if isinstance(step, Read):
+                        reads.put(step)
+                    elif isinstance(step, Post):
+                        transfer = schedule[step.seq]
+                        inflight.append((transfer, self._post(transfer, self.slots[step.slot].buffer, MPI)))
+                    elif isinstance(step, Write):
+                        jobs.put(step)
+                    elif isinstance(step, Hash):
+                        hashes.put(step)
+                    elif isinstance(step, Agree):
+                        failed = self.comm.allreduce(1 if step.failed else 0) > 0
+                        todo.extend(machine.agreed(failed))
+                    elif isinstance(step, Drain):
+                        while inflight:
+                            MPI.Request.Waitall(inflight.popleft()[1])
                     else:
-                        slot.ready.wait(POLL_NAP)
-                slot.ready.clear()
-                view = slot.buffer[: chunk.length]
-                requests = [
-                    self.comm.Ibcast([view[start:stop], MPI.BYTE], root=chunk.root)
-                    for start, stop in call_slices(chunk.length)
-                ]
-                inflight.append((chunk, slot, requests))
-                if self._error is None:
-                    stop = self.stop_requested()  # a signal: never leave here, stop at the check
-                    if stop is not None:
-                        self._fail(stop)
-                if (chunk.seq + 1) % CHECK_EVERY == 0:
-                    failed = self.comm.allreduce(0 if self._error is None else 1) > 0
-                    if failed:
-                        stopped_for_peer = self._error is None
+                        finish = step
                         break
-            while inflight:
-                self._retire(inflight.popleft(), writes)
+                if finish is not None:
+                    break
+                todo.extend(self._events_now(machine, landed))
+                if todo:
+                    continue
+                if inflight and MPI.Request.Testall(inflight[0][1]):
+                    transfer, _ = inflight.popleft()
+                    self._retired(transfer)
+                    todo.extend(machine.call_done())
+                    continue
+                # Nothing to do until a thread, MPI or the download moves: wait on the
+                # threads' events, testing MPI (which moves only inside MPI calls) often.
+                nap = POLL_NAP if inflight else IDLE_NAP
+                try:
+                    event = self._events.get(timeout=nap)
+                except queue.Empty:
+                    continue
+                todo.extend(self._event(machine, event))
         finally:
-            while inflight:  # stopping early: complete what was posted, every rank alike
-                chunk, slot, requests = inflight.popleft()
-                MPI.Request.Waitall(requests)
-                slot.ready.set()
+            while inflight:  # leaving early (an exception here): complete what was posted
+                MPI.Request.Waitall(inflight.popleft()[1])
             reads.put(None)
             hashes.put(None)
             for _ in range(self.writer_count):
-                writes.put(None)
+                jobs.put(None)
             for thread in threads:
                 thread.join()
-        if self._error is not None:
-            raise self._error
-        if stopped_for_peer:
+        if finish.error is not None:
+            raise finish.error
+        if finish.peer:
             raise PeerFailed()
         return self.stats
 
-    def _retire(self, item: tuple[Chunk, _Slot, list[Any]], writes: queue.Queue[tuple[Chunk, _Slot] | None]) -> None:
-        """Complete the oldest broadcast in flight and pass its slot on."""
+    def _events_now(self, machine: FanOut, landed: Landed | None) -> list[Instruction]:
+        """What happened since the last look: thread events, a signal, landings, a peer's failure."""
+        out: list[Instruction] = []
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            out.extend(self._event(machine, event))
+        if machine.error is None:
+            stop = self.stop_requested()
+            if stop is None and landed is not None:
+                stop = landed.failed()
+            if stop is not None:
+                out.extend(machine.failed(stop))
+        if landed is not None and not machine.finished:
+            for seq in landed.poll():
+                out.extend(machine.landed(seq))
+            if not machine.failing and self.peer_failed():
+                out.extend(machine.failed(None))
+        return out
 
-        chunk, slot, requests = item
-        _wait(requests)
+    def _event(self, machine: FanOut, event: tuple[str, int, AzcpError | None]) -> list[Instruction]:
+        kind, seq, error = event
+        if kind == "read":
+            return machine.read_done(seq, error)
+        return machine.write_done(seq, error)
+
+    def _post(self, transfer: Transfer, buffer: Any, mpi: Any) -> list[Any]:
+        """Start a transfer's calls: a broadcast when every rank receives it, else sends and receives."""
+        view = buffer[: transfer.length]
+        pieces = [[view[start:stop], mpi.BYTE] for start, stop in call_slices(transfer.length)]
+        if transfer.everyone:
+            return [self.comm.Ibcast(piece, root=transfer.root) for piece in pieces]
+        if transfer.root == self.rank:
+            return [self.comm.Isend(piece, dest=to, tag=P2P_TAG) for to in transfer.receivers for piece in pieces]
+        return [self.comm.Irecv(piece, source=transfer.root, tag=P2P_TAG) for piece in pieces]
+
+    def _retired(self, transfer: Transfer) -> None:
+        """Count a completed transfer."""
         self.stats.chunks += 1
-        self.on_bytes(chunk.length)
-        if chunk.root == self.rank:
-            self.stats.sent_bytes += chunk.length
-        write = (
-            self._error is None
-            and not self.have[chunk.file]
-            and (chunk.root != self.rank or self.source_of(chunk.file) is not None)
-        )
-        hash_it = self.verify and self._error is None
-        slot.users = int(write) + int(hash_it)
-        if slot.users == 0:
-            self._release(chunk, slot)  # sent, failed, or already here: nothing reads the slot
-            return
-        if hash_it:
-            self._hashes.put((chunk, slot))
-        if write:
-            self.stats.received_bytes += chunk.length
-            writes.put((chunk, slot))
-
-    # -- slots ----------------------------------------------------------------------------
-
-    def _release(self, done: Chunk, slot: _Slot) -> None:
-        """The slot's chunk is finished with: prepare it for the chunk ``pipeline`` later."""
-        self._prepare(done.seq + len(self.slots))
-
-    def _done_with(self, chunk: Chunk, slot: _Slot) -> None:
-        """A writer or the hasher is done with the slot; the last one releases it."""
-        with slot.lock:
-            slot.users -= 1
-            last = slot.users == 0
-        if last:
-            self._release(chunk, slot)
-
-    def _prepare(self, seq: int) -> None:
-        if seq >= len(self._schedule):
-            return
-        chunk = self._schedule[seq]
-        slot = self.slots[seq % len(self.slots)]
-        if chunk.root == self.rank and self._error is None:
-            self._reads.put((chunk, slot))  # the read-ahead thread sets ready when filled
-        else:
-            slot.ready.set()
-
-    def _fail(self, error: AzcpError) -> None:
-        with self._error_lock:
-            if self._error is None:
-                self._error = error
+        self.on_bytes(sum(e.length for e in transfer.extents), self._completes[transfer.seq])
+        if transfer.root == self.rank:
+            self.stats.sent_bytes += transfer.length * len(transfer.receivers)
 
     # -- threads --------------------------------------------------------------------------
 
-    def _serve(
-        self,
-        jobs: queue.SimpleQueue[tuple[Chunk, _Slot] | None] | queue.Queue[tuple[Chunk, _Slot] | None],
-        work: Callable[[Chunk, _Slot], None],
-        done: Callable[[Chunk, _Slot], None],
-        what: str,
-    ) -> None:
-        """A thread's loop: ``work`` each job, record any failure, and always call ``done``.
+    def _serve(self, jobs: queue.SimpleQueue[Any], work: Callable[[Any], None], kind: str, what: str) -> None:
+        """A thread's loop: ``work`` each job and always report it done (with its error, if any).
 
         A thread that died would leave its slot waiting forever, so nothing escapes.
         """
@@ -264,133 +288,135 @@ class Broadcaster:
             job = jobs.get()
             if job is None:
                 return
-            chunk, slot = job
+            error: AzcpError | None = None
             try:
-                work(chunk, slot)
+                work(job)
             except AzcpError as exc:
-                self._fail(exc)
+                error = exc
             except BaseException as exc:
-                self._fail(InternalError(f"{what} failed: {type(exc).__name__}: {exc}"))
-            finally:
-                done(chunk, slot)
+                error = InternalError(f"{what} failed: {type(exc).__name__}: {exc}")
+            self._events.put((kind, job.seq, error))
 
-    def _reader(self, jobs: queue.SimpleQueue[tuple[Chunk, _Slot] | None]) -> None:
-        # One file stays open across its chunks: (reader, file index, its stat when opened).
+    def _reader(self, jobs: queue.SimpleQueue[Read | None]) -> None:
+        # One file stays open across its extents: (reader, file index, its stat when opened).
         current: list[tuple[DirectReader, int, os.stat_result]] = []
 
-        def read(chunk: Chunk, slot: _Slot) -> None:
-            if self._error is not None:
-                return
-            shown, opener = self._source(chunk)
-            outside = self.source_of(chunk.file) is not None
+        def read_extent(extent: Extent, slot: _Slot) -> None:
+            shown, opener = self._source(extent.file)
+            outside = self.source_of(extent.file) is not None
             try:
-                if current and current[0][1] != chunk.file:
+                if current and current[0][1] != extent.file:
                     current.pop()[0].close()
                 if not current:
-                    direct = self.direct and self._downloaded(chunk)
+                    direct = self.direct and self._downloaded(extent.file) and extent.direct
                     reader = DirectReader(shown, direct=direct, opener=opener)
-                    current.append((reader, chunk.file, os.fstat(reader.fd)))
-                    if outside and not self._as_listed(chunk.file, current[0][2]):
-                        self.changed.add(chunk.file)  # changed since it was listed
-                self._advise_next(chunk)
+                    current.append((reader, extent.file, os.fstat(reader.fd)))
+                    if outside and not self._as_listed(extent.file, current[0][2]):
+                        self.changed.add(extent.file)  # changed since it was listed
                 reader, _, opened = current[0]
-                got = reader.read_at(slot.buffer, chunk.length, chunk.offset)
-                if outside and chunk.last_of_file and not _same_version(opened, os.fstat(reader.fd)):
-                    self.changed.add(chunk.file)  # written to while it was read
+                got = reader.read_at(slot.buffer[extent.at :], extent.length, extent.offset)
+                if outside and extent.last_of_file and not _same_version(opened, os.fstat(reader.fd)):
+                    self.changed.add(extent.file)  # written to while it was read
             except OSError as exc:
                 if outside:
                     raise SourceError(f"cannot read the file: {exc.strerror or exc}", path=shown) from None
                 raise fs_error(exc, shown, "read back") from None
-            if got != chunk.length:
+            if got != extent.length:
                 if outside:
-                    self.changed.add(chunk.file)  # shorter than listed: truncated meanwhile
+                    self.changed.add(extent.file)  # shorter than listed: truncated meanwhile
                     return
-                raise BroadcastError(f"short read ({got} of {chunk.length} bytes)", path=shown)
+                raise BroadcastError(f"short read ({got} of {extent.length} bytes)", path=shown)
+            if extent.last_of_file and current:
+                current.pop()[0].close()  # a small file's descriptor is not kept to the next
+
+        def read(job: Read) -> None:
+            transfer = self._schedule[job.seq]
+            slot = self.slots[job.slot]
+            for extent in transfer.extents:
+                read_extent(extent, slot)
+            self._advise_next(transfer, current[0][0].fd if current else -1)
 
         try:
-            self._serve(jobs, read, lambda chunk, slot: slot.ready.set(), "read-ahead")
+            self._serve(jobs, read, "read", "read-ahead")
         finally:
             if current:
                 current[0][0].close()
 
-    def _downloaded(self, chunk: Chunk) -> bool:
-        """Whether the owner reads the chunk from its own download of this run.
+    def _downloaded(self, index: int) -> bool:
+        """Whether the root reads file ``index`` from its own download of this run.
 
         Those were written with O_DIRECT, so none of it is cached: read back with O_DIRECT
         too. A local SOURCE or a copy from an earlier run may well be cached: read through
         the cache, with the read-ahead hint.
         """
-        return self.source_of(chunk.file) is None and not self.have[chunk.file]
+        return self.source_of(index) is None and not self.have[index]
 
-    def _reads_direct(self, chunk: Chunk) -> bool:
-        """Whether the owner will read the chunk with O_DIRECT (unless the filesystem refuses)."""
-        return self.direct and self._downloaded(chunk) and chunk.offset % ALIGN == 0
+    def _advise_next(self, transfer: Transfer, fd: int) -> None:
+        """Ask the kernel to start reading this rank's next transfer while the MPI calls run.
 
-    def _advise_next(self, chunk: Chunk) -> None:
-        """Ask the kernel to start reading this rank's next chunk to send while this one is read.
-
-        For a chunk read through the page cache (a local SOURCE, a copy this rank already
-        had, or a download at an unaligned offset), whatever the current one: the hint turns
-        the next read into a cache hit without a thread of our own. A chunk that will be
-        read with O_DIRECT gets none: the hint would read it a second time, into the cache.
+        Only where it costs no open: the next transfer continues the file still open (a
+        large file read through the page cache: a local SOURCE, a copy this rank already
+        had). A range that will be read with O_DIRECT gets none: the hint would read it a
+        second time, into the cache.
         """
-        for later in self._schedule[chunk.seq + 1 : chunk.seq + 1 + 4 * len(self.slots)]:
-            if later.root == self.rank:
-                if self._reads_direct(later):
-                    return
+        if fd < 0:
+            return
+        last = transfer.extents[-1]
+        for later in self._schedule[transfer.seq + 1 : transfer.seq + 1 + 4 * len(self.slots)]:
+            if later.root != self.rank:
+                continue
+            first = later.extents[0]
+            if first.file == last.file and not (self.direct and self._downloaded(first.file) and first.direct):
+                with contextlib.suppress(OSError):  # only a hint
+                    os.posix_fadvise(fd, first.offset, first.length, os.POSIX_FADV_WILLNEED)
+            return
+
+    def _writer(self, jobs: queue.SimpleQueue[Write | None]) -> None:
+        def write(job: Write) -> None:
+            buffer = self.slots[job.slot].buffer
+            for extent in job.extents:
+                rel = self.files[extent.file].path
+                shown = self.tree.temp_shown(rel)
                 try:
-                    fd = self._source(later)[1](os.O_RDONLY)
+                    target = DirectFile(
+                        shown, direct=self.direct and extent.direct, opener=self.tree.opener(rel, temp=True)
+                    )
                     try:
-                        os.posix_fadvise(fd, later.offset, later.length, os.POSIX_FADV_WILLNEED)
+                        target.write_at(buffer[extent.at : extent.at + extent.length], extent.offset)
                     finally:
-                        os.close(fd)
-                except (OSError, AzcpError):
-                    pass  # only a hint
-                return
+                        if target.refused:
+                            self.stats.direct_refused = target.path
+                        target.close()
+                except OSError as exc:
+                    raise fs_error(exc, shown, "write") from None
+            self.stats.received_bytes += sum(e.length for e in job.extents)
 
-    def _writer(self, jobs: queue.Queue[tuple[Chunk, _Slot] | None]) -> None:
-        def write(chunk: Chunk, slot: _Slot) -> None:
-            if self._error is not None:
-                return
-            try:
-                rel = self.files[chunk.file].path
-                target = DirectFile(self._path(chunk), direct=self.direct, opener=self.tree.opener(rel, temp=True))
-                try:
-                    target.write_at(slot.buffer[: chunk.length], chunk.offset)
-                finally:
-                    if target.refused:
-                        self.stats.direct_refused = target.path
-                    target.close()
-            except OSError as exc:
-                raise fs_error(exc, self._path(chunk), "write") from None
+        self._serve(jobs, write, "write", "writer")
 
-        self._serve(jobs, write, self._done_with, "writer")
+    def _hasher(self, jobs: queue.SimpleQueue[Hash | None]) -> None:
+        # One thread, fed in schedule order: each hashed file's extents arrive in offset order.
+        state: dict[int, Any] = {}
 
-    def _hasher(self, jobs: queue.SimpleQueue[tuple[Chunk, _Slot] | None]) -> None:
-        # One thread, fed in schedule order: each file's chunks arrive in offset order.
-        state: dict[str, Any] = {"md5": None}
+        def update(job: Hash) -> None:
+            buffer = self.slots[job.slot].buffer
+            for extent in job.extents:
+                md5 = state.get(extent.file)
+                if md5 is None:
+                    md5 = state[extent.file] = hashlib.md5(usedforsecurity=False)
+                md5.update(memoryview(buffer[extent.at : extent.at + extent.length]))  # type: ignore[arg-type]
+                if extent.offset + extent.length == self.files[extent.file].size:  # its last bytes
+                    self.digests[extent.file] = base64.b64encode(state.pop(extent.file).digest()).decode("ascii")
 
-        def update(chunk: Chunk, slot: _Slot) -> None:
-            if chunk.offset == 0 or state["md5"] is None:
-                state["md5"] = hashlib.md5(usedforsecurity=False)
-            state["md5"].update(memoryview(slot.buffer[: chunk.length]))  # type: ignore[arg-type]
-            if chunk.last_of_file:
-                self.digests[chunk.file] = base64.b64encode(state["md5"].digest()).decode("ascii")
-                state["md5"] = None
+        self._serve(jobs, update, "write", "hashing")
 
-        self._serve(jobs, update, self._done_with, "hashing")
-
-    def _path(self, chunk: Chunk) -> str:
-        return self.tree.temp_shown(self.files[chunk.file].path)
-
-    def _source(self, chunk: Chunk) -> tuple[str, Opener]:
-        """Where the owner reads a chunk (for messages, and its opener): the local SOURCE, its
+    def _source(self, index: int) -> tuple[str, Opener]:
+        """Where the root reads a file (for messages, and its opener): the local SOURCE, its
         complete copy, or its download."""
-        outside = self.source_of(chunk.file)
+        outside = self.source_of(index)
         if outside is not None:
             return outside, source_opener(outside)
-        rel = self.files[chunk.file].path
-        if self.have[chunk.file]:
+        rel = self.files[index].path
+        if self.have[index]:
             return self.tree.shown(rel), self.tree.opener(rel, temp=False)
         return self.tree.temp_shown(rel), self.tree.opener(rel, temp=True)
 
@@ -410,17 +436,4 @@ def _same_version(before: os.stat_result, after: os.stat_result) -> bool:
     )
 
 
-def _wait(requests: list[Any]) -> None:
-    """Complete ``requests``, testing and napping instead of spinning in MPI_Waitall.
-
-    A blocking wait busy-polls a whole core; the writer and read-ahead threads of this rank
-    (and, on an oversubscribed node, other ranks) need it more. A chunk takes milliseconds,
-    so a nap of a fraction of one costs nothing.
-    """
-    from mpi4py import MPI
-
-    while not MPI.Request.Testall(requests):
-        time.sleep(POLL_NAP)
-
-
-__all__ = ["BroadcastStats", "Broadcaster"]
+__all__ = ["BroadcastStats", "Broadcaster", "Landed"]

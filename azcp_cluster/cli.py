@@ -188,6 +188,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="local SOURCE: the rank that reads it (default: the lowest rank that can see it); no other rank opens it",
     )
     p.add_argument(
+        "--source-readers",
+        type=_integer,
+        default=1,
+        metavar="K",
+        help="local SOURCE on a shared filesystem (Lustre, NFS with several servers): K ranks on different "
+        "nodes read disjoint, balanced parts of it (default 1)",
+    )
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="download everything, then fan it out (default: each part goes out as soon as it lands)",
+    )
+    p.add_argument(
         "--download-ranks",
         type=_integer,
         metavar="K",
@@ -298,6 +311,8 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
         progress=not args.no_progress,
         auth=args.auth,
         source_rank=args.source_rank,
+        source_readers=args.source_readers,
+        overlap=not args.no_overlap,
         download_ranks=args.download_ranks,
         max_bandwidth=args.max_bandwidth,
         lock=args.lock,

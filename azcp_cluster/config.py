@@ -213,6 +213,11 @@ class Config:
     progress: bool = True
     # A local SOURCE: the rank that reads it (default: the lowest rank that sees it).
     source_rank: int | None = None
+    # A local SOURCE on a shared filesystem: this many reader ranks on different nodes.
+    source_readers: int = 1
+    # Download and fan-out at once (each transfer sent as soon as its bytes land); False:
+    # one after the other (--no-overlap, for comparison).
+    overlap: bool = True
     # How many ranks download (default all), chosen round-robin over the nodes.
     download_ranks: int | None = None
     # Cluster-wide download cap in bytes per second, split over the downloading ranks.
@@ -256,6 +261,10 @@ class Config:
                 raise UsageError(f"{name} must be between {low} and {high} (got {shown(count)})")
         if self.source_rank is not None and self.source_rank < 0:
             raise UsageError(f"--source-rank must be zero or more (got {shown(self.source_rank)})")
+        if self.source_readers < 1:
+            raise UsageError(f"--source-readers must be at least 1 (got {shown(self.source_readers)})")
+        if self.source_readers > 1 and self.source_rank is not None:
+            raise UsageError("--source-rank names one reader; it cannot be combined with --source-readers")
         if self.download_ranks is not None and self.download_ranks < 1:
             raise UsageError(f"--download-ranks must be at least 1 (got {shown(self.download_ranks)})")
         if self.max_bandwidth is not None and not MIN_BANDWIDTH <= self.max_bandwidth <= MAX_BANDWIDTH_LIMIT:

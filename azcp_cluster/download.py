@@ -123,6 +123,7 @@ class Downloader:
         *,
         peer_failed: Callable[[], bool] = lambda: False,
         on_bytes: Callable[[int], None] = lambda n: None,
+        on_landed: Callable[[Block], None] = lambda block: None,
         rng: random.Random | None = None,
         pacer: Pacer | None = None,
         pool: WritePool | None = None,
@@ -134,6 +135,8 @@ class Downloader:
         self.cfg = cfg
         self.peer_failed = peer_failed
         self.on_bytes = on_bytes
+        # Streaming: each block once all its bytes are written (its transfer may then go out).
+        self.on_landed = on_landed
         self.rng = rng or random.Random()
         self.stats = DownloadStats()
         self._active: set[_Watch] = set()
@@ -236,6 +239,7 @@ class Downloader:
             try:
                 await self._get_once(link, block, entry)
                 self.stats.bytes += block.length
+                self.on_landed(block)
                 return
             except _Retryable as exc:
                 cause, retry_after = exc.cause, exc.retry_after

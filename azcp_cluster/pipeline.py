@@ -23,7 +23,7 @@ import numpy as np
 
 from azcp_cluster import manifest
 from azcp_cluster.broadcast import Broadcaster
-from azcp_cluster.cluster import Cluster, StageOutcome, error_from_payload, error_payload
+from azcp_cluster.cluster import Cluster, StageOutcome, StageResult, error_from_payload, error_payload
 from azcp_cluster.config import Config, format_bytes, json_inside_dest
 from azcp_cluster.destlock import DestLock, lock_backoff
 from azcp_cluster.desttree import DestTree
@@ -43,13 +43,13 @@ from azcp_cluster.model import Listing, decode_listing, encode_listing
 from azcp_cluster.plan import Plan, plan_transfers
 from azcp_cluster.progress import Progress, wants_progress
 from azcp_cluster.report import Report, StageFigures, report_lines
-from azcp_cluster.schedule import Chunk, bcast_schedule
+from azcp_cluster.schedule import Transfer, files_written, transfer_schedule
 from azcp_cluster.source import is_url, parse_blob_url
 from azcp_cluster.topology import Topology, group_ranks
 
 if TYPE_CHECKING:
     from azcp_cluster.credentials import Authorizer
-    from azcp_cluster.download import WritePool
+    from azcp_cluster.download import Downloader, WritePool
     from azcp_cluster.interrupts import Interrupts
 
 
@@ -168,6 +168,8 @@ class _Run:
         # Filled in by the stages, in order: list, diff, bcast.
         self._list_seconds = 0.0
         self.have: np.ndarray = np.zeros(0, dtype=bool)  # per file: this rank's group already has it
+        self.sizes: list[int] = []  # per file: its size (from the listing)
+        self.receives: set[int] = set()  # files the schedule brings to this rank's node
         self.streamed_md5: dict[int, str] = {}  # --verify: file index -> MD5 hashed in flight
         self.verified_md5: dict[int, str] = {}  # --verify: file index -> the MD5 every copy has
         self.bytes_to_write = 0  # bytes of the files this rank's node writes (for a full-disk message)
@@ -212,12 +214,16 @@ class _Run:
             self.print_report()
             return
         # The broadcast runs between leaders: a shard goes out from its owner's leader.
-        schedule = bcast_schedule(plan, self.cfg.bcast_chunk, root_of=topo.group_of)
+        schedule = self.schedule_for(plan)
         broadcaster = self.allocate(listing, transfer, schedule, plan)
-        if not self.local:
+        if not self.local and self.cfg.overlap and any(plan.loads()):
             assert auth is not None
-            self.download(listing, plan, auth)
-        changed = self.bcast(schedule, broadcaster)
+            changed = self.stream(listing, plan, schedule, broadcaster, auth)
+        else:
+            if not self.local:
+                assert auth is not None
+                self.download(listing, plan, auth)
+            changed = self.bcast(schedule, broadcaster)
         del broadcaster  # its slots: a second round maps its own
         if changed:
             listing = self.read_again(listing, changed)
@@ -408,6 +414,7 @@ class _Run:
             ]
         )  # groups x files
         self.have = matrix[self.topo.group_of[self.rank]]
+        self.sizes = [f.size for f in files]
         everywhere = matrix.all(axis=0)
         transfer = [int(i) for i in np.flatnonzero(~everywhere)]
         holders = [[leaders[g] for g in np.flatnonzero(matrix[:, i])] for i in range(len(files))]
@@ -427,7 +434,9 @@ class _Run:
             self.tree = DestTree(self.dest, create=not self.cfg.dry_run)
         return self.tree
 
-    def allocate(self, listing: Listing, transfer: list[int], schedule: list[Chunk], plan: Plan) -> Broadcaster | None:
+    def allocate(
+        self, listing: Listing, transfer: list[int], schedule: list[Transfer], plan: Plan
+    ) -> Broadcaster | None:
         """Create the temporary files, the download buffers and the broadcast slots, in an
         agreement of their own.
 
@@ -474,7 +483,7 @@ class _Run:
         check_space(self.dest, tree.space_needed(entries))
         tree.prepare_all(entries)
 
-    def broadcaster(self, listing: Listing, schedule: list[Chunk]) -> Broadcaster | None:
+    def broadcaster(self, listing: Listing, schedule: list[Transfer]) -> Broadcaster | None:
         """Leaders: the broadcast engine for ``schedule``, its slots mapped now."""
         if not schedule:
             return None
@@ -482,7 +491,7 @@ class _Run:
             self.node_comm,
             listing.files,
             self.dest_tree(),
-            max(c.length for c in schedule),  # no slot larger than the largest chunk
+            max(t.length for t in schedule),  # no slot larger than the largest transfer
             pipeline=min(self.cfg.bcast_pipeline, len(schedule)),
             writers=self.cfg.bcast_writers,
             direct=self.cfg.bcast_direct,
@@ -505,8 +514,7 @@ class _Run:
 
     def download(self, listing: Listing, plan: Plan, auth: Authorizer) -> None:
         """Every downloader fetches its shards into its node's temporary files."""
-        from azcp_cluster.download import Downloader, blocks_for
-        from azcp_cluster.throttle import Pacer, share
+        from azcp_cluster.download import blocks_for
 
         cluster = self.cluster
         t0 = cluster.clock()
@@ -516,21 +524,7 @@ class _Run:
         with cluster.stage(outcome):
             stats = None
             if mine:
-                pacer = None
-                if self.cfg.max_bandwidth is not None:
-                    busy = sum(1 for load in plan.loads() if load)  # ranks that download at all
-                    rate = share(self.cfg.max_bandwidth, busy)
-                    pacer = Pacer(rate, burst=self.cfg.block_size, clock=cluster.clock)
-                downloader = Downloader(
-                    listing.files,
-                    self.dest_tree(),
-                    auth,
-                    self.cfg,
-                    peer_failed=cluster.peer_failed,
-                    on_bytes=progress.add,
-                    pacer=pacer,
-                    pool=self.write_pool,
-                )
+                downloader = self.downloader(listing, plan, auth, progress.add)
                 stats = downloader.run(blocks_for(mine, self.cfg.block_size))
             if stats is not None:
                 outcome.stats = {
@@ -547,6 +541,31 @@ class _Run:
         if outcome.error is not None:
             cluster.signal_failure(outcome)
         result = cluster.conclude(t0, outcome)
+        self.record_download(result)
+        self.report.stages["download"] = StageFigures(result.seconds, self.report.downloaded_bytes)
+
+    def downloader(self, listing: Listing, plan: Plan, auth: Authorizer, on_bytes: Callable[[int], None]) -> Downloader:
+        """This rank's downloader for its share of ``plan`` (paced by its share of --max-bandwidth)."""
+        from azcp_cluster.download import Downloader
+        from azcp_cluster.throttle import Pacer, share
+
+        pacer = None
+        if self.cfg.max_bandwidth is not None:
+            busy = sum(1 for load in plan.loads() if load)  # ranks that download at all
+            pacer = Pacer(share(self.cfg.max_bandwidth, busy), burst=self.cfg.block_size, clock=self.cluster.clock)
+        return Downloader(
+            listing.files,
+            self.dest_tree(),
+            auth,
+            self.cfg,
+            peer_failed=self.cluster.peer_failed,
+            on_bytes=on_bytes,
+            pacer=pacer,
+            pool=self.write_pool,
+        )
+
+    def record_download(self, result: StageResult) -> None:
+        """The download's figures in the report: bytes, retries and their causes."""
         causes: Counter[str] = Counter()
         for stats_of_rank in result.stats:
             causes.update(stats_of_rank.get("causes", {}))
@@ -555,9 +574,114 @@ class _Run:
         self.report.retries_by_rank = [int(st.get("retries", 0)) for st in result.stats]
         self.report.retry_causes = dict(causes)
         self.warn_direct(result.stats)
-        self.report.stages["download"] = StageFigures(result.seconds, self.report.downloaded_bytes)
 
-    def bcast(self, schedule: list[Chunk], broadcaster: Broadcaster | None) -> list[int]:
+    def stream(
+        self, listing: Listing, plan: Plan, schedule: list[Transfer], broadcaster: Broadcaster | None, auth: Authorizer
+    ) -> list[int]:
+        """Download and fan out at once: a transfer goes out as soon as its bytes are on its root's node.
+
+        Roles and the protocol are in streaming.py and docs/architecture.md ("Streaming").
+        One failure signal for the whole stage: a rank that fails signals the others (their
+        downloads stop, their fan-outs stop waiting for bytes) and the fan-out's agreements
+        stop every leader at the same transfer. Reported as both stages: ``download`` until
+        the last byte landed, ``bcast`` the whole stage (they overlap).
+        """
+        from azcp_cluster.download import Block, blocks_for
+        from azcp_cluster.streaming import DownloadThread, LandingFeed, Notifier, node_blocks
+
+        cluster = self.cluster
+        topo = self.topo
+        t0 = cluster.clock()
+        group = topo.group_of[self.rank]
+        downloaders = [r for r in topo.downloaders if topo.group_of[r] == group]
+        blocks, landing = node_blocks(schedule, plan, group, downloaders, self.cfg.block_size, blocks_for)
+        mine = [Block(*blocks.blocks[i]) for i in blocks.of_rank.get(self.rank, ())]
+        index = {(f, o): i for i, (f, o, _) in enumerate(blocks.blocks)}
+        total = sum(e.length for t in schedule for e in t.extents)  # payload: not the alignment padding
+        progress = Progress("transfer", total, self.show_progress)
+        progress.expect_download(sum(s.length for s in plan.owned_by(self.rank)))
+        progress.expect_files(len({e.file for t in schedule for e in t.extents}))
+        outcome = StageOutcome()
+        feed: LandingFeed | None = None
+        downloaded = 0.0
+        bstats = None
+        dstats = None
+        with cluster.stage(outcome):
+            if self.leader:
+                # The node's communicator: the leader is its rank 0, the others follow in
+                # world-rank order (see setup).
+                members = [r for r in topo.members(group) if r != self.rank]
+                others = [1 + members.index(r) for r in downloaders if r != self.rank]
+                feed = LandingFeed(landing, self.group_comm, others)
+                thread: DownloadThread | None = None
+                if mine:
+                    downloader = self.downloader(listing, plan, auth, progress.add_download)
+
+                    def fetch() -> Any:
+                        nonlocal downloaded
+                        try:
+                            return downloader.run(mine)
+                        except AzcpError as exc:
+                            feed.local_failed(exc)  # the fan-out fails with it
+                            raise
+                        finally:
+                            downloaded = cluster.clock() - t0
+
+                    downloader.on_landed = lambda block: feed.local(index[(block.file, block.offset)])
+                    thread = DownloadThread(fetch)
+                    downloader.peer_failed = thread.stop.is_set  # its event loop makes no MPI call
+                    thread.start()
+                assert broadcaster is not None
+                broadcaster.on_bytes = progress.add
+                failure: BaseException | None = None
+                try:
+                    bstats = broadcaster.run(schedule, landed=feed)
+                finally:
+                    if thread is not None:
+                        if bstats is None:
+                            thread.stop.set()  # the fan-out stopped (its error is the stage's): so does the download
+                        dstats, failure = thread.wait()
+                if failure is not None:
+                    raise failure  # after every byte was sent: the download's own end failed
+                self.streamed_md5.update(broadcaster.digests)
+            elif mine:
+                downloader = self.downloader(listing, plan, auth, progress.add_download)
+                notifier = Notifier(self.group_comm, index)
+                downloader.on_landed = lambda block: notifier.landed(block.file, block.offset)
+                try:
+                    dstats = downloader.run(mine)
+                finally:
+                    downloaded = cluster.clock() - t0
+                    notifier.close()
+            stats: dict[str, Any] = {"downloaded": downloaded}
+            if dstats is not None:
+                stats.update(bytes=dstats.bytes, retries=dstats.retries, causes=dict(dstats.retry_causes))
+                stats["refused"] = dstats.direct_refused
+            if bstats is not None and bstats.direct_refused:
+                stats["refused"] = bstats.direct_refused
+            outcome.stats = stats
+        progress.close()
+        if outcome.error is not None:
+            cluster.signal_failure(outcome)  # before waiting for the node's downloaders: they stop on it
+        if feed is not None:
+            feed.finish()
+        if self.write_pool is not None:
+            self.write_pool.close()
+            self.write_pool = None
+        self.explain_space(outcome)
+        result = cluster.conclude(t0, outcome)
+        self.record_download(result)
+        self.report.stages["download"] = StageFigures(
+            max(float(st.get("downloaded", 0.0)) for st in result.stats), self.report.downloaded_bytes
+        )
+        self.report.overlap = True
+        self.report.broadcast_bytes += total
+        figures = self.report.stages["bcast"]
+        figures.seconds += result.seconds
+        figures.bytes += total
+        return []
+
+    def bcast(self, schedule: list[Transfer], broadcaster: Broadcaster | None) -> list[int]:
         """Fan every byte out to every leader (temporary names only; see finish).
 
         Returns the local SOURCE's files that changed while they were read (agreed by all).
@@ -566,8 +690,9 @@ class _Run:
             return []
         cluster = self.cluster
         t0 = cluster.clock()
-        total = sum(c.length for c in schedule)
+        total = sum(e.length for t in schedule for e in t.extents)  # payload: not the alignment padding
         progress = Progress("bcast", total, self.show_progress)
+        progress.expect_files(len({e.file for t in schedule for e in t.extents}))
         outcome = StageOutcome()
         with cluster.stage(outcome):
             if broadcaster is not None:  # leaders only; the others wait at the agreement
@@ -608,13 +733,14 @@ class _Run:
         listing = dataclasses.replace(listing, files=tuple(files))
         self.report.bytes = listing.total_bytes
         self.have[changed] = False  # a copy some node had is of another version now
+        self.sizes = [f.size for f in files]
         topo = self.topo
         lacking = set(changed)
         holders = [[] if i in lacking else list(topo.leaders) for i in range(len(files))]
         plan = plan_transfers(
             [f.size for f in files], holders, topo.size, self.cfg.shard_size, owners=[self.reader], copies=topo.groups
         )
-        schedule = bcast_schedule(plan, self.cfg.bcast_chunk, root_of=topo.group_of)
+        schedule = self.schedule_for(plan)
         outcome = StageOutcome()
         broadcaster: Broadcaster | None = None
         with cluster.stage(outcome):
@@ -772,9 +898,19 @@ class _Run:
                 manifest.save(tree, known, manifest.load(tree))
         cluster.conclude(cluster.clock(), outcome)
 
+    def schedule_for(self, plan: Plan) -> list[Transfer]:
+        """The transfers between the leaders for ``plan`` (a shard goes out from its owner's leader),
+        and what this rank's node writes of them (:meth:`missing_here`)."""
+        topo = self.topo
+        schedule = transfer_schedule(plan, self.cfg.bcast_chunk, topo.groups, root_of=topo.group_of)
+        self.receives |= files_written(schedule, topo.group_of[self.rank])  # a second round adds to the first
+        return schedule
+
     def missing_here(self, transfer: list[int]) -> list[int]:
-        """The transferred files this rank does not have yet (it writes and renames these)."""
-        return [i for i in transfer if not self.have[i]]
+        """The transferred files this rank's node does not have yet and the schedule brings it
+        (it writes and renames these); empty files are made on every node."""
+        sizes = self.sizes
+        return [i for i in transfer if not self.have[i] and (sizes[i] == 0 or i in self.receives)]
 
     # -- output ---------------------------------------------------------------------------
 

@@ -78,6 +78,7 @@ class Report:
     exit_code: int = 0
     error: str | None = None
     dry_run: bool = False
+    overlap: bool = False  # download and fan-out ran at once (their stage times overlap)
     plan_loads: list[int] = field(default_factory=list)
     plan_spread: float = 0.0
     verified_files: int = 0

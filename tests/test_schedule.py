@@ -1,7 +1,8 @@
-"""Unit and property tests for the broadcast schedule (azcp_cluster/schedule.py)."""
+"""Unit and property tests for the transfer schedule (azcp_cluster/schedule.py)."""
 
 from __future__ import annotations
 
+import random
 from collections import defaultdict
 
 import pytest
@@ -9,140 +10,263 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from azcp_cluster.plan import Plan, Shard, make_plan
-from azcp_cluster.schedule import MAX_CALL_BYTES, Chunk, bcast_schedule, call_slices
+from azcp_cluster.schedule import (
+    ALIGN,
+    DIRECT_MIN,
+    MAX_CALL_BYTES,
+    MAX_EXTENTS,
+    Extent,
+    Landing,
+    Transfer,
+    call_slices,
+    files_written,
+    streamed_files,
+    transfer_schedule,
+)
 
 
-def test_bcast_schedule_example() -> None:
+def test_example_cuts_large_pieces_and_packs_small_ones() -> None:
     plan = Plan(
         shards=(Shard(0, 0, 10, 1), Shard(0, 10, 5, 0), Shard(2, 0, 3, 2), Shard(3, 0, 4, 0)),
         nranks=3,
     )
-    assert bcast_schedule(plan, 4) == [
-        Chunk(seq=0, file=0, offset=0, length=4, root=1, last_of_file=False),
-        Chunk(seq=1, file=0, offset=4, length=4, root=1, last_of_file=False),
-        Chunk(seq=2, file=0, offset=8, length=2, root=1, last_of_file=False),
-        Chunk(seq=3, file=0, offset=10, length=4, root=0, last_of_file=False),
-        Chunk(seq=4, file=0, offset=14, length=1, root=0, last_of_file=True),
-        Chunk(seq=5, file=2, offset=0, length=3, root=2, last_of_file=True),
-        Chunk(seq=6, file=3, offset=0, length=4, root=0, last_of_file=True),
+    # Ordered by the share of each root's bytes that has landed at a transfer's end: rank
+    # 1's 4 of 10 (0.4), rank 0's 4 of 9 (0.44), 5 of 9, rank 1's 8 of 10, then the last of
+    # each (1.0), lowest root first. Rank 0's 1-byte tail and its 4-byte file do not fit
+    # one slot of 4 together.
+    assert transfer_schedule(plan, 4, 3) == [
+        Transfer(0, 1, (0, 2), (Extent(0, 0, 4, 0, False),), True),
+        Transfer(1, 0, (1, 2), (Extent(0, 10, 4, 0, False),), True),
+        Transfer(2, 0, (1, 2), (Extent(0, 14, 1, 0, True),), True),  # rank 0's last of file 0
+        Transfer(3, 1, (0, 2), (Extent(0, 4, 4, 0, False),), True),
+        Transfer(4, 0, (1, 2), (Extent(3, 0, 4, 0, True),), True),
+        Transfer(5, 1, (0, 2), (Extent(0, 8, 2, 0, True),), True),  # rank 1's last of file 0
+        Transfer(6, 2, (0, 1), (Extent(2, 0, 3, 0, True),), True),
     ]
 
 
-def test_bcast_schedule_empty_plan() -> None:
-    assert bcast_schedule(Plan(shards=(), nranks=4), 1) == []
+def test_small_files_share_a_slot_tightly_and_large_ones_stay_aligned() -> None:
+    sizes = [100, 200, DIRECT_MIN + 5, 7]
+    plan = make_plan(sizes, range(4), 1, 1 << 30)
+    [transfer] = transfer_schedule(plan, 1 << 20, 2)
+    assert [(e.file, e.at) for e in transfer.extents] == [(0, 0), (1, 100), (2, ALIGN), (3, ALIGN + DIRECT_MIN + 5)]
+    assert [e.direct for e in transfer.extents] == [False, False, True, False]
+    assert transfer.receivers == (1,) and transfer.everyone
 
 
-@pytest.mark.parametrize("chunk_size", [0, -1])
-def test_bcast_schedule_rejects_bad_chunk_size(chunk_size: int) -> None:
+def test_no_packing_gives_every_piece_its_own_transfer() -> None:
+    plan = make_plan([1, 2, 3], range(3), 1, 1 << 30)
+    assert [len(t.extents) for t in transfer_schedule(plan, 1 << 20, 2, pack=False)] == [1, 1, 1]
+
+
+def test_a_slot_holds_at_most_max_extents() -> None:
+    plan = make_plan([1] * (MAX_EXTENTS + 1), range(MAX_EXTENTS + 1), 1, 1 << 30)
+    assert [len(t.extents) for t in transfer_schedule(plan, 1 << 30, 2)] == [MAX_EXTENTS, 1]
+
+
+def test_empty_plan() -> None:
+    assert transfer_schedule(Plan(shards=(), nranks=4), 1, 4) == []
+
+
+@pytest.mark.parametrize("slot_size", [0, -1])
+def test_rejects_bad_slot_size(slot_size: int) -> None:
     with pytest.raises(ValueError):
-        bcast_schedule(Plan(shards=(Shard(0, 0, 1, 0),), nranks=1), chunk_size)
+        transfer_schedule(Plan(shards=(Shard(0, 0, 1, 0),), nranks=1), slot_size, 1)
+
+
+def test_owners_map_to_their_leaders() -> None:
+    plan = Plan(shards=(Shard(0, 0, 4, 2), Shard(1, 0, 4, 3), Shard(2, 0, 4, 1)), nranks=4)
+    assert {t.root for t in transfer_schedule(plan, 4, 2, root_of=[0, 0, 1, 1])} == {0, 1}
+
+
+def test_receivers_subset_is_a_point_to_point_transfer() -> None:
+    plan = make_plan([10, 10], range(2), 1, 1 << 30)
+    schedule = transfer_schedule(plan, 100, 3, receivers_of=lambda file, root: (2,) if file else (1, 2))
+    assert [(t.receivers, t.everyone) for t in schedule] == [((1, 2), True), ((2,), False)]
+    assert files_written(schedule, 1) == {0} and files_written(schedule, 2) == {0, 1} and files_written(schedule, 0) == {0, 1}
 
 
 @st.composite
-def plans_and_chunk_sizes(draw: st.DrawFn) -> tuple[Plan, list[int], int]:
-    sizes = draw(st.lists(st.one_of(st.just(0), st.integers(1, 1 << 22)), max_size=25))
-    nranks = draw(st.integers(1, 64))
-    shard_size = draw(st.integers(1, 1 << 22))
-    total = sum(sizes)
-    shard_size = max(shard_size, total // 500 + 1)  # bounded piece count
+def schedules(draw: st.DrawFn) -> tuple[Plan, list[int], int, int, list[int], bool, bool]:
+    """A plan over random files (many small, some large), a slot size, a leader map, receivers."""
+    small = st.integers(0, 3 * DIRECT_MIN)
+    sizes = draw(st.lists(st.one_of(st.just(0), small, st.integers(1, 1 << 22)), max_size=40))
+    nranks = draw(st.integers(1, 12))
+    shard_size = max(draw(st.integers(1, 1 << 22)), sum(sizes) // 400 + 1)
     plan = make_plan(sizes, range(len(sizes)), nranks, shard_size)
-    chunk_size = max(draw(st.integers(1, 1 << 22)), total // 2000 + 1)  # bounded chunk count
-    return plan, sizes, chunk_size
+    slot = max(draw(st.integers(1, 1 << 21)), sum(sizes) // 1500 + 1)
+    groups = draw(st.integers(1, nranks))
+    root_of = [r % groups for r in range(nranks)]
+    return plan, sizes, slot, groups, root_of, draw(st.booleans()), draw(st.booleans())
 
 
-@given(plans_and_chunk_sizes())
-@settings(max_examples=150, deadline=None)
-def test_chunks_cover_each_shard_in_order(args: tuple[Plan, list[int], int]) -> None:
-    plan, sizes, chunk_size = args
-    chunks = bcast_schedule(plan, chunk_size)
-    # seq is consecutive from 0.
-    assert [c.seq for c in chunks] == list(range(len(chunks)))
-    # Each chunk is non-empty and at most chunk_size.
-    assert all(0 < c.length <= chunk_size for c in chunks)
-    # Walking the chunks reproduces every shard, in plan order, each cut from its start to its end.
-    position = 0
+def _subset(file: int, root: int, groups: int) -> tuple[int, ...]:
+    return tuple(r for r in range(groups) if (file + r) % 2 == 0 or r == (root + 1) % groups)
+
+
+@given(schedules())
+@settings(max_examples=300, deadline=None)
+def test_schedule_properties(args: tuple[Plan, list[int], int, int, list[int], bool, bool]) -> None:
+    plan, sizes, slot, groups, root_of, pack, subset = args
+    receivers_of = (lambda f, r: _subset(f, r, groups)) if subset else None
+    schedule = transfer_schedule(plan, slot, groups, root_of=root_of, receivers_of=receivers_of, pack=pack)
+    assert [t.seq for t in schedule] == list(range(len(schedule)))
+    covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    root_of_byte: dict[tuple[int, int], int] = {}
     for shard in plan.shards:
-        offset = shard.offset
-        while offset < shard.offset + shard.length:
-            chunk = chunks[position]
-            assert (chunk.file, chunk.offset, chunk.root) == (shard.file, offset, shard.owner)
-            offset += chunk.length
-            position += 1
-        assert offset == shard.offset + shard.length
-    assert position == len(chunks)
-    # Per file, chunks tile [0, size); empty files have none.
-    by_file: dict[int, list[Chunk]] = defaultdict(list)
-    for chunk in chunks:
-        by_file[chunk.file].append(chunk)
-    assert set(by_file) == {i for i, size in enumerate(sizes) if size > 0}
-    for index, file_chunks in by_file.items():
-        end = 0
-        for chunk in file_chunks:
-            assert chunk.offset == end
-            end += chunk.length
-        assert end == sizes[index]
-    assert sum(c.length for c in chunks) == sum(sizes)
+        root_of_byte[(shard.file, shard.offset)] = root_of[shard.owner]
+    for t in schedule:
+        assert t.extents and 0 < t.length <= slot  # no slot overflows
+        assert 0 <= t.root < groups and t.root not in t.receivers
+        assert list(t.receivers) == sorted(set(t.receivers))
+        assert t.everyone == (len(t.receivers) == groups - 1)
+        spans = sorted((e.at, e.at + e.length) for e in t.extents)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # extents never overlap in the slot
+        assert len(t.extents) <= MAX_EXTENTS
+        for e in t.extents:
+            assert e.length > 0
+            covered[e.file].append((e.offset, e.length))
+            if e.length >= DIRECT_MIN and e.offset % ALIGN == 0:
+                assert e.at % ALIGN == 0 and e.direct  # O_DIRECT-capable extents stay aligned
+            want = _subset(e.file, t.root, groups) if subset else tuple(range(groups))
+            assert t.receivers == tuple(sorted(set(want) - {t.root}))  # every receiver gets what it needs
+    # Every byte of every file is in exactly one transfer, from its shard's owner's leader.
+    for index, size in enumerate(sizes):
+        pieces = sorted(covered.get(index, []))
+        position = 0
+        for offset, length in pieces:
+            assert offset == position
+            position += length
+        assert position == size
+    for shard in plan.shards:
+        inside = [
+            t.root
+            for t in schedule
+            for e in t.extents
+            if e.file == shard.file and shard.offset <= e.offset < shard.offset + shard.length
+        ]
+        assert set(inside) == {root_of[shard.owner]}
+    # Each root's pieces keep plan order (its downloads land in that order).
+    by_root: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for t in schedule:
+        by_root[t.root].extend((e.file, e.offset) for e in t.extents)
+    for pieces_of_root in by_root.values():
+        assert pieces_of_root == sorted(pieces_of_root)
+    # last_of_file: exactly the last extent of each file from each root, in schedule order.
+    last: dict[tuple[int, int], tuple[int, int]] = {}
+    for t in schedule:
+        for i, e in enumerate(t.extents):
+            last[(t.root, e.file)] = (t.seq, i)
+    flagged = {(t.seq, i) for t in schedule for i, e in enumerate(t.extents) if e.last_of_file}
+    assert flagged == set(last.values())
+    # files_written and streamed_files against a direct reading of the schedule.
+    for rank in range(groups):
+        mine = [t for t in schedule if t.root == rank or rank in t.receivers]
+        assert files_written(schedule, rank) == {e.file for t in mine for e in t.extents}
+        streamed = streamed_files(schedule, rank, sizes)
+        for index in streamed:
+            extents = [e for t in schedule for e in t.extents if e.file == index]
+            assert all(t.involves(rank) for t in schedule for e in t.extents if e.file == index)
+            assert [e.offset for e in extents] == sorted(e.offset for e in extents)
+    if groups == 1 or not subset:
+        # One copy per rank, every rank in every transfer: files come in offset order when
+        # their shards share a root.
+        single = {s.file for s in plan.shards} - {
+            s.file for s in plan.shards for o in plan.shards if o.file == s.file and o.owner != s.owner
+        }
+        for rank in range(groups):
+            assert single <= streamed_files(schedule, rank, sizes)
 
 
-@given(plans_and_chunk_sizes())
-@settings(max_examples=150, deadline=None)
-def test_last_of_file(args: tuple[Plan, list[int], int]) -> None:
-    plan, _, chunk_size = args
-    chunks = bcast_schedule(plan, chunk_size)
-    files_in_order = [c.file for c in chunks]
-    for i, chunk in enumerate(chunks):
-        later_same_file = chunk.file in files_in_order[i + 1 :]
-        assert chunk.last_of_file == (not later_same_file)
-    # Exactly one closing chunk per file that has chunks.
-    assert sum(c.last_of_file for c in chunks) == len(set(files_in_order))
-    # A file's chunks are contiguous in the schedule, so closing it never reopens it.
-    closed: set[int] = set()
-    for chunk in chunks:
-        assert chunk.file not in closed
-        if chunk.last_of_file:
-            closed.add(chunk.file)
+def test_packing_is_tight() -> None:
+    """With one root, a transfer closes only when the next piece cannot fit."""
+    rng = random.Random(5)
+    sizes = [rng.randrange(0, 20_000) for _ in range(3000)]
+    plan = make_plan(sizes, range(len(sizes)), 1, 1 << 30)
+    slot = 1 << 20
+    schedule = transfer_schedule(plan, slot, 2)
+    assert sum(t.length for t in schedule) == sum(sizes)  # small files: no padding at all
+    for t, following in zip(schedule, schedule[1:], strict=False):
+        assert t.length + following.extents[0].length > slot or len(t.extents) == MAX_EXTENTS
+    assert len(schedule) <= sum(sizes) // slot + 2
+
+
+def test_landing_order_interleaves_roots() -> None:
+    """Two roots downloading at the same pace: their transfers alternate, each root's in order."""
+    plan = Plan(shards=(Shard(0, 0, 40, 0), Shard(1, 0, 40, 1)), nranks=2)
+    assert [t.root for t in transfer_schedule(plan, 10, 2)] == [0, 1] * 4
+
+
+@st.composite
+def landings(draw: st.DrawFn) -> tuple[list[Transfer], list[tuple[int, int, int]], list[int]]:
+    plan, _, slot, groups, root_of, pack, _ = draw(schedules())
+    schedule = transfer_schedule(plan, slot, groups, root_of=root_of, pack=pack)
+    block = draw(st.integers(1, 1 << 21))
+    blocks = []
+    for shard in plan.shards:
+        if root_of[shard.owner] != 0:
+            continue
+        for offset in range(shard.offset, shard.offset + shard.length, block):
+            blocks.append((shard.file, offset, min(block, shard.offset + shard.length - offset)))
+    order = draw(st.permutations(range(len(blocks))))
+    return schedule, blocks, list(order)
+
+
+@given(landings())
+@settings(max_examples=200, deadline=None)
+def test_landing_readiness(args: tuple[list[Transfer], list[tuple[int, int, int]], list[int]]) -> None:
+    """A transfer is ready exactly when every block overlapping its extents has landed, once."""
+    schedule, blocks, order = args
+    landing = Landing(schedule, 0, blocks)
+    mine = {t.seq for t in schedule if t.root == 0}
+    assert set(landing.waits) == mine
+    assert landing.ready() == []  # every transfer of root 0 has downloaded bytes
+    arrived: set[int] = set()
+    ready: list[int] = []
+    for index in order:
+        arrived.add(index)
+        for seq in landing.landed(index):
+            transfer = schedule[seq]
+            for extent in transfer.extents:
+                for b, (file, offset, length) in enumerate(blocks):
+                    if file == extent.file and offset < extent.offset + extent.length and extent.offset < offset + length:
+                        assert b in arrived
+            ready.append(seq)
+    assert sorted(ready) == sorted(mine)
+    download = Landing(schedule, 0, blocks).order()
+    assert sorted(download) == list(range(len(blocks)))
+
+
+def test_landing_download_order_follows_the_schedule() -> None:
+    plan = Plan(shards=(Shard(0, 0, 40, 0), Shard(1, 0, 40, 0)), nranks=1)
+    schedule = transfer_schedule(plan, 20, 2)
+    blocks = [(1, 20, 20), (1, 0, 20), (0, 20, 20), (0, 0, 20)]
+    assert Landing(schedule, 0, blocks).order() == [3, 2, 1, 0]
+    assert Landing(schedule, 1, blocks).waits == {}
 
 
 def test_call_slices_examples() -> None:
-    assert list(call_slices(0)) == []
     assert list(call_slices(10, 4)) == [(0, 4), (4, 8), (8, 10)]
     assert list(call_slices(8, 4)) == [(0, 4), (4, 8)]
-    assert list(call_slices(3 * MAX_CALL_BYTES + 1)) == [
-        (0, MAX_CALL_BYTES),
-        (MAX_CALL_BYTES, 2 * MAX_CALL_BYTES),
-        (2 * MAX_CALL_BYTES, 3 * MAX_CALL_BYTES),
-        (3 * MAX_CALL_BYTES, 3 * MAX_CALL_BYTES + 1),
-    ]
+    assert list(call_slices(3, 4)) == [(0, 3)]
+    assert list(call_slices(0, 4)) == []
 
 
 def test_max_call_bytes_fits_a_c_int() -> None:
-    assert 0 < MAX_CALL_BYTES <= 2**31 - 1
+    assert MAX_CALL_BYTES < 2**31
 
 
-@pytest.mark.parametrize("limit", [0, -3])
+@pytest.mark.parametrize("limit", [0, -5])
 def test_call_slices_rejects_bad_limit(limit: int) -> None:
     with pytest.raises(ValueError):
         list(call_slices(10, limit))
 
 
 @given(st.integers(0, 1 << 40), st.integers(1, 1 << 32))
-@settings(max_examples=300)
 def test_call_slices_cover_the_length(length: int, limit: int) -> None:
-    if length // limit > 5_000:
-        limit = length // 5_000 + 1
-    slices = list(call_slices(length, limit))
-    end = 0
-    for start, stop in slices:
-        assert start == end
-        assert 0 < stop - start <= limit
-        end = stop
-    assert end == length
-    assert len(slices) == -(-length // limit)
-
-
-def test_bcast_schedule_maps_owners_to_their_leaders() -> None:
-    # Ranks 0,1 on node 0 and ranks 2,3 on node 1: rank 3's download goes out from node 1's leader.
-    plan = Plan(shards=(Shard(0, 0, 6, 3), Shard(1, 0, 2, 1)), nranks=4)
-    chunks = bcast_schedule(plan, 4, root_of=[0, 0, 1, 1])
-    assert [(c.file, c.offset, c.length, c.root) for c in chunks] == [(0, 0, 4, 1), (0, 4, 2, 1), (1, 0, 2, 0)]
-    assert [c.root for c in bcast_schedule(plan, 4)] == [3, 3, 1]
+    slices = list(call_slices(length, limit)) if length // limit < 10_000 else []
+    if not slices:
+        return
+    assert slices[0][0] == 0 and slices[-1][1] == length
+    assert all(b - a <= limit for a, b in slices)
+    assert all(s[1] == t[0] for s, t in zip(slices, slices[1:], strict=False))

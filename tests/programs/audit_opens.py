@@ -13,7 +13,8 @@ import sys
 from typing import Any
 
 WATCH = os.path.realpath(os.environ["AZCP_AUDIT_WATCH"])
-RANK = os.environ.get("PMI_RANK", "0")
+# MPICH (hydra) sets PMI_RANK, Open MPI OMPI_COMM_WORLD_RANK, Slurm SLURM_PROCID.
+RANK = next((os.environ[k] for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID") if k in os.environ), "0")
 LOG = open(os.path.join(os.environ["AZCP_AUDIT_LOG"], f"rank-{RANK}.log"), "a", encoding="utf-8")  # noqa: SIM115
 
 

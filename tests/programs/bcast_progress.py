@@ -26,7 +26,7 @@ from azcp_cluster.desttree import DestTree
 from azcp_cluster.directio import DirectFile, DirectReader
 from azcp_cluster.localfs import temp_path
 from azcp_cluster.model import FileEntry
-from azcp_cluster.schedule import Chunk
+from azcp_cluster.schedule import Extent, Transfer
 
 CHUNK = 1 << 20
 
@@ -59,7 +59,9 @@ def main() -> int:
     DirectFile.write_at = writing  # type: ignore[method-assign]
     DirectReader.read_at = reading  # type: ignore[method-assign]
     files = [FileEntry(name="f.bin", path="f.bin", size=len(data))]
-    chunks = [Chunk(seq=i, file=0, offset=i * CHUNK, length=CHUNK, root=0, last_of_file=i == 2) for i in range(3)]
+    chunks = [
+        Transfer(i, 0, (), (Extent(0, i * CHUNK, CHUNK, 0, last_of_file=i == 2),), everyone=True) for i in range(3)
+    ]
     broadcaster = Broadcaster(MPI.COMM_WORLD, files, tree, CHUNK, pipeline=4, writers=1, source_of=lambda i: source)
     broadcaster.run(chunks)
     with open(temp_path(dest, "f.bin"), "rb") as fh:

@@ -1,0 +1,198 @@
+"""The streaming stage: download and fan-out at once, each transfer sent as soon as its bytes land.
+
+Roles (see ``docs/architecture.md``, "Streaming"):
+
+* a node's **leader** runs the fan-out on its main thread (:class:`Broadcaster`, the only
+  thread of the rank that makes MPI calls) and, when it downloads too, its own download
+  on a second thread (its event loop makes no MPI call: a failure elsewhere reaches it
+  through a flag the main thread sets);
+* a node's other **downloaders** download on their main thread and tell their leader,
+  one small message per ranged GET over the node's communicator, which blocks landed
+  (:class:`Notifier`), then one last message when they stop, whatever the reason;
+* the leader's :class:`LandingFeed` turns those notices (and its own thread's) into "the
+  bytes of transfer ``seq`` are on this node" for the state machine
+  (:class:`azcp_cluster.schedule.Landing` does the counting).
+
+Every rank derives the same blocks in the same order from the plan, so a notice is one
+integer: the block's index in its node's list.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from azcp_cluster.errors import AzcpError, InternalError
+from azcp_cluster.plan import Plan
+from azcp_cluster.schedule import Landing, Transfer
+
+# The tag of landing notices on a node's communicator.
+LANDED_TAG = 23
+# The notice a downloader sends last: it will send no more.
+END = -1
+
+
+@dataclass(frozen=True)
+class NodeBlocks:
+    """The ranged GETs of one node's downloaders: ``blocks`` in download order, and each one's slice."""
+
+    blocks: tuple[tuple[int, int, int], ...]  # (file, offset, length), node-wide index = position
+    of_rank: dict[int, tuple[int, ...]]  # downloader -> its block indices, in the order it fetches them
+
+
+def node_blocks(
+    schedule: Sequence[Transfer],
+    plan: Plan,
+    node: int,
+    downloaders: Sequence[int],
+    block_size: int,
+    cut: Callable[[Any, int], Sequence[Any]],
+) -> tuple[NodeBlocks, Landing]:
+    """The blocks of ``node``'s ``downloaders`` (world ranks) and when each of its transfers is ready.
+
+    ``cut`` is :func:`azcp_cluster.download.blocks_for` (shards into ranged GETs). Each
+    downloader fetches its blocks in the order the schedule needs them.
+    """
+    blocks: list[tuple[int, int, int]] = []
+    owner: list[int] = []
+    for rank in downloaders:
+        for block in cut(plan.owned_by(rank), block_size):
+            blocks.append((block.file, block.offset, block.length))
+            owner.append(rank)
+    landing = Landing(schedule, node, blocks)
+    order = landing.order()
+    of_rank: dict[int, list[int]] = {rank: [] for rank in downloaders}
+    for index in order:
+        of_rank[owner[index]].append(index)
+    return NodeBlocks(tuple(blocks), {r: tuple(v) for r, v in of_rank.items()}), landing
+
+
+class LandingFeed:
+    """A leader's view of what its node's downloads have landed (implements ``broadcast.Landed``).
+
+    ``group_comm`` is the node's communicator (the leader is its rank 0); ``others`` the
+    group ranks of the node's other downloaders. The leader's own download thread reports
+    through :meth:`local` (thread-safe); everything else runs on the main thread.
+    """
+
+    def __init__(self, landing: Landing, group_comm: Any, others: Sequence[int]) -> None:
+        self.landing = landing
+        self.comm = group_comm
+        self.others = set(others)
+        self.ended: set[int] = set()  # downloaders that sent END
+        self._local: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._ready: list[int] = landing.ready()
+        self._error: AzcpError | None = None
+
+    def local(self, index: int) -> None:
+        """From the leader's download thread: block ``index`` is on the disk."""
+        self._local.put(index)
+
+    def local_failed(self, error: AzcpError) -> None:
+        """From the leader's download thread: it failed."""
+        self._error = error
+
+    def waits(self, seq: int) -> bool:
+        """Whether transfer ``seq`` waits for downloaded bytes (once; later ones are reported by poll)."""
+        return self.landing.waits.get(seq, 0) > 0
+
+    def poll(self) -> list[int]:
+        """Transfers whose bytes have all landed since the last poll (never blocks)."""
+        ready, self._ready = self._ready, []
+        while True:
+            try:
+                index = self._local.get_nowait()
+            except queue.Empty:
+                break
+            ready += self.landing.landed(index)
+        while self.others - self.ended:
+            if not self.comm.iprobe(tag=LANDED_TAG):
+                break
+            ready += self._take(self.comm.recv(tag=LANDED_TAG))
+        return ready
+
+    def failed(self) -> AzcpError | None:
+        """The leader's own download error, if any."""
+        return self._error
+
+    def finish(self) -> None:
+        """Receive the notices still coming, up to every other downloader's END (the node's
+        communicator must be empty before it is freed or used again)."""
+        while self.others - self.ended:
+            self._take(self.comm.recv(tag=LANDED_TAG))
+
+    def _take(self, message: tuple[int, list[int]]) -> list[int]:
+        sender, indices = message
+        ready: list[int] = []
+        for index in indices:
+            if index == END:
+                self.ended.add(sender)
+            else:
+                ready += self.landing.landed(index)
+        return ready
+
+
+class Notifier:
+    """A node's downloader (not its leader): tells the leader which blocks have landed.
+
+    Called on the rank's main thread (its event loop), so it may use MPI. Notices are
+    non-blocking sends of a few bytes; :meth:`close` sends END and completes them all.
+    """
+
+    def __init__(self, group_comm: Any, node_index: dict[tuple[int, int], int]) -> None:
+        self.comm = group_comm
+        self.me = group_comm.Get_rank()
+        self.node_index = node_index  # (file, offset) -> the block's node-wide index
+        self._requests: list[Any] = []
+
+    def landed(self, file: int, offset: int) -> None:
+        """The block at ``(file, offset)`` is on the disk."""
+        self._send([self.node_index[(file, offset)]])
+
+    def close(self) -> None:
+        """The last notice: no more will come. Waits until every notice has been sent."""
+        self._send([END])
+        for request in self._requests:
+            request.wait()
+        self._requests = []
+
+    def _send(self, indices: list[int]) -> None:
+        self._requests.append(self.comm.isend((self.me, indices), dest=0, tag=LANDED_TAG))
+        # Completed sends are dropped as we go: a long download sends thousands.
+        if len(self._requests) > 64:
+            self._requests = [r for r in self._requests if not r.Test()]
+
+
+class DownloadThread:
+    """A leader's own download, on a thread of its own while the main thread runs the fan-out."""
+
+    def __init__(self, run: Callable[[], Any]) -> None:
+        self.stop = threading.Event()  # set by the main thread: the download's peer_failed
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._run = run
+        self._thread = threading.Thread(target=self._main, name="azcp-download", daemon=True)
+
+    def start(self) -> None:
+        """Start downloading."""
+        self._thread.start()
+
+    def wait(self) -> tuple[Any, BaseException | None]:
+        """Wait for the download to end: its result, and its error (None, PeerFailed when it was
+        stopped, or the download's own)."""
+        self._thread.join()
+        return self.result, self.error
+
+    def _main(self) -> None:
+        try:
+            self.result = self._run()
+        except AzcpError as exc:
+            self.error = exc
+        except BaseException as exc:  # handed to the main thread, which decides
+            self.error = exc if type(exc).__name__ == "PeerFailed" else InternalError(f"download failed: {exc!r}")
+
+
+__all__ = ["END", "LANDED_TAG", "DownloadThread", "LandingFeed", "NodeBlocks", "Notifier", "node_blocks"]
