@@ -18,9 +18,9 @@ from azcp_cluster.report import Report, check_json_path
 
 # The keyword options, by kind (the Config fields; sizes also accept "64MiB" strings).
 _SIZES = ("block_size", "bcast_chunk", "shard_size")
-_INTS = ("concurrency", "bcast_pipeline", "bcast_writers", "max_retries", *_SIZES)
+_INTS = ("concurrency", "bcast_pipeline", "bcast_writers", "max_retries", "source_readers", *_SIZES)
 _OPTIONAL_INTS = ("source_rank", "download_ranks")
-_BOOLS = ("bcast_direct", "dry_run", "progress")
+_BOOLS = ("bcast_direct", "dry_run", "progress", "overlap")
 _FLOATS = ("read_timeout", "connect_timeout")
 _OPTIONAL_FLOATS = ("lock_timeout",)
 _STRINGS = ("compare", "auth", "lock")

@@ -24,6 +24,7 @@ import hashlib
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from azcp_cluster.desttree import DestTree, source_opener
 from azcp_cluster.directio import ALIGN, DirectFile, DirectReader, Opener, aligned_buffer
 from azcp_cluster.errors import AzcpError, BroadcastError, InternalError, SourceError
 from azcp_cluster.fanout import Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
+from azcp_cluster.interrupts import shield
 from azcp_cluster.localfs import fs_error
 from azcp_cluster.localsource import local_etag
 from azcp_cluster.model import FileEntry
@@ -55,6 +57,7 @@ class BroadcastStats:
     sent_bytes: int = 0
     received_bytes: int = 0
     chunks: int = 0  # transfers this rank took part in
+    source_bytes: int = 0  # bytes read from a local SOURCE
     direct_refused: str = ""  # a path whose filesystem refused O_DIRECT, if any
 
 
@@ -99,6 +102,7 @@ class Broadcaster:
         source_of: Callable[[int], str | None] | None = None,
         stop_requested: Callable[[], AzcpError | None] = lambda: None,
         peer_failed: Callable[[], bool] = lambda: False,
+        announce: Callable[[], None] = lambda: None,
     ) -> None:
         if pipeline < 1 or writers < 1:
             raise ValueError("pipeline and writers must be at least 1")
@@ -121,6 +125,11 @@ class Broadcaster:
         # Streaming: another rank's failure (a downloader of this node, say) seen before the
         # next agreement, so a root stops waiting for bytes that will not come.
         self.peer_failed = peer_failed
+        # Called once when this rank fails: tells every other rank at once (the failure
+        # signal), so a root waiting for bytes from a download elsewhere, and the downloads
+        # themselves, stop before the next agreement.
+        self.announce = announce
+        self._announced = False
         self.stats = BroadcastStats()
         self.slots = [_Slot(slot_size) for _ in range(pipeline)]
         self.writer_count = writers
@@ -209,11 +218,13 @@ class Broadcaster:
                     self._retired(transfer)
                     todo.extend(machine.call_done())
                     continue
-                # Nothing to do until a thread, MPI or the download moves: wait on the
-                # threads' events, testing MPI (which moves only inside MPI calls) often.
-                nap = POLL_NAP if inflight else IDLE_NAP
+                # Nothing to do until a thread, MPI or the download moves: nap, then look
+                # again, testing MPI (which moves only inside MPI calls) often. A nap, not a
+                # timed wait on the events queue: a signal landing in that wait can hang it
+                # (see interrupts.shield).
+                time.sleep(POLL_NAP if inflight else IDLE_NAP)
                 try:
-                    event = self._events.get(timeout=nap)
+                    event = self._events.get_nowait()
                 except queue.Empty:
                     continue
                 todo.extend(self._event(machine, event))
@@ -252,6 +263,9 @@ class Broadcaster:
                 out.extend(machine.landed(seq))
             if not machine.failing and self.peer_failed():
                 out.extend(machine.failed(None))
+        if machine.error is not None and not self._announced:
+            self._announced = True
+            self.announce()
         return out
 
     def _event(self, machine: FanOut, event: tuple[str, int, AzcpError | None]) -> list[Instruction]:
@@ -284,6 +298,7 @@ class Broadcaster:
 
         A thread that died would leave its slot waiting forever, so nothing escapes.
         """
+        shield()
         while True:
             job = jobs.get()
             if job is None:
@@ -315,6 +330,8 @@ class Broadcaster:
                         self.changed.add(extent.file)  # changed since it was listed
                 reader, _, opened = current[0]
                 got = reader.read_at(slot.buffer[extent.at :], extent.length, extent.offset)
+                if outside:
+                    self.stats.source_bytes += got
                 if outside and extent.last_of_file and not _same_version(opened, os.fstat(reader.fd)):
                     self.changed.add(extent.file)  # written to while it was read
             except OSError as exc:

@@ -82,6 +82,7 @@ def _bytes_shown(n: int) -> str:
     text = shown(n)
     return f"{text} bytes" if text.lstrip("-").isdigit() else text
 
+
 # --auth: "auto" tries them in the documented order; any other forces that one.
 AUTH_METHODS = (
     "auto",

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from azcp_cluster.directio import Opener
 from azcp_cluster.errors import DiffError, LocalFSError
+from azcp_cluster.interrupts import shield
 from azcp_cluster.localfs import fs_error, preallocate, syncfs, temp_name, write_synced
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -370,7 +371,7 @@ class DestTree:
         elsewhere = [rel for rel in rels if self.made.get(rel, 0) >> 96 != root]
         if len(rels) - len(elsewhere) >= BULK_SYNC and self._syncfs():
             rels = elsewhere
-        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="azcp-sync") as pool:
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="azcp-sync", initializer=shield) as pool:
             list(pool.map(self.sync, rels))
 
     def _syncfs(self) -> bool:

@@ -28,6 +28,7 @@ from azcp_cluster.desttree import DestTree
 from azcp_cluster.directio import ALIGN, DirectFile, aligned_buffers
 from azcp_cluster.errors import DownloadError
 from azcp_cluster.http1 import Connection, Head, ProtocolError, request_bytes
+from azcp_cluster.interrupts import shield
 from azcp_cluster.localfs import fs_error
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import Shard, round_up
@@ -553,6 +554,7 @@ class WritePool:
             thread.join()
 
     def _loop(self) -> None:
+        shield()
         while True:
             job = self.jobs.get()
             if job is None:

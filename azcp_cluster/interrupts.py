@@ -30,6 +30,20 @@ HANDLED = (signal.SIGINT, signal.SIGTERM)
 _ERRORS: dict[int, type[Interrupted]] = {signal.SIGINT: SigintError, signal.SIGTERM: SigtermError}
 
 
+def shield() -> None:
+    """Block SIGINT and SIGTERM in the calling worker thread (no-op on the main thread).
+
+    The kernel then delivers them to the main thread, where Python runs the handler anyway.
+    A worker blocked in ``queue.SimpleQueue.get`` that a signal interrupts could otherwise
+    hang or wake wrongly (CPython 3.11's SimpleQueue treats an interrupted wait as a taken
+    lock); so could the main thread in a timed ``SimpleQueue.get``, which is why the
+    broadcast's MPI thread naps and polls instead. Every thread the tool starts calls this
+    first (or is started with it as the pool's initializer).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+
+
 def signal_error(signum: int, rank: int | None = None) -> Interrupted:
     """The error that reports ``signum`` (SIGINT: exit 130, SIGTERM: exit 143)."""
     cls = _ERRORS.get(signum, SigintError)

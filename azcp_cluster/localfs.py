@@ -156,6 +156,8 @@ def syncfs(fd: int) -> bool:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
     return True
+
+
 # The filesystem cannot preallocate: the file is extended (sparse) instead.
 _NO_PREALLOCATION = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
 

@@ -21,6 +21,7 @@ import numpy as np
 from azcp_cluster.desttree import DestTree
 from azcp_cluster.directio import DirectReader, Opener, aligned_buffer
 from azcp_cluster.errors import DiffError
+from azcp_cluster.interrupts import shield
 from azcp_cluster.model import FileEntry
 from azcp_cluster.naming import MANIFEST_NAME
 
@@ -99,7 +100,7 @@ def hash_files(digest: Callable[[int], str], indices: list[int], threads: int = 
     Interrupted (a signal, an error), it drops the files not started yet instead of hashing
     them all before the exception goes on.
     """
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="azcp-md5")
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="azcp-md5", initializer=shield)
     try:
         return list(pool.map(digest, indices))
     except BaseException:

@@ -37,6 +37,7 @@ from azcp_cluster.errors import (
     UsageError,
     VerifyError,
 )
+from azcp_cluster.interrupts import shield
 from azcp_cluster.localfs import check_space, ensure_dest, expand_dest, free_bytes
 from azcp_cluster.localsource import check_overlap, list_local, restat, source_file
 from azcp_cluster.model import Listing, decode_listing, encode_listing
@@ -45,7 +46,7 @@ from azcp_cluster.progress import Progress, wants_progress
 from azcp_cluster.report import Report, StageFigures, report_lines
 from azcp_cluster.schedule import Transfer, files_written, transfer_schedule
 from azcp_cluster.source import is_url, parse_blob_url
-from azcp_cluster.topology import Topology, group_ranks
+from azcp_cluster.topology import Topology, choose_readers, group_ranks
 
 if TYPE_CHECKING:
     from azcp_cluster.credentials import Authorizer
@@ -163,6 +164,7 @@ class _Run:
         self.topo = Topology(group_of=(0,), leaders=(0,), downloaders=(0,), hosts=1)
         self.leader = True
         self.reader = 0  # lists the source (and reads it, when it is local)
+        self.readers: list[int] = []  # a local SOURCE: every rank that reads it (--source-readers)
         self.node_comm: Any = None  # the leaders' communicator, for the broadcast
         self.group_comm: Any = None  # this node's ranks, its leader as rank 0
         # Filled in by the stages, in order: list, diff, bcast.
@@ -202,7 +204,7 @@ class _Run:
         listing = self.list_stage(auth)
         transfer, holders = self.diff(listing)
         topo = self.topo
-        owners = [self.reader] if self.local else list(topo.downloaders)
+        owners = list(self.readers) if self.local else list(topo.downloaders)
         plan = plan_transfers(
             [f.size for f in listing.files], holders, topo.size, self.cfg.shard_size, owners=owners, copies=topo.groups
         )
@@ -267,11 +269,18 @@ class _Run:
         outcome = StageOutcome()
         with cluster.stage(outcome):
             if self.local:
-                self.reader = choose_reader([st["sees"] for st in result.stats], cfg.source_rank, cfg.source)
+                sees_all = [st["sees"] for st in result.stats]
+                if cfg.source_readers > 1:
+                    self.readers = choose_readers(sees_all, places, cfg.source_readers)
+                    self.reader = self.readers[0]
+                else:
+                    self.reader = choose_reader(sees_all, cfg.source_rank, cfg.source)
+                    self.readers = [self.reader]
             self.topo = group_ranks(
                 places,
                 preferred_leader=self.reader if self.local else None,
                 download_ranks=cfg.download_ranks,
+                readers=self.readers,
             )
             self.leader = self.topo.is_leader(self.rank)
             if self.local:  # on every rank: each knows only its own DEST
@@ -295,6 +304,7 @@ class _Run:
         report.writers = topo.groups
         report.download_ranks = 0 if self.local else len(topo.downloaders)
         report.source_rank = self.reader if self.local else None
+        report.source_readers = list(self.readers)
         return auth
 
     def lock_dest(self, t0: float) -> None:
@@ -497,7 +507,7 @@ class _Run:
             direct=self.cfg.bcast_direct,
             have=self.have.tolist(),
             verify=bool(self.cfg.verify),
-            source_of=self.read_from_source(listing) if self.rank == self.reader and self.local else None,
+            source_of=self.read_from_source(listing) if self.rank in self.readers and self.local else None,
             stop_requested=self.cluster.interrupted,
         )
 
@@ -633,6 +643,8 @@ class _Run:
                     thread.start()
                 assert broadcaster is not None
                 broadcaster.on_bytes = progress.add
+                broadcaster.announce = lambda: cluster.signal_failure(outcome)
+                broadcaster.peer_failed = cluster.peer_failed
                 failure: BaseException | None = None
                 try:
                     bstats = broadcaster.run(schedule, landed=feed)
@@ -699,12 +711,20 @@ class _Run:
                 broadcaster.on_bytes = progress.add
                 stats = broadcaster.run(schedule)
                 self.streamed_md5.update(broadcaster.digests)
-                outcome.stats = {"refused": stats.direct_refused, "changed": sorted(broadcaster.changed)}
+                outcome.stats = {
+                    "refused": stats.direct_refused,
+                    "changed": sorted(broadcaster.changed),
+                    "source_bytes": stats.source_bytes,
+                }
         progress.close()
         self.explain_space(outcome)
         result = cluster.conclude(t0, outcome)
         self.report.broadcast_bytes += total
         self.warn_direct(result.stats)
+        if self.local:
+            read = [int(st.get("source_bytes", 0)) for st in result.stats]
+            before = self.report.source_bytes_by_rank or [0] * len(read)
+            self.report.source_bytes_by_rank = [a + b for a, b in zip(before, read, strict=True)]
         figures = self.report.stages["bcast"]  # a second round (read_again) adds to the first
         figures.seconds += result.seconds
         figures.bytes += total
@@ -803,7 +823,7 @@ class _Run:
             if self.leader and transfer:
                 tree = self.dest_tree()
                 paths = [listing.files[i].path for i in self.missing_here(transfer)]
-                with ThreadPoolExecutor(max_workers=8, thread_name_prefix="azcp-fin") as pool:
+                with ThreadPoolExecutor(max_workers=8, thread_name_prefix="azcp-fin", initializer=shield) as pool:
                     list(pool.map(tree.rename, paths))
                 tree.sync_dirs(paths)
             # ru_maxrss is in KiB on Linux: the rank's peak resident memory of the whole run.

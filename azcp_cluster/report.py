@@ -59,7 +59,9 @@ class Report:
     nodes: int = 0  # distinct hosts
     writers: int = 0  # copies written: one leader rank per (host, DEST)
     download_ranks: int = 0  # ranks that fetched from Azure (0 for a local SOURCE)
-    source_rank: int | None = None  # the rank that read a local SOURCE
+    source_rank: int | None = None  # the rank that read a local SOURCE (the first, with --source-readers)
+    source_readers: list[int] = field(default_factory=list)  # every rank that read it
+    source_bytes_by_rank: list[int] = field(default_factory=list)  # bytes each rank read from it
     files: int = 0
     bytes: int = 0
     skipped_files: int = 0
@@ -134,7 +136,9 @@ def report_lines(report: Report) -> list[str]:
         f"[cluster] {report.nodes} node{_s(report.nodes)}, {report.ranks} rank{_s(report.ranks)}, "
         f"{report.writers} writer{_s(report.writers)}, "
         + (
-            f"source read by rank {report.source_rank}"
+            f"source read by ranks {', '.join(map(str, report.source_readers))}"
+            if len(report.source_readers) > 1
+            else f"source read by rank {report.source_rank}"
             if report.source_rank is not None
             else f"{report.download_ranks} downloading"
         ),

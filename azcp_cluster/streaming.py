@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from azcp_cluster.errors import AzcpError, InternalError
+from azcp_cluster.interrupts import shield
 from azcp_cluster.plan import Plan
 from azcp_cluster.schedule import Landing, Transfer
 
@@ -187,6 +188,7 @@ class DownloadThread:
         return self.result, self.error
 
     def _main(self) -> None:
+        shield()
         try:
             self.result = self._run()
         except AzcpError as exc:

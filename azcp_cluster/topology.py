@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from azcp_cluster.errors import UsageError
+from azcp_cluster.errors import TopologyError, UsageError
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,14 @@ def group_ranks(
     *,
     preferred_leader: int | None = None,
     download_ranks: int | None = None,
+    readers: Sequence[int] = (),
 ) -> Topology:
     """Group ranks by ``(host, real DEST)`` and choose the leaders and the downloaders.
 
     ``places[r]`` is rank ``r``'s host name and resolved DEST. The leader of a group is its
     lowest rank, except that ``preferred_leader`` (the rank that reads a local source)
-    leads its own group: only it may open the source, and the reader must broadcast.
+    leads its own group: only it may open the source, and the reader must broadcast. So
+    does each of ``readers`` (``--source-readers``: one per group, see :func:`choose_readers`).
 
     ``download_ranks`` (default: all) limits the downloaders; they are taken round-robin
     over the groups (every group's first rank, then every group's second, ...) so the
@@ -78,8 +80,8 @@ def group_ranks(
     for rank, group in enumerate(group_of):
         members[group].append(rank)
     leaders = [m[0] for m in members]
-    if preferred_leader is not None:
-        leaders[group_of[preferred_leader]] = preferred_leader
+    for reader in (*readers, *(() if preferred_leader is None else (preferred_leader,))):
+        leaders[group_of[reader]] = reader
     # Round-robin over groups, each group's leader first.
     ordered = [[leaders[g], *(r for r in members[g] if r != leaders[g])] for g in range(len(members))]
     round_robin = [m[depth] for depth in range(max(len(m) for m in ordered)) for m in ordered if depth < len(m)]
@@ -89,4 +91,23 @@ def group_ranks(
         leaders=tuple(leaders),
         downloaders=tuple(sorted(chosen)),
         hosts=len({host for host, _ in places}),
+    )
+
+
+def choose_readers(sees: Sequence[bool], places: Sequence[tuple[str, str]], count: int) -> list[int]:
+    """``--source-readers``: the lowest rank that sees SOURCE on each of the first ``count`` nodes
+    (``places``, as for :func:`group_ranks`) that see it, ascending."""
+    chosen: list[int] = []
+    nodes: set[tuple[str, str]] = set()
+    for rank, seen in enumerate(sees):
+        place = (places[rank][0], places[rank][1])
+        if seen and place not in nodes:
+            nodes.add(place)
+            chosen.append(rank)
+            if len(chosen) == count:
+                return chosen
+    if not chosen:
+        raise UsageError("SOURCE is neither a blob URL nor a path that exists on any rank")
+    raise TopologyError(
+        f"--source-readers {count}: only {len(chosen)} node(s) see SOURCE (ranks {', '.join(map(str, chosen))})"
     )

@@ -15,7 +15,19 @@ import pytest
 PACKAGE = "azcp_cluster"
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
 
-PURE_MODULES = ("plan", "schedule", "fanout", "naming", "source", "config", "model", "retry", "errors", "topology", "throttle")
+PURE_MODULES = (
+    "plan",
+    "schedule",
+    "fanout",
+    "naming",
+    "source",
+    "config",
+    "model",
+    "retry",
+    "errors",
+    "topology",
+    "throttle",
+)
 FORBIDDEN = frozenset(
     {"azure", "aiohttp", "mpi4py", "os", "io", "shutil", "socket", "mmap", "pathlib", "asyncio", "importlib"}
 )

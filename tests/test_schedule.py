@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import defaultdict
 
@@ -83,7 +84,11 @@ def test_receivers_subset_is_a_point_to_point_transfer() -> None:
     plan = make_plan([10, 10], range(2), 1, 1 << 30)
     schedule = transfer_schedule(plan, 100, 3, receivers_of=lambda file, root: (2,) if file else (1, 2))
     assert [(t.receivers, t.everyone) for t in schedule] == [((1, 2), True), ((2,), False)]
-    assert files_written(schedule, 1) == {0} and files_written(schedule, 2) == {0, 1} and files_written(schedule, 0) == {0, 1}
+    assert (
+        files_written(schedule, 1) == {0}
+        and files_written(schedule, 2) == {0, 1}
+        and files_written(schedule, 0) == {0, 1}
+    )
 
 
 @st.composite
@@ -121,7 +126,7 @@ def test_schedule_properties(args: tuple[Plan, list[int], int, int, list[int], b
         assert list(t.receivers) == sorted(set(t.receivers))
         assert t.everyone == (len(t.receivers) == groups - 1)
         spans = sorted((e.at, e.at + e.length) for e in t.extents)
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # extents never overlap in the slot
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # extents never overlap in the slot
         assert len(t.extents) <= MAX_EXTENTS
         for e in t.extents:
             assert e.length > 0
@@ -186,7 +191,7 @@ def test_packing_is_tight() -> None:
     slot = 1 << 20
     schedule = transfer_schedule(plan, slot, 2)
     assert sum(t.length for t in schedule) == sum(sizes)  # small files: no padding at all
-    for t, following in zip(schedule, schedule[1:], strict=False):
+    for t, following in itertools.pairwise(schedule):
         assert t.length + following.extents[0].length > slot or len(t.extents) == MAX_EXTENTS
     assert len(schedule) <= sum(sizes) // slot + 2
 
@@ -229,7 +234,11 @@ def test_landing_readiness(args: tuple[list[Transfer], list[tuple[int, int, int]
             transfer = schedule[seq]
             for extent in transfer.extents:
                 for b, (file, offset, length) in enumerate(blocks):
-                    if file == extent.file and offset < extent.offset + extent.length and extent.offset < offset + length:
+                    if (
+                        file == extent.file
+                        and offset < extent.offset + extent.length
+                        and extent.offset < offset + length
+                    ):
                         assert b in arrived
             ready.append(seq)
     assert sorted(ready) == sorted(mine)
@@ -269,4 +278,4 @@ def test_call_slices_cover_the_length(length: int, limit: int) -> None:
         return
     assert slices[0][0] == 0 and slices[-1][1] == length
     assert all(b - a <= limit for a, b in slices)
-    assert all(s[1] == t[0] for s, t in zip(slices, slices[1:], strict=False))
+    assert all(s[1] == t[0] for s, t in itertools.pairwise(slices))

@@ -90,6 +90,44 @@ def test_only_the_reader_opens_the_source(
     assert f"os.scandir {os.path.realpath(root)}" in opened[reader]
 
 
+def test_two_source_readers_on_three_nodes_read_half_each_and_nobody_else_opens_it(
+    source_tree: tuple[Path, dict[str, bytes]], tmp_path: Path
+) -> None:
+    """--source-readers 2: the lowest rank of each of the first two nodes reads a balanced,
+    disjoint part (LPT over files and 256 KiB shards), each the root of its own transfers."""
+    root, tree = source_tree
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    result = run_cli(
+        [str(root), str(tmp_path / "d" / "{rank}"), "--bcast-chunk", "1MiB", "--shard-size", "256KiB",
+         "--source-readers", "2", "--no-progress"],  # fmt: skip
+        n=3,
+        env={"AZCP_AUDIT_WATCH": str(root), "AZCP_AUDIT_LOG": str(logs)},
+        program=AUDIT,
+        json_path=tmp_path / "r.json",
+    )
+    assert result.returncode == 0, result.output
+    assert_copies(tmp_path / "d", tree, ranks=3)
+    assert "source read by ranks 0, 1" in result.stdout
+    opened = {r: (logs / f"rank-{r}.log").read_text() if (logs / f"rank-{r}.log").exists() else "" for r in range(3)}
+    assert opened[2] == "", opened[2]
+    assert all("open " in opened[r] for r in (0, 1)), opened
+    assert result.json is not None and result.json["source_readers"] == [0, 1]
+    read = result.json["source_bytes_by_rank"]
+    total = sum(len(data) for data in tree.values())
+    assert read[2] == 0 and read[0] + read[1] == total  # disjoint: every byte read once
+    assert all(abs(read[r] - total / 2) <= 0.1 * total / 2 for r in (0, 1)), read
+
+
+def test_source_readers_need_as_many_nodes_that_see_it(
+    source_tree: tuple[Path, dict[str, bytes]], tmp_path: Path
+) -> None:
+    root, _ = source_tree
+    result = run_cli([str(root), str(tmp_path / "one"), "--source-readers", "2", "--no-progress"], n=2)
+    assert result.returncode == 2, result.output
+    assert "--source-readers 2: only 1 node(s) see SOURCE" in result.stderr
+
+
 def test_one_node_without_placeholder_has_one_writer(
     source_tree: tuple[Path, dict[str, bytes]], tmp_path: Path
 ) -> None:

@@ -1,0 +1,154 @@
+"""The streaming stage (download and fan-out at once) and the schedule as the engine's seam.
+
+Real Azurite, real `mpiexec`: streaming and two-phase copies are identical; a node whose
+other ranks download tells its leader what landed; a transfer goes out before the last
+block of the download has landed; a failure of a non-leader downloader in the middle of
+the stage ends every rank with its error and nothing under a final name; a schedule whose
+receivers are a subset runs through the real engine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from azcp_cluster.config import MiB
+from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
+from tests.conftest import REPO, assert_copies, clean_env, mpiexec_path, run_cli, tree_of
+
+# Large files cut into several transfers, small ones packed, one empty, nested paths.
+SIZES = {
+    "big.bin": 9 * MiB + 7,
+    "mid/a.bin": 3 * MiB,
+    "mid/b.bin": 2 * MiB - 1,
+    "empty.bin": 0,
+    **{f"small/s{i:03d}.txt": 37 * i + 1 for i in range(60)},
+}
+OPTIONS = ["--block-size", "1MiB", "--bcast-chunk", "2MiB", "--shard-size", "4MiB", "--no-progress"]
+TIMELINE = REPO / "tests" / "programs" / "stream_timeline.py"
+SUBSET = REPO / "tests" / "programs" / "subset_schedule.py"
+
+
+def _dataset(emulator: azurite.Emulator) -> tuple[str, dict[str, bytes]]:
+    container = "s" + uuid.uuid4().hex[:20]
+    files = {path: pseudo_random(size, f"{container}/{path}") for path, size in SIZES.items()}
+    azurite.upload(emulator, container, {f"d/{path}": data for path, data in files.items()})
+    return container, files
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_streaming_and_two_phase_copies_are_identical(
+    emulator: azurite.Emulator, tmp_path: Path, overlap: bool
+) -> None:
+    container, files = _dataset(emulator)
+    extra = [] if overlap else ["--no-overlap"]
+    result = run_cli(
+        [emulator.url(container, "d"), str(tmp_path / "n" / "{rank}"), *OPTIONS, *extra],
+        env=emulator.key_env(),
+        json_path=tmp_path / "report.json",
+    )
+    assert result.returncode == 0, result.output
+    assert_copies(tmp_path / "n", files)
+    assert result.json is not None and result.json["overlap"] is overlap
+    assert result.json["downloaded_bytes"] == sum(SIZES.values())  # each byte left the service once
+    stages = result.json["stages"]
+    if overlap:
+        # Reported as both stages: the download inside the whole streamed stage.
+        assert 0 < stages["download"]["seconds"] <= stages["bcast"]["seconds"]
+
+
+def test_a_node_whose_other_ranks_download_streams_what_they_land(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    """Four ranks, two nodes (DEST per rank pair): each leader sends what its node's other
+    downloader fetched, told block by block."""
+    container, files = _dataset(emulator)
+    result = run_cli(
+        [emulator.url(container, "d"), str(tmp_path / "n" / "{rank}"), *OPTIONS],
+        env={**emulator.key_env(), "AZCP_TEST_PAIR_DEST": "1"},
+        json_path=tmp_path / "report.json",
+        program=[str(TIMELINE), str(tmp_path / "log")],
+    )
+    assert result.returncode == 0, result.output
+    assert result.json is not None and result.json["writers"] == 2 and result.json["download_ranks"] == 4
+    for pair in (0, 2):
+        assert tree_of(tmp_path / "n" / str(pair)) == files
+    assert not (tmp_path / "n" / "1").exists() and not (tmp_path / "n" / "3").exists()
+
+
+def test_a_transfer_goes_out_before_the_download_ends(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    """With the download paced (2 ranks, 8 MiB/s in all), each leader posts its first
+    transfer long before its last block lands; two-phase, never."""
+    container, files = _dataset(emulator)
+    for overlap in (True, False):
+        log = tmp_path / f"log-{overlap}"
+        result = run_cli(
+            [
+                emulator.url(container, "d"),
+                str(tmp_path / f"n-{overlap}" / "{rank}"),
+                *OPTIONS,
+                "--max-bandwidth",
+                "8MiB/s",
+                *([] if overlap else ["--no-overlap"]),
+            ],
+            n=2,
+            env=emulator.key_env(),
+            program=[str(TIMELINE), str(log)],
+        )
+        assert result.returncode == 0, result.output
+        assert_copies(tmp_path / f"n-{overlap}", files, ranks=2)
+        for rank in range(2):
+            events = [json.loads(line) for line in (log / f"rank-{rank}.log").read_text().splitlines()]
+            posts = [e["t"] for e in events if e["what"] == "post"]
+            landed = [e["t"] for e in events if e["what"] == "landed"]
+            assert posts and landed
+            if overlap:
+                assert min(posts) < max(landed) - 0.3, (rank, min(posts), max(landed))
+            else:
+                assert min(posts) > max(landed)
+
+
+def test_a_failed_downloader_that_is_not_a_leader_ends_every_rank(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    """One node of four ranks (one copy): rank 0 fans out what ranks 1 to 3 download. A blob
+    that always fails (HTTP 500, no retries) ends every rank with one error naming it, and
+    nothing under a final name is wrong."""
+    container, files = _dataset(emulator)
+    victim = "mid/a.bin"
+    with FaultProxy(emulator, [Rule("500", blob=f"d/{victim}", times=1000)]) as proxy:
+        result = run_cli(
+            [proxy.url(container, "d"), str(tmp_path / "one"), *OPTIONS, "--max-retries", "0"],
+            env=emulator.key_env(),
+            json_path=tmp_path / "report.json",
+        )
+    assert result.returncode == 5, result.output  # a download error
+    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    assert len(errors) == 1 and victim in errors[0], result.stderr
+    assert "Traceback" not in result.output
+    got = tree_of(tmp_path / "one")
+    assert victim not in got
+    for path, data in got.items():
+        if not path.endswith(".azcp-part"):
+            assert data == files[path], path
+
+
+def test_a_schedule_with_a_subset_of_receivers_runs_through_the_engine(tmp_path: Path) -> None:
+    proc = __import__("subprocess").run(
+        [mpiexec_path(), "-n", "3", sys.executable, str(SUBSET), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(),
+        stdin=__import__("subprocess").DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = {d["rank"]: d for d in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    assert lines[0]["have"] == {"0": True, "1": True, "2": True}  # the reader's own copy
+    assert lines[1]["have"] == {"0": True, "2": True}  # file 1 never reached rank 1
+    assert lines[2]["have"] == {"1": True, "2": True}  # file 0 never reached rank 2
+    assert lines[0]["p2p"] > 0  # the subset transfers are point to point
+    # Only files whose every byte passed a rank are hashed in flight there.
+    assert lines[1]["digests"] == [0, 2] and lines[2]["digests"] == [1, 2]
