@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from azcp_cluster.cluster import PeerFailed
-from azcp_cluster.desttree import DestTree, source_opener
+from azcp_cluster.desttree import DestTree, source_opener, split
 from azcp_cluster.directio import ALIGN, DirectFile, DirectReader, Opener, aligned_buffer
 from azcp_cluster.errors import AzcpError, BroadcastError, InternalError, SourceError
 from azcp_cluster.fanout import Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
 from azcp_cluster.interrupts import shield
-from azcp_cluster.localfs import fs_error
+from azcp_cluster.localfs import fs_error, pwritev_all
 from azcp_cluster.localsource import local_etag
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import round_up
@@ -103,6 +103,7 @@ class Broadcaster:
         stop_requested: Callable[[], AzcpError | None] = lambda: None,
         peer_failed: Callable[[], bool] = lambda: False,
         announce: Callable[[], None] = lambda: None,
+        made_on_arrival: set[int] | None = None,
     ) -> None:
         if pipeline < 1 or writers < 1:
             raise ValueError("pipeline and writers must be at least 1")
@@ -130,6 +131,9 @@ class Broadcaster:
         # themselves, stop before the next agreement.
         self.announce = announce
         self._announced = False
+        # Small files whose temporary name the writer creates as their bytes arrive
+        # (DestTree.prepare_all deferred them): always packed, never O_DIRECT.
+        self.made_on_arrival = made_on_arrival if made_on_arrival is not None else set()
         self.stats = BroadcastStats()
         self.slots = [_Slot(slot_size) for _ in range(pipeline)]
         self.writer_count = writers
@@ -389,26 +393,62 @@ class Broadcaster:
             return
 
     def _writer(self, jobs: queue.SimpleQueue[Write | None]) -> None:
-        def write(job: Write) -> None:
-            buffer = self.slots[job.slot].buffer
-            for extent in job.extents:
-                rel = self.files[extent.file].path
-                shown = self.tree.temp_shown(rel)
+        def write_extent(extent: Extent, buffer: Any, dfd: int | None) -> None:
+            rel = self.files[extent.file].path
+            shown = self.tree.temp_shown(rel)
+            if dfd is not None and extent.file in self.made_on_arrival:
+                fd = self.tree.create_at(dfd, rel)
                 try:
-                    target = DirectFile(
-                        shown, direct=self.direct and extent.direct, opener=self.tree.opener(rel, temp=True)
-                    )
-                    try:
-                        target.write_at(buffer[extent.at : extent.at + extent.length], extent.offset)
-                    finally:
-                        if target.refused:
-                            self.stats.direct_refused = target.path
-                        target.close()
+                    pwritev_all(fd, [memoryview(buffer[extent.at : extent.at + extent.length])], extent.offset)
                 except OSError as exc:
                     raise fs_error(exc, shown, "write") from None
+                finally:
+                    os.close(fd)
+                return
+            try:
+                target = DirectFile(
+                    shown, direct=self.direct and extent.direct, opener=self.tree.opener(rel, temp=True, dfd=dfd)
+                )
+                try:
+                    target.write_at(buffer[extent.at : extent.at + extent.length], extent.offset)
+                finally:
+                    if target.refused:
+                        self.stats.direct_refused = target.path
+                    target.close()
+            except OSError as exc:
+                raise fs_error(exc, shown, "write") from None
+
+        def write(job: Write) -> None:
+            buffer = self.slots[job.slot].buffer
+            # Small files packed in one slot lie mostly in a few directories: each run of
+            # extents in one directory walks to it once (a large extent walks on its own).
+            for folder, extents in self._by_directory(job.extents):
+                if folder is None:
+                    write_extent(extents[0], buffer, None)
+                    continue
+                try:
+                    with self.tree.directory(folder) as dfd:
+                        for extent in extents:
+                            write_extent(extent, buffer, dfd)
+                except OSError as exc:
+                    raise fs_error(exc, self.tree.shown("/".join(folder)), "write") from None
             self.stats.received_bytes += sum(e.length for e in job.extents)
 
         self._serve(jobs, write, "write", "writer")
+
+    def _by_directory(self, extents: Sequence[Extent]) -> list[tuple[list[str] | None, list[Extent]]]:
+        """Consecutive runs of small extents in one directory; a direct (large) extent alone, with None."""
+        runs: list[tuple[list[str] | None, list[Extent]]] = []
+        for extent in extents:
+            if extent.direct:
+                runs.append((None, [extent]))
+                continue
+            folder = split(self.files[extent.file].path)[0]
+            if runs and runs[-1][0] == folder:
+                runs[-1][1].append(extent)
+            else:
+                runs.append((folder, [extent]))
+        return runs
 
     def _hasher(self, jobs: queue.SimpleQueue[Hash | None]) -> None:
         # One thread, fed in schedule order: each hashed file's extents arrive in offset order.

@@ -15,15 +15,14 @@ import socket
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
 from azcp_cluster import manifest
 from azcp_cluster.broadcast import Broadcaster
-from azcp_cluster.cluster import Cluster, StageOutcome, StageResult, error_from_payload, error_payload
+from azcp_cluster.cluster import Cluster, PeerFailed, StageOutcome, StageResult, error_from_payload, error_payload
 from azcp_cluster.config import Config, format_bytes, json_inside_dest
 from azcp_cluster.destlock import DestLock, lock_backoff
 from azcp_cluster.desttree import DestTree
@@ -37,14 +36,13 @@ from azcp_cluster.errors import (
     UsageError,
     VerifyError,
 )
-from azcp_cluster.interrupts import shield
 from azcp_cluster.localfs import check_space, ensure_dest, expand_dest, free_bytes
 from azcp_cluster.localsource import check_overlap, list_local, restat, source_file
 from azcp_cluster.model import Listing, decode_listing, encode_listing
 from azcp_cluster.plan import Plan, plan_transfers
 from azcp_cluster.progress import Progress, wants_progress
 from azcp_cluster.report import Report, StageFigures, report_lines
-from azcp_cluster.schedule import Transfer, files_written, transfer_schedule
+from azcp_cluster.schedule import DIRECT_MIN, Transfer, files_written, transfer_schedule
 from azcp_cluster.source import is_url, parse_blob_url
 from azcp_cluster.topology import Topology, choose_readers, group_ranks
 
@@ -475,8 +473,9 @@ class _Run:
                 missing = self.missing_here(transfer)
                 # Checked before anything is written, where the sizes are known.
                 self.bytes_to_write = sum(listing.files[i].size for i in missing)
-                self.prepare_files(listing, missing)
-                broadcaster = self.broadcaster(listing, schedule)
+                later = self.made_on_arrival(plan, missing)
+                self.prepare_files(listing, missing, later)
+                broadcaster = self.broadcaster(listing, schedule, later)
         self.explain_space(outcome)  # the files' blocks are reserved here: a full disk shows here first
         cluster.conclude(cluster.clock(), outcome)
         if not self.local and any(not self.topo.is_leader(r) for r in self.topo.downloaders):
@@ -486,14 +485,27 @@ class _Run:
                 self.dest_tree().adopt(made or {})  # DEST exists now: its leader made it
         return broadcaster
 
-    def prepare_files(self, listing: Listing, indices: list[int]) -> None:
-        """Leaders: check the space, then make the temporary files of ``indices`` anew at full size."""
+    def prepare_files(self, listing: Listing, indices: list[int], later: Sequence[int] = ()) -> None:
+        """Leaders: check the space, then make the temporary files of ``indices`` anew at full size
+        (those in ``later`` are made by the broadcast's writers, see DestTree.prepare_all)."""
         tree = self.dest_tree()
         entries = [(listing.files[i].path, listing.files[i].size) for i in indices]
         check_space(self.dest, tree.space_needed(entries))
-        tree.prepare_all(entries)
+        tree.prepare_all(entries, later=[listing.files[i].path for i in later])
 
-    def broadcaster(self, listing: Listing, schedule: list[Transfer]) -> Broadcaster | None:
+    def made_on_arrival(self, plan: Plan, missing: list[int]) -> list[int]:
+        """The small files this node only receives (no rank of the node downloads into them):
+        their writer creates them when their bytes arrive, one open each instead of two."""
+        group = self.topo.group_of[self.rank]
+        # A local SOURCE's plan names its readers as owners: they read it, nobody downloads.
+        downloaded = (
+            set()
+            if self.local
+            else {s.file for s in plan.shards if not s.peer and self.topo.group_of[s.owner] == group}
+        )
+        return [i for i in missing if 0 < self.sizes[i] < DIRECT_MIN and i not in downloaded]
+
+    def broadcaster(self, listing: Listing, schedule: list[Transfer], later: Sequence[int] = ()) -> Broadcaster | None:
         """Leaders: the broadcast engine for ``schedule``, its slots mapped now."""
         if not schedule:
             return None
@@ -509,6 +521,7 @@ class _Run:
             verify=bool(self.cfg.verify),
             source_of=self.read_from_source(listing) if self.rank in self.readers and self.local else None,
             stop_requested=self.cluster.interrupted,
+            made_on_arrival=set(later),
         )
 
     def read_from_source(self, listing: Listing) -> Callable[[int], str | None]:
@@ -648,6 +661,15 @@ class _Run:
                 failure: BaseException | None = None
                 try:
                     bstats = broadcaster.run(schedule, landed=feed)
+                except PeerFailed:
+                    if thread is not None:
+                        thread.stop.set()
+                        dstats, failure = thread.wait()
+                        thread = None
+                        if isinstance(failure, AzcpError):
+                            # This rank's own download failed as well: its error, not the peer's.
+                            raise failure from None
+                    raise
                 finally:
                     if thread is not None:
                         if bstats is None:
@@ -823,8 +845,7 @@ class _Run:
             if self.leader and transfer:
                 tree = self.dest_tree()
                 paths = [listing.files[i].path for i in self.missing_here(transfer)]
-                with ThreadPoolExecutor(max_workers=8, thread_name_prefix="azcp-fin", initializer=shield) as pool:
-                    list(pool.map(tree.rename, paths))
+                tree.rename_all(paths)  # each directory walked once, 8 directories at a time
                 tree.sync_dirs(paths)
             # ru_maxrss is in KiB on Linux: the rank's peak resident memory of the whole run.
             outcome.stats = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -903,7 +924,11 @@ class _Run:
         cluster = self.cluster
         outcome = StageOutcome()
         files = listing.files
-        indices = range(len(files)) if self.cfg.compare in ("etag", "md5") else transfer
+        # Only what this node has now: a file the schedule did not bring here (a subset of
+        # receivers) is not in its DEST.
+        written = set(self.missing_here(transfer))
+        copied = [i for i in transfer if i in written or self.have[i]]
+        indices = range(len(files)) if self.cfg.compare in ("etag", "md5") else copied
         # A file without a Content-MD5 (a local SOURCE, a blob uploaded without one) is
         # recorded with the MD5 --verify found on every copy: --compare md5 can use it next time.
         known = [

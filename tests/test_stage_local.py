@@ -99,8 +99,17 @@ def test_two_source_readers_on_three_nodes_read_half_each_and_nobody_else_opens_
     logs = tmp_path / "logs"
     logs.mkdir()
     result = run_cli(
-        [str(root), str(tmp_path / "d" / "{rank}"), "--bcast-chunk", "1MiB", "--shard-size", "256KiB",
-         "--source-readers", "2", "--no-progress"],  # fmt: skip
+        [
+            str(root),
+            str(tmp_path / "d" / "{rank}"),
+            "--bcast-chunk",
+            "1MiB",
+            "--shard-size",
+            "256KiB",
+            "--source-readers",
+            "2",
+            "--no-progress",
+        ],
         n=3,
         env={"AZCP_AUDIT_WATCH": str(root), "AZCP_AUDIT_LOG": str(logs)},
         program=AUDIT,
