@@ -33,6 +33,7 @@ from typing import Any, Protocol
 from azcp_cluster.cluster import PeerFailed
 from azcp_cluster.desttree import DestTree, source_opener, split
 from azcp_cluster.directio import ALIGN, DirectFile, DirectReader, Opener, aligned_buffer
+from azcp_cluster.diskwriter import DiskWriter
 from azcp_cluster.errors import AzcpError, BroadcastError, InternalError, SourceError
 from azcp_cluster.fanout import Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
 from azcp_cluster.interrupts import shield
@@ -110,6 +111,7 @@ class Broadcaster:
         peer_failed: Callable[[], bool] = lambda: False,
         announce: Callable[[], None] = lambda: None,
         made_on_arrival: set[int] | None = None,
+        disk: DiskWriter | None = None,
     ) -> None:
         if pipeline < 1 or writers < 1:
             raise ValueError("pipeline and writers must be at least 1")
@@ -142,7 +144,9 @@ class Broadcaster:
         self.made_on_arrival = made_on_arrival if made_on_arrival is not None else set()
         self.stats = BroadcastStats()
         self.slots = [_Slot(slot_size) for _ in range(pipeline)]
-        self.writer_count = writers
+        self.writer_count = writers  # writer jobs one transfer's extents are spread over
+        # The node's disk writers (shared with the download when both run at once), else our own.
+        self.disk = disk
         self._schedule: Sequence[Transfer] = ()
         # --verify stream: every file whose bytes pass this rank's slots in order is hashed
         # as it streams past (no second read of anything it wrote).
@@ -182,13 +186,10 @@ class Broadcaster:
             waits_landing=landed.waits if landed is not None else (lambda seq: False),
         )
         reads: queue.SimpleQueue[Read | None] = queue.SimpleQueue()
-        jobs: queue.SimpleQueue[Write | None] = queue.SimpleQueue()
         hashes: queue.SimpleQueue[Hash | None] = queue.SimpleQueue()
         threads = [threading.Thread(target=self._reader, args=(reads,), name="azcp-readahead", daemon=True)]
-        threads += [
-            threading.Thread(target=self._writer, args=(jobs,), name=f"azcp-bcast-writer-{i}", daemon=True)
-            for i in range(self.writer_count)
-        ]
+        own_disk = self.disk is None
+        disk = self.disk if self.disk is not None else DiskWriter(self.writer_count, name="azcp-bcast-writer")
         if hashed:
             threads.append(threading.Thread(target=self._hasher, args=(hashes,), name="azcp-md5", daemon=True))
         for thread in threads:
@@ -207,7 +208,8 @@ class Broadcaster:
                         transfer = schedule[step.seq]
                         inflight.append((transfer, self._post(transfer, self.slots[step.slot].buffer, MPI)))
                     elif isinstance(step, Write):
-                        jobs.put(step)
+                        self.stats.received_bytes += sum(e.length for e in step.extents)
+                        disk.submit(self._work(step), self._reported(step.seq, "writer"))
                     elif isinstance(step, Hash):
                         hashes.put(step)
                     elif isinstance(step, Agree):
@@ -248,10 +250,10 @@ class Broadcaster:
                 MPI.Request.Waitall(inflight.popleft()[1])
             reads.put(None)
             hashes.put(None)
-            for _ in range(self.writer_count):
-                jobs.put(None)
             for thread in threads:
                 thread.join()
+            if own_disk:
+                disk.close()  # after the queued writes (a shared one: its owner closes it)
         if finish.error is not None:
             raise finish.error
         if finish.peer:
@@ -318,14 +320,16 @@ class Broadcaster:
             job = jobs.get()
             if job is None:
                 return
-            error: AzcpError | None = None
+            error: BaseException | None = None
             try:
                 work(job)
-            except AzcpError as exc:
-                error = exc
             except BaseException as exc:
-                error = InternalError(f"{what} failed: {type(exc).__name__}: {exc}")
-            self._events.put((kind, job.seq, error))
+                error = exc
+            self._events.put((kind, job.seq, _as_error(error, what)))
+
+    def _reported(self, seq: int, what: str) -> Callable[[BaseException | None], None]:
+        """The disk writer's callback for a job of transfer ``seq``: an event for the MPI thread."""
+        return lambda error: self._events.put(("write", seq, _as_error(error, what)))
 
     def _reader(self, jobs: queue.SimpleQueue[Read | None]) -> None:
         # One file stays open across its extents: (reader, file index, its stat when opened).
@@ -403,7 +407,9 @@ class Broadcaster:
                     os.posix_fadvise(fd, first.offset, first.length, os.POSIX_FADV_WILLNEED)
             return
 
-    def _writer(self, jobs: queue.SimpleQueue[Write | None]) -> None:
+    def _work(self, job: Write) -> Callable[[], None]:
+        """The disk writer's work for one Write: its extents, from the slot to their files."""
+
         def write_extent(extent: Extent, buffer: Any, dfd: int | None) -> None:
             rel = self.files[extent.file].path
             shown = self.tree.temp_shown(rel)
@@ -429,7 +435,7 @@ class Broadcaster:
             except OSError as exc:
                 raise fs_error(exc, shown, "write") from None
 
-        def write(job: Write) -> None:
+        def write() -> None:
             buffer = self.slots[job.slot].buffer
             # Small files packed in one slot lie mostly in a few directories: each run of
             # extents in one directory walks to it once (a large extent walks on its own).
@@ -443,9 +449,8 @@ class Broadcaster:
                             write_extent(extent, buffer, dfd)
                 except OSError as exc:
                     raise fs_error(exc, self.tree.shown("/".join(folder)), "write") from None
-            self.stats.received_bytes += sum(e.length for e in job.extents)
 
-        self._serve(jobs, write, "write", "writer")
+        return write
 
     def _by_directory(self, extents: Sequence[Extent]) -> list[tuple[list[str] | None, list[Extent]]]:
         """Consecutive runs of small extents in one directory; a direct (large) extent alone, with None."""
@@ -492,6 +497,13 @@ class Broadcaster:
         """Whether a local SOURCE file opened now is the version that was listed."""
         entry = self.files[index]
         return st.st_size == entry.size and local_etag(st) == entry.etag
+
+
+def _as_error(error: BaseException | None, what: str) -> AzcpError | None:
+    """A thread's failure in the project's tree (an unexpected one named by the thread's task)."""
+    if error is None or isinstance(error, AzcpError):
+        return error
+    return InternalError(f"{what} failed: {type(error).__name__}: {error}")
 
 
 def _same_version(before: os.stat_result, after: os.stat_result) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import queue
 import random
 import threading
 import time
@@ -26,9 +25,9 @@ from azcp_cluster.config import Config, MiB
 from azcp_cluster.credentials import Authorizer
 from azcp_cluster.desttree import DestTree
 from azcp_cluster.directio import ALIGN, DirectFile, aligned_buffers
+from azcp_cluster.diskwriter import DiskWriter
 from azcp_cluster.errors import DownloadError
 from azcp_cluster.http1 import Connection, Head, ProtocolError, request_bytes
-from azcp_cluster.interrupts import shield
 from azcp_cluster.localfs import fs_error
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import Shard, round_up
@@ -480,7 +479,12 @@ class WritePool:
     """
 
     def __init__(
-        self, cfg: Config, threads: int = WRITER_THREADS, populate: bool = False, buffers: int | None = None
+        self,
+        cfg: Config,
+        threads: int = WRITER_THREADS,
+        populate: bool = False,
+        buffers: int | None = None,
+        writer: DiskWriter | None = None,
     ) -> None:
         self.size = max(ALIGN, min(BUFFER_BYTES, round_up(cfg.block_size, ALIGN)))
         buffers = pool_buffers(cfg.concurrency) if buffers is None else buffers
@@ -488,12 +492,9 @@ class WritePool:
         self.lock = threading.Lock()
         self.waiters: deque[asyncio.Future[None]] = deque()  # requests waiting for a buffer
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop of the current run
-        self.jobs: queue.SimpleQueue[tuple[DirectFile, np.ndarray, int, int, _BlockWrites] | None] = queue.SimpleQueue()
-        self.threads = [
-            threading.Thread(target=self._loop, name=f"azcp-writer-{i}", daemon=True) for i in range(threads)
-        ]
-        for thread in self.threads:
-            thread.start()
+        # The node's disk writers (shared with the fan-out when both run at once), or our own.
+        self._own_writer = writer is None
+        self.writer = writer if writer is not None else DiskWriter(threads)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Use ``loop`` for wake-ups (each download runs its own event loop)."""
@@ -543,36 +544,23 @@ class WritePool:
     def submit(self, target: DirectFile, buf: np.ndarray, length: int, offset: int, tracker: _BlockWrites) -> None:
         """Queue ``buf[:length]`` for writing at ``offset``; ``buf`` comes back to the pool once written."""
         tracker.started()
-        self.jobs.put((target, buf, length, offset, tracker))
+
+        def done(error: BaseException | None) -> None:
+            with self.lock:
+                self.free.append(buf)
+                wake = self.loop if self.waiters else None
+            if wake is not None:
+                with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
+                    wake.call_soon_threadsafe(self._wake)
+            tracker.finished(error)
+
+        self.writer.submit(lambda: target.write_at(buf[:length], offset), done)
 
     def close(self) -> None:
-        """Stop the threads once the queued writes are done (idempotent)."""
-        threads, self.threads = self.threads, []
-        for _ in threads:
-            self.jobs.put(None)
-        for thread in threads:
-            thread.join()
-
-    def _loop(self) -> None:
-        shield()
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            target, buf, length, offset, tracker = job
-            error: BaseException | None = None
-            try:
-                target.write_at(buf[:length], offset)
-            except BaseException as exc:  # a writer that died would leave its block waiting forever
-                error = exc
-            finally:
-                with self.lock:
-                    self.free.append(buf)
-                    wake = self.loop if self.waiters else None
-                if wake is not None:
-                    with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
-                        wake.call_soon_threadsafe(self._wake)
-                tracker.finished(error)
+        """Stop our own writer threads once the queued writes are done (idempotent); a shared
+        writer is its owner's to close."""
+        if self._own_writer:
+            self.writer.close()
 
 
 __all__ = ["Block", "DownloadStats", "Downloader", "WritePool", "blocks_for"]

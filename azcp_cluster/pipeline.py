@@ -48,6 +48,7 @@ from azcp_cluster.topology import Topology, choose_readers, group_ranks
 
 if TYPE_CHECKING:
     from azcp_cluster.credentials import Authorizer
+    from azcp_cluster.diskwriter import DiskWriter
     from azcp_cluster.download import Downloader, WritePool
     from azcp_cluster.interrupts import Interrupts
 
@@ -174,6 +175,7 @@ class _Run:
         self.verified_md5: dict[int, str] = {}  # --verify: file index -> the MD5 every copy has
         self.bytes_to_write = 0  # bytes of the files this rank's node writes (for a full-disk message)
         self.write_pool: WritePool | None = None  # the download's buffers and writers (allocate stage)
+        self.disk: DiskWriter | None = None  # streaming leaders that download: writers shared with the fan-out
         # DEST opened by its real path (leaders, and downloaders once it exists): every file
         # below it is reached through this handle, never through a link (desttree.py).
         self.tree: DestTree | None = None
@@ -184,6 +186,9 @@ class _Run:
         if self.write_pool is not None:
             self.write_pool.close()
             self.write_pool = None
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
         if self.dest_lock is not None:
             self.dest_lock.close()
             self.dest_lock = None
@@ -466,8 +471,18 @@ class _Run:
                 # measures the transfer, not page faults and thread start-up. No more
                 # buffers than this rank's requests can fill at once.
                 blocks = len(blocks_for(mine, self.cfg.block_size))
+                if self.leader and self.cfg.overlap:
+                    # Streaming: this rank's download and its fan-out write at once; one
+                    # set of writer threads for both (diskwriter.py).
+                    from azcp_cluster.diskwriter import DiskWriter
+                    from azcp_cluster.download import WRITER_THREADS
+
+                    self.disk = DiskWriter(WRITER_THREADS + self.cfg.bcast_writers)
                 self.write_pool = WritePool(
-                    self.cfg, populate=True, buffers=pool_buffers_for(self.cfg.concurrency, blocks)
+                    self.cfg,
+                    populate=True,
+                    buffers=pool_buffers_for(self.cfg.concurrency, blocks),
+                    writer=self.disk,
                 )
             if self.leader:
                 missing = self.missing_here(transfer)
@@ -522,6 +537,7 @@ class _Run:
             source_of=self.read_from_source(listing) if self.rank in self.readers and self.local else None,
             stop_requested=self.cluster.interrupted,
             made_on_arrival=set(later),
+            disk=self.disk,
         )
 
     def read_from_source(self, listing: Listing) -> Callable[[int], str | None]:
