@@ -22,7 +22,15 @@ import numpy as np
 
 from azcp_cluster import manifest
 from azcp_cluster.broadcast import Broadcaster
-from azcp_cluster.cluster import Cluster, PeerFailed, StageOutcome, StageResult, error_from_payload, error_payload
+from azcp_cluster.cluster import (
+    Cluster,
+    PeerFailed,
+    StageOutcome,
+    StageResult,
+    as_azcp_error,
+    error_from_payload,
+    error_payload,
+)
 from azcp_cluster.config import Config, format_bytes, json_inside_dest
 from azcp_cluster.destlock import DestLock, lock_backoff
 from azcp_cluster.desttree import DestTree
@@ -258,6 +266,8 @@ class _Run:
                 if not cfg.dry_run:
                     cfg.check_memory(available_memory(), 0)
             else:
+                if cfg.source_readers > 1:
+                    raise UsageError("--source-readers is for a local SOURCE; a blob URL is read by the downloaders")
                 # Imported here: a local SOURCE never pays for the Azure and HTTP libraries.
                 from azcp_cluster.credentials import Authorizer, resolve_credential
                 from azcp_cluster.download import pool_bytes
@@ -650,7 +660,9 @@ class _Run:
                 # The node's communicator: the leader is its rank 0, the others follow in
                 # world-rank order (see setup).
                 members = [r for r in topo.members(group) if r != self.rank]
-                others = [1 + members.index(r) for r in downloaders if r != self.rank]
+                # Exactly the downloaders that have blocks send notices and an END: one with
+                # nothing to fetch (fewer pieces than downloaders) is not waited for.
+                others = [1 + members.index(r) for r in downloaders if r != self.rank and blocks.of_rank.get(r)]
                 feed = LandingFeed(landing, self.group_comm, others)
                 thread: DownloadThread | None = None
                 if mine:
@@ -660,8 +672,12 @@ class _Run:
                         nonlocal downloaded
                         try:
                             return downloader.run(mine)
-                        except AzcpError as exc:
-                            feed.local_failed(exc)  # the fan-out fails with it
+                        except PeerFailed:
+                            raise  # stopped: the fan-out stopped first
+                        except BaseException as exc:
+                            # The fan-out fails with it (a bug as much as a download error: a
+                            # thread that just ended would leave its transfers waiting for ever).
+                            feed.local_failed(as_azcp_error(exc, self.rank))
                             raise
                         finally:
                             downloaded = cluster.clock() - t0
@@ -695,10 +711,11 @@ class _Run:
                     raise failure  # after every byte was sent: the download's own end failed
                 self.streamed_md5.update(broadcaster.digests)
             elif mine:
-                downloader = self.downloader(listing, plan, auth, progress.add_download)
+                # The END must go out whatever happens (the leader waits for it): made first.
                 notifier = Notifier(self.group_comm, index)
-                downloader.on_landed = lambda block: notifier.landed(block.file, block.offset)
                 try:
+                    downloader = self.downloader(listing, plan, auth, progress.add_download)
+                    downloader.on_landed = lambda block: notifier.landed(block.file, block.offset)
                     dstats = downloader.run(mine)
                 finally:
                     downloaded = cluster.clock() - t0

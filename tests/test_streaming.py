@@ -33,6 +33,7 @@ SIZES = {
 OPTIONS = ["--block-size", "1MiB", "--bcast-chunk", "2MiB", "--shard-size", "4MiB", "--no-progress"]
 TIMELINE = REPO / "tests" / "programs" / "stream_timeline.py"
 SUBSET = REPO / "tests" / "programs" / "subset_schedule.py"
+BUG = REPO / "tests" / "programs" / "bug_in_download.py"
 
 
 def _dataset(emulator: azurite.Emulator) -> tuple[str, dict[str, bytes]]:
@@ -152,3 +153,47 @@ def test_a_schedule_with_a_subset_of_receivers_runs_through_the_engine(tmp_path:
     assert lines[0]["p2p"] > 0  # the subset transfers are point to point
     # Only files whose every byte passed a rank are hashed in flight there.
     assert lines[1]["digests"] == [0, 2] and lines[2]["digests"] == [1, 2]
+
+
+def test_a_node_whose_other_downloader_gets_nothing_still_finishes(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    """Fewer pieces than downloaders (one small blob, a node of two ranks; or a rerun after one
+    blob was added): the leader does not wait for an END from a downloader with no blocks."""
+    container = "g" + uuid.uuid4().hex[:20]
+    azurite.upload(emulator, container, {"d/one.bin": b"x" * 1000})
+    result = run_cli(
+        [emulator.url(container, "d"), str(tmp_path / "one"), "--no-progress"], n=2, env=emulator.key_env(), timeout=60
+    )
+    assert result.returncode == 0, result.output
+    assert tree_of(tmp_path / "one") == {"one.bin": b"x" * 1000}
+    # Two nodes of two ranks, a full copy, then one blob more: only one piece to download.
+    container, files = _dataset(emulator)
+    pairs = {"AZCP_TEST_PAIR_DEST": "1"}
+    args = [emulator.url(container, "d"), str(tmp_path / "n" / "{rank}"), *OPTIONS]
+    program = [str(TIMELINE), str(tmp_path / "log")]
+    first = run_cli(args, env={**emulator.key_env(), **pairs}, program=program)
+    assert first.returncode == 0, first.output
+    azurite.upload(emulator, container, {"d/new.bin": b"new" * 100})
+    again = run_cli(args, env={**emulator.key_env(), **pairs}, program=program, timeout=60)
+    assert again.returncode == 0, again.output
+    for pair in (0, 2):
+        assert tree_of(tmp_path / "n" / str(pair)) == {**files, "new.bin": b"new" * 100}
+
+
+def test_a_bug_in_a_leaders_download_thread_ends_the_job(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    """Not an AzcpError: the streaming leader's download thread dies of a RuntimeError; every
+    rank ends with exit 1 and one line naming it, within the test's timeout, nothing final."""
+    container, files = _dataset(emulator)
+    result = run_cli(
+        [emulator.url(container, "d"), str(tmp_path / "n" / "{rank}"), *OPTIONS],
+        n=2,
+        env=emulator.key_env(),
+        program=[str(BUG)],
+        timeout=60,
+    )
+    assert result.returncode == 1, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    assert len(errors) == 1 and "rank 0" in errors[0] and "simulated bug in the download" in errors[0], result.stderr
+    assert "Traceback" not in result.output
+    for rank in range(2):
+        got = tree_of(tmp_path / "n" / str(rank))
+        assert all(path.endswith(".azcp-part") or data == files[path] for path, data in got.items())
