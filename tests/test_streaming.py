@@ -197,3 +197,12 @@ def test_a_bug_in_a_leaders_download_thread_ends_the_job(emulator: azurite.Emula
     for rank in range(2):
         got = tree_of(tmp_path / "n" / str(rank))
         assert all(path.endswith(".azcp-part") or data == files[path] for path, data in got.items())
+
+
+def test_source_readers_with_a_blob_url_is_refused(tmp_path: Path) -> None:
+    result = run_cli(
+        ["http://127.0.0.1:9/devstoreaccount1/c", str(tmp_path / "{rank}"), "--source-readers", "2"], n=2, timeout=60
+    )
+    assert result.returncode == 2, result.output
+    assert "--source-readers is for a local SOURCE" in result.stderr and "Traceback" not in result.output
+    assert not any(tmp_path.iterdir())
