@@ -24,10 +24,8 @@ from azcp_cluster import manifest
 from azcp_cluster.broadcast import Broadcaster
 from azcp_cluster.cluster import (
     Cluster,
-    PeerFailed,
     StageOutcome,
     StageResult,
-    as_azcp_error,
     error_from_payload,
     error_payload,
 )
@@ -636,7 +634,7 @@ class _Run:
         the last byte landed, ``bcast`` the whole stage (they overlap).
         """
         from azcp_cluster.download import Block, blocks_for
-        from azcp_cluster.streaming import DownloadThread, LandingFeed, Notifier, node_blocks
+        from azcp_cluster.streaming import LandingFeed, Streamed, lead, node_blocks, notify_while_downloading
 
         cluster = self.cluster
         topo = self.topo
@@ -652,80 +650,41 @@ class _Run:
         progress.expect_files(len({e.file for t in schedule for e in t.extents}))
         outcome = StageOutcome()
         feed: LandingFeed | None = None
-        downloaded = 0.0
-        bstats = None
-        dstats = None
+
+        def since() -> float:
+            return cluster.clock() - t0
+
         with cluster.stage(outcome):
+            done = Streamed(0.0)
             if self.leader:
                 # The node's communicator: the leader is its rank 0, the others follow in
-                # world-rank order (see setup).
+                # world-rank order (see setup). Exactly the downloaders that have blocks send
+                # notices and an END: one with nothing to fetch is not waited for.
                 members = [r for r in topo.members(group) if r != self.rank]
-                # Exactly the downloaders that have blocks send notices and an END: one with
-                # nothing to fetch (fewer pieces than downloaders) is not waited for.
                 others = [1 + members.index(r) for r in downloaders if r != self.rank and blocks.of_rank.get(r)]
                 feed = LandingFeed(landing, self.group_comm, others)
-                thread: DownloadThread | None = None
-                if mine:
-                    downloader = self.downloader(listing, plan, auth, progress.add_download)
-
-                    def fetch() -> Any:
-                        nonlocal downloaded
-                        try:
-                            return downloader.run(mine)
-                        except PeerFailed:
-                            raise  # stopped: the fan-out stopped first
-                        except BaseException as exc:
-                            # The fan-out fails with it (a bug as much as a download error: a
-                            # thread that just ended would leave its transfers waiting for ever).
-                            feed.local_failed(as_azcp_error(exc, self.rank))
-                            raise
-                        finally:
-                            downloaded = cluster.clock() - t0
-
-                    downloader.on_landed = lambda block: feed.local(index[(block.file, block.offset)])
-                    thread = DownloadThread(fetch)
-                    downloader.peer_failed = thread.stop.is_set  # its event loop makes no MPI call
-                    thread.start()
                 assert broadcaster is not None
                 broadcaster.on_bytes = progress.add
                 broadcaster.announce = lambda: cluster.signal_failure(outcome)
                 broadcaster.peer_failed = cluster.peer_failed
-                failure: BaseException | None = None
-                try:
-                    bstats = broadcaster.run(schedule, landed=feed)
-                except PeerFailed:
-                    if thread is not None:
-                        thread.stop.set()
-                        dstats, failure = thread.wait()
-                        thread = None
-                        if isinstance(failure, AzcpError):
-                            # This rank's own download failed as well: its error, not the peer's.
-                            raise failure from None
-                    raise
-                finally:
-                    if thread is not None:
-                        if bstats is None:
-                            thread.stop.set()  # the fan-out stopped (its error is the stage's): so does the download
-                        dstats, failure = thread.wait()
-                if failure is not None:
-                    raise failure  # after every byte was sent: the download's own end failed
-                self.streamed_md5.update(broadcaster.digests)
+                downloader = self.downloader(listing, plan, auth, progress.add_download) if mine else None
+                done = lead(broadcaster, schedule, feed, downloader, mine, index, since, self.rank)
+                self.streamed_md5.update(done.digests or {})
             elif mine:
-                # The END must go out whatever happens (the leader waits for it): made first.
-                notifier = Notifier(self.group_comm, index)
-                try:
-                    downloader = self.downloader(listing, plan, auth, progress.add_download)
-                    downloader.on_landed = lambda block: notifier.landed(block.file, block.offset)
-                    dstats = downloader.run(mine)
-                finally:
-                    downloaded = cluster.clock() - t0
-                    notifier.close()
-            stats: dict[str, Any] = {"downloaded": downloaded}
-            if dstats is not None:
+                done = notify_while_downloading(
+                    self.group_comm,
+                    index,
+                    lambda: self.downloader(listing, plan, auth, progress.add_download),
+                    mine,
+                    since,
+                )
+            stats: dict[str, Any] = {"downloaded": done.downloaded}
+            if done.download is not None:
+                dstats = done.download
                 stats.update(bytes=dstats.bytes, retries=dstats.retries, causes=dict(dstats.retry_causes))
                 stats["refused"] = dstats.direct_refused
-            if bstats is not None and bstats.direct_refused:
-                stats["refused"] = bstats.direct_refused
+            if done.fanout is not None and done.fanout.direct_refused:
+                stats["refused"] = done.fanout.direct_refused
             outcome.stats = stats
         progress.close()
         if outcome.error is not None:

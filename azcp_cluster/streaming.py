@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from azcp_cluster.cluster import PeerFailed, as_azcp_error
 from azcp_cluster.errors import AzcpError, InternalError
 from azcp_cluster.interrupts import shield
 from azcp_cluster.plan import Plan
@@ -194,7 +195,112 @@ class DownloadThread:
         except AzcpError as exc:
             self.error = exc
         except BaseException as exc:  # handed to the main thread, which decides
-            self.error = exc if type(exc).__name__ == "PeerFailed" else InternalError(f"download failed: {exc!r}")
+            self.error = exc if isinstance(exc, PeerFailed) else InternalError(f"download failed: {exc!r}")
 
 
-__all__ = ["END", "LANDED_TAG", "DownloadThread", "LandingFeed", "NodeBlocks", "Notifier", "node_blocks"]
+@dataclass(frozen=True)
+class Streamed:
+    """What one rank's part of the streaming stage gives the next stages."""
+
+    downloaded: float  # seconds from the stage's start to the end of this rank's download (0: none)
+    download: Any = None  # download.DownloadStats, if this rank downloaded
+    fanout: Any = None  # broadcast.BroadcastStats, if this rank is a leader
+    digests: dict[int, str] | None = None  # --verify stream: MD5 of the files hashed in flight
+
+
+def lead(
+    broadcaster: Any,
+    schedule: Sequence[Transfer],
+    feed: LandingFeed,
+    downloader: Any,
+    blocks: Sequence[Any],
+    index: dict[tuple[int, int], int],
+    since: Callable[[], float],
+    rank: int,
+) -> Streamed:
+    """A leader's part: the fan-out on this (the MPI) thread, its own ``blocks`` (if any) downloaded
+    by ``downloader`` on a thread meanwhile. ``since()``: seconds since the stage began.
+
+    Raises the stage's error: the fan-out's, or this rank's own download error rather than a
+    peer's failure when both happened.
+    """
+    downloaded = 0.0
+    thread: DownloadThread | None = None
+    if blocks:
+
+        def fetch() -> Any:
+            nonlocal downloaded
+            try:
+                return downloader.run(blocks)
+            except PeerFailed:
+                raise  # stopped: the fan-out stopped first
+            except BaseException as exc:
+                # The fan-out fails with it (a bug as much as a download error: a thread that
+                # just ended would leave its transfers waiting for ever).
+                feed.local_failed(as_azcp_error(exc, rank))
+                raise
+            finally:
+                downloaded = since()
+
+        downloader.on_landed = lambda block: feed.local(index[(block.file, block.offset)])
+        thread = DownloadThread(fetch)
+        downloader.peer_failed = thread.stop.is_set  # its event loop makes no MPI call
+        thread.start()
+    fanout = None
+    dstats = None
+    failure: BaseException | None = None
+    try:
+        fanout = broadcaster.run(schedule, landed=feed)
+    except PeerFailed:
+        if thread is not None:
+            thread.stop.set()
+            dstats, failure = thread.wait()
+            thread = None
+            if isinstance(failure, AzcpError):
+                raise failure from None  # this rank's own download failed as well: its error
+        raise
+    finally:
+        if thread is not None:
+            if fanout is None:
+                thread.stop.set()  # the fan-out stopped (its error is the stage's): so does the download
+            dstats, failure = thread.wait()
+    if failure is not None:
+        raise failure  # after every byte was sent: the download's own end failed
+    return Streamed(downloaded, dstats, fanout, dict(broadcaster.digests))
+
+
+def notify_while_downloading(
+    group_comm: Any,
+    index: dict[tuple[int, int], int],
+    make_downloader: Callable[[], Any],
+    blocks: Sequence[Any],
+    since: Callable[[], float],
+) -> Streamed:
+    """A node's other downloader: fetch ``blocks``, telling the leader of each as it lands.
+
+    The END goes out whatever happens (the leader waits for it): the notifier is made first.
+    """
+    notifier = Notifier(group_comm, index)
+    downloaded = 0.0
+    try:
+        downloader = make_downloader()
+        downloader.on_landed = lambda block: notifier.landed(block.file, block.offset)
+        dstats = downloader.run(blocks)
+    finally:
+        downloaded = since()
+        notifier.close()
+    return Streamed(downloaded, dstats)
+
+
+__all__ = [
+    "END",
+    "LANDED_TAG",
+    "DownloadThread",
+    "LandingFeed",
+    "NodeBlocks",
+    "Notifier",
+    "Streamed",
+    "lead",
+    "node_blocks",
+    "notify_while_downloading",
+]
