@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from azcp_cluster.cluster import PeerFailed
+from azcp_cluster.cluster import PeerFailed, redact
 from azcp_cluster.desttree import DestTree, source_opener, split
 from azcp_cluster.directio import ALIGN, DirectFile, DirectReader, Opener, aligned_buffer
 from azcp_cluster.diskwriter import DiskWriter
@@ -208,8 +208,12 @@ class Broadcaster:
                         transfer = schedule[step.seq]
                         inflight.append((transfer, self._post(transfer, self.slots[step.slot].buffer, MPI)))
                     elif isinstance(step, Write):
-                        self.stats.received_bytes += sum(e.length for e in step.extents)
-                        disk.submit(self._work(step), self._reported(step.seq, "writer"))
+                        try:
+                            disk.submit(self._work(step), self._reported(step.seq, "writer"))
+                        except Exception as exc:  # (a closed writer): the write fails, reported as one
+                            self._reported(step.seq, "writer")(exc)
+                        else:
+                            self.stats.received_bytes += sum(e.length for e in step.extents)
                     elif isinstance(step, Hash):
                         hashes.put(step)
                     elif isinstance(step, Agree):
@@ -229,7 +233,10 @@ class Broadcaster:
                     continue
                 if inflight and MPI.Request.Testall(inflight[0][1]):
                     transfer, _ = inflight.popleft()
-                    self._retired(transfer)
+                    try:
+                        self._retired(transfer)  # counters and the progress bar
+                    except Exception as exc:  # fail this rank; never leave the others in a collective
+                        todo.extend(machine.failed(_as_error(exc, "the fan-out")))
                     todo.extend(machine.call_done())
                     nap = POLL_NAP
                     continue
@@ -269,20 +276,24 @@ class Broadcaster:
             except queue.Empty:
                 break
             out.extend(self._event(machine, event))
-        if machine.error is None:
-            stop = self.stop_requested()
-            if stop is None and landed is not None:
-                stop = landed.failed()
-            if stop is not None:
-                out.extend(machine.failed(stop))
-        if landed is not None and not machine.finished:
-            for seq in landed.poll():
-                out.extend(machine.landed(seq))
-            if not machine.failing and self.peer_failed():
-                out.extend(machine.failed(None))
+        try:
+            if machine.error is None:
+                stop = self.stop_requested()
+                if stop is None and landed is not None:
+                    stop = landed.failed()
+                if stop is not None:
+                    out.extend(machine.failed(stop))
+            if landed is not None and not machine.finished:
+                for seq in landed.poll():
+                    out.extend(machine.landed(seq))
+                if not machine.failing and self.peer_failed():
+                    out.extend(machine.failed(None))
+        except Exception as exc:  # a bug here must fail this rank, not leave the others in a collective
+            out.extend(machine.failed(_as_error(exc, "the fan-out") or InternalError("the fan-out failed")))
         if machine.error is not None and not self._announced:
             self._announced = True
-            self.announce()
+            with contextlib.suppress(Exception):  # the agreement still tells the others
+                self.announce()
         return out
 
     def _event(self, machine: FanOut, event: tuple[str, int, AzcpError | None]) -> list[Instruction]:
@@ -503,7 +514,7 @@ def _as_error(error: BaseException | None, what: str) -> AzcpError | None:
     """A thread's failure in the project's tree (an unexpected one named by the thread's task)."""
     if error is None or isinstance(error, AzcpError):
         return error
-    return InternalError(f"{what} failed: {type(error).__name__}: {error}")
+    return InternalError(f"{what} failed: {type(error).__name__}: {redact(str(error))}")
 
 
 def _same_version(before: os.stat_result, after: os.stat_result) -> bool:

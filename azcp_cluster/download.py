@@ -554,7 +554,11 @@ class WritePool:
                     wake.call_soon_threadsafe(self._wake)
             tracker.finished(error)
 
-        self.writer.submit(lambda: target.write_at(buf[:length], offset), done)
+        try:
+            self.writer.submit(lambda: target.write_at(buf[:length], offset), done)
+        except BaseException as exc:  # (a closed writer): the write fails, and nobody waits for it
+            done(exc)
+            raise
 
     def close(self) -> None:
         """Stop our own writer threads once the queued writes are done (idempotent); a shared

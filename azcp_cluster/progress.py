@@ -7,7 +7,9 @@ them), this node's downloaded bytes of its share, and the files complete.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
 from typing import TextIO
 
@@ -30,6 +32,7 @@ class Progress:
         self.downloaded = 0
         self.files_total = 0
         self.files_done = 0
+        self._drawing = threading.Lock()
 
     def expect_download(self, total: int) -> None:
         """Streaming: also show ``total`` bytes this rank downloads."""
@@ -52,10 +55,19 @@ class Progress:
 
     def _tick(self) -> None:
         now = time.monotonic()
-        if self.enabled and (now - self.last >= self.interval or self.done >= self.total):
+        if not self.enabled or (now - self.last < self.interval and self.done < self.total):
+            return
+        # Two threads add while streaming (the download's and the fan-out's): one draws.
+        if not self._drawing.acquire(blocking=False):
+            return
+        try:
             self.last = now
             self.stream.write("\r" + self.line(now))
             self.stream.flush()
+        except OSError:
+            self.enabled = False  # a terminal gone (EIO, EPIPE) ends the bar, never the copy
+        finally:
+            self._drawing.release()
 
     def line(self, now: float) -> str:
         """The bar as drawn at ``now`` (monotonic seconds)."""
@@ -79,8 +91,9 @@ class Progress:
     def close(self) -> None:
         """End the bar's line."""
         if self.enabled and self.last:
-            self.stream.write("\n")
-            self.stream.flush()
+            with contextlib.suppress(OSError):
+                self.stream.write("\n")
+                self.stream.flush()
 
 
 def wants_progress(requested: bool, rank: int, stream: TextIO | None = None) -> bool:

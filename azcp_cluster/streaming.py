@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from azcp_cluster.cluster import PeerFailed, as_azcp_error
-from azcp_cluster.errors import AzcpError, InternalError
+from azcp_cluster.errors import AzcpError
 from azcp_cluster.interrupts import shield
 from azcp_cluster.plan import Plan
 from azcp_cluster.schedule import Landing, Transfer
@@ -171,7 +171,8 @@ class Notifier:
 class DownloadThread:
     """A leader's own download, on a thread of its own while the main thread runs the fan-out."""
 
-    def __init__(self, run: Callable[[], Any]) -> None:
+    def __init__(self, run: Callable[[], Any], rank: int) -> None:
+        self.rank = rank  # named by an unexpected error's message
         self.stop = threading.Event()  # set by the main thread: the download's peer_failed
         self.result: Any = None
         self.error: BaseException | None = None
@@ -195,7 +196,8 @@ class DownloadThread:
         except AzcpError as exc:
             self.error = exc
         except BaseException as exc:  # handed to the main thread, which decides
-            self.error = exc if isinstance(exc, PeerFailed) else InternalError(f"download failed: {exc!r}")
+            # The same redacted one-liner as anywhere else (a URL's SAS never shows).
+            self.error = exc if isinstance(exc, PeerFailed) else as_azcp_error(exc, self.rank)
 
 
 @dataclass(frozen=True)
@@ -243,9 +245,13 @@ def lead(
                 downloaded = since()
 
         downloader.on_landed = lambda block: feed.local(index[(block.file, block.offset)])
-        thread = DownloadThread(fetch)
+        thread = DownloadThread(fetch, rank)
         downloader.peer_failed = thread.stop.is_set  # its event loop makes no MPI call
-        thread.start()
+        try:
+            thread.start()
+        except Exception as exc:  # no thread (a process limit): the fan-out fails, at its next agreement
+            feed.local_failed(as_azcp_error(exc, rank))
+            thread = None
     fanout = None
     dstats = None
     failure: BaseException | None = None

@@ -48,3 +48,16 @@ def test_nothing_is_drawn_when_disabled_or_off_rank_zero() -> None:
     bar.close()
     assert out.getvalue() == ""
     assert not wants_progress(True, 1, io.StringIO()) and not wants_progress(True, 0, io.StringIO())
+
+
+class _Gone(io.StringIO):
+    def write(self, text: str) -> int:
+        raise OSError(5, "Input/output error")
+
+
+def test_a_terminal_that_is_gone_ends_the_bar_not_the_copy() -> None:
+    bar = Progress("bcast", 10, enabled=True, stream=_Gone())
+    bar.add(5)  # the write fails: the bar turns itself off
+    assert not bar.enabled
+    bar.add(5)
+    bar.close()

@@ -34,6 +34,7 @@ OPTIONS = ["--block-size", "1MiB", "--bcast-chunk", "2MiB", "--shard-size", "4Mi
 TIMELINE = REPO / "tests" / "programs" / "stream_timeline.py"
 SUBSET = REPO / "tests" / "programs" / "subset_schedule.py"
 BUG = REPO / "tests" / "programs" / "bug_in_download.py"
+FANOUT_BUG = REPO / "tests" / "programs" / "bug_in_fanout.py"
 
 
 def _dataset(emulator: azurite.Emulator) -> tuple[str, dict[str, bytes]]:
@@ -206,3 +207,26 @@ def test_source_readers_with_a_blob_url_is_refused(tmp_path: Path) -> None:
     assert result.returncode == 2, result.output
     assert "--source-readers is for a local SOURCE" in result.stderr and "Traceback" not in result.output
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("bug", "extra"), [("retired", []), ("retired", ["--no-overlap"]), ("thread", [])])
+def test_a_failure_outside_the_fan_out_machine_ends_every_rank(
+    emulator: azurite.Emulator, tmp_path: Path, bug: str, extra: list[str]
+) -> None:
+    """Rank 0 fails in the driver's own bookkeeping, or cannot start its download thread: it
+    goes on taking part until the next agreement, and every rank ends with one line, exit 1."""
+    container, files = _dataset(emulator)
+    result = run_cli(
+        [emulator.url(container, "d"), str(tmp_path / "n" / "{rank}"), *OPTIONS, *extra],
+        n=2,
+        env={**emulator.key_env(), "AZCP_TEST_BUG": bug},
+        program=[str(FANOUT_BUG)],
+        timeout=60,
+    )
+    assert result.returncode == 1, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    assert len(errors) == 1 and "rank 0" in errors[0] and "simulated" in errors[0], result.stderr
+    assert "Traceback" not in result.output
+    for rank in range(2):
+        got = tree_of(tmp_path / "n" / str(rank))
+        assert all(path.endswith(".azcp-part") or data == files[path] for path, data in got.items())
