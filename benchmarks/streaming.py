@@ -1,6 +1,6 @@
 """Benchmarks of issue 14: streaming against two phases, and trees of small files.
 
-    python benchmarks/streaming.py [--quick] [--only overlap,small,blobs] [--old COMMIT] [--json FILE]
+    python benchmarks/streaming.py [--quick] [--https] [--only overlap,small,blobs] [--old COMMIT] [--json FILE]
 
 overlap: the same dataset on the emulator, the tool streaming (download and fan-out at once)
     and the same tool ``--no-overlap`` (two phases: its download and broadcast stages are
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from azcp_cluster.config import MiB
 from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.datasets import pseudo_random
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,6 +71,11 @@ def _tool(
         return doc
 
 
+def _tls_env(emu: azurite.Emulator) -> dict[str, str]:
+    """An HTTPS emulator's certificate, trusted by the tool (its listing and its GETs)."""
+    return {"SSL_CERT_FILE": emu.ca_file, "REQUESTS_CA_BUNDLE": emu.ca_file} if emu.ca_file else {}
+
+
 def _stage(doc: dict[str, Any], name: str) -> float:
     return float(doc["stages"][name]["seconds"])
 
@@ -83,7 +89,8 @@ def bench_overlap(emu: azurite.Emulator, work: Path, repeats: int, quick: bool) 
     # early, as they do from a real account with its much larger dataset.
     common = ["--block-size", "4MiB", "--concurrency", "8", "--bcast-chunk", "16MiB", "--compare", "none"]
     out: dict[str, Any] = {"blobs": blobs, "blob_bytes": size, "options": common}
-    env = {**os.environ, **emu.key_env()}
+    env = {**os.environ, **emu.key_env(), **_tls_env(emu)}
+    out["scheme"] = emu.scheme
     for layout, dest in (("two_nodes", "{rank}"), ("one_node", "shared")):
         runs: dict[str, list[dict[str, Any]]] = {"stream": [], "two_phase": []}
         for i in range(repeats):
@@ -173,7 +180,7 @@ def bench_blobs(emu: azurite.Emulator, work: Path, repeats: int, blobs: int, old
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), old], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     runs: dict[str, list[float]] = {"new": [], "old": []}
-    env = {**os.environ, **emu.key_env()}
+    env = {**os.environ, **emu.key_env(), **_tls_env(emu)}
     try:
         for i in range(repeats):
             for which in ["new", "old"] if i % 2 == 0 else ["old", "new"]:
@@ -199,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--old", default=OLD, help=f"the commit to compare the small blobs with (default {OLD})")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--https", action="store_true", help="the emulator over HTTPS (a self-signed certificate)")
     args = parser.parse_args(argv)
     chosen = set(args.only.split(","))
     repeats = args.repeats or (3 if args.quick else 5)
@@ -208,7 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         if "small" in chosen:
             results["small"] = bench_small(work, repeats, 20_000)
         if chosen & {"overlap", "blobs"}:
-            with azurite.running() as emu:
+            cert: str | None = None
+            key: str | None = None
+            if args.https:
+                cert_path, key_path = make_certificate(work)
+                cert, key = str(cert_path), str(key_path)
+            with azurite.running(cert=cert, key=key) as emu:
                 if "overlap" in chosen:
                     results["overlap"] = bench_overlap(emu, work, repeats, args.quick)
                 if "blobs" in chosen:

@@ -390,7 +390,7 @@ def test_the_low_water_mark_never_waits_for_bytes_that_will_not_come(tls: bool, 
     pieces = [700_000, RECV_LOW_WATER, 1, RECV_LOW_WATER + 5000, len(body) - 700_001 - 2 * RECV_LOW_WATER - 5000]
     server_tls = client_tls = None
     if tls:
-        from tests.test_oauth import make_certificate
+        from azcp_cluster.devtools.certs import make_certificate
 
         cert, key = make_certificate(tmp_path)
         server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

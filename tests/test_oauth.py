@@ -18,8 +18,6 @@ trust it. The container is private: a request without a valid token is refused.
 
 from __future__ import annotations
 
-import datetime as dt
-import ipaddress
 import json
 import os
 import subprocess
@@ -31,6 +29,7 @@ from typing import Any
 import pytest
 
 from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.certs import make_certificate
 from tests.conftest import MPI_TIMEOUT, REPO, clean_env, mpiexec_path, run_cli, tree_of
 
 PROGRAM = REPO / "tests" / "programs" / "stage_with_token.py"
@@ -44,39 +43,6 @@ def _dataset() -> dict[str, bytes]:
     blobs[f"{PREFIX}/big.bin"] = os.urandom(700 * 1024)  # split into shards of several ranks
     blobs[f"{PREFIX}/config.json"] = b'{"layers": 2}'
     return blobs
-
-
-def make_certificate(directory: Path) -> tuple[Path, Path]:
-    """A self-signed certificate (and its key) for 127.0.0.1 and localhost, valid for a day."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "azcp-cluster test emulator")])
-    now = dt.datetime.now(dt.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / "emulator.pem", directory / "emulator-key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return cert_path, key_path
 
 
 @pytest.fixture(scope="module")
