@@ -20,7 +20,7 @@ from azcp_cluster.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
-from tests.conftest import REPO, assert_copies, clean_env, mpiexec_path, run_cli, tree_of
+from tests.conftest import REPO, Result, assert_copies, clean_env, mpiexec_path, run_cli, tree_of
 
 # Large files cut into several transfers, small ones packed, one empty, nested paths.
 SIZES = {
@@ -35,6 +35,20 @@ TIMELINE = REPO / "tests" / "programs" / "stream_timeline.py"
 SUBSET = REPO / "tests" / "programs" / "subset_schedule.py"
 BUG = REPO / "tests" / "programs" / "bug_in_download.py"
 FANOUT_BUG = REPO / "tests" / "programs" / "bug_in_fanout.py"
+
+
+def _one_error_nothing_wrong(
+    result: Result, code: int, words: list[str], dests: list[Path], files: dict[str, bytes]
+) -> None:
+    """The run ended with ``code``, one error line holding every one of ``words``, no traceback,
+    and no wrong file under a final name in any of ``dests`` (temporary names may stay)."""
+    assert result.returncode == code, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    assert len(errors) == 1 and all(word in errors[0] for word in words), result.stderr
+    assert "Traceback" not in result.output
+    for dest in dests:
+        got = tree_of(dest)
+        assert all(path.endswith(".azcp-part") or data == files[path] for path, data in got.items()), dest
 
 
 def _dataset(emulator: azurite.Emulator) -> tuple[str, dict[str, bytes]]:
@@ -126,15 +140,8 @@ def test_a_failed_downloader_that_is_not_a_leader_ends_every_rank(emulator: azur
             env=emulator.key_env(),
             json_path=tmp_path / "report.json",
         )
-    assert result.returncode == 5, result.output  # a download error
-    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
-    assert len(errors) == 1 and victim in errors[0], result.stderr
-    assert "Traceback" not in result.output
-    got = tree_of(tmp_path / "one")
-    assert victim not in got
-    for path, data in got.items():
-        if not path.endswith(".azcp-part"):
-            assert data == files[path], path
+    _one_error_nothing_wrong(result, 5, [victim], [tmp_path / "one"], files)  # 5: a download error
+    assert victim not in tree_of(tmp_path / "one")
 
 
 def test_a_schedule_with_a_subset_of_receivers_runs_through_the_engine(tmp_path: Path) -> None:
@@ -191,13 +198,8 @@ def test_a_bug_in_a_leaders_download_thread_ends_the_job(emulator: azurite.Emula
         program=[str(BUG)],
         timeout=60,
     )
-    assert result.returncode == 1, result.output
-    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
-    assert len(errors) == 1 and "rank 0" in errors[0] and "simulated bug in the download" in errors[0], result.stderr
-    assert "Traceback" not in result.output
-    for rank in range(2):
-        got = tree_of(tmp_path / "n" / str(rank))
-        assert all(path.endswith(".azcp-part") or data == files[path] for path, data in got.items())
+    dests = [tmp_path / "n" / str(rank) for rank in range(2)]
+    _one_error_nothing_wrong(result, 1, ["rank 0", "simulated bug in the download"], dests, files)
 
 
 def test_source_readers_with_a_blob_url_is_refused(tmp_path: Path) -> None:
@@ -223,10 +225,5 @@ def test_a_failure_outside_the_fan_out_machine_ends_every_rank(
         program=[str(FANOUT_BUG)],
         timeout=60,
     )
-    assert result.returncode == 1, result.output
-    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
-    assert len(errors) == 1 and "rank 0" in errors[0] and "simulated" in errors[0], result.stderr
-    assert "Traceback" not in result.output
-    for rank in range(2):
-        got = tree_of(tmp_path / "n" / str(rank))
-        assert all(path.endswith(".azcp-part") or data == files[path] for path, data in got.items())
+    dests = [tmp_path / "n" / str(rank) for rank in range(2)]
+    _one_error_nothing_wrong(result, 1, ["rank 0", "simulated"], dests, files)
