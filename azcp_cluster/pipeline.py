@@ -32,6 +32,7 @@ from azcp_cluster.cluster import (
 from azcp_cluster.config import Config, format_bytes, json_inside_dest
 from azcp_cluster.destlock import DestLock, lock_backoff
 from azcp_cluster.desttree import DestTree
+from azcp_cluster.digests import verdict
 from azcp_cluster.errors import (
     AzcpError,
     LocalFSError,
@@ -869,8 +870,10 @@ class _Run:
                 for i in transfer:
                     if files[i].size == 0:
                         streamed[i] = EMPTY_MD5
-                # Read back: everything (disk), or what was not streamed past this rank.
-                reread = [i for i in range(len(files)) if disk or i not in streamed]
+                # Read back: everything this node holds (disk), or what was not streamed past
+                # this rank. A file the schedule did not bring here (a subset) is not here.
+                held = [i for i in range(len(files)) if i in written or self.have[i]]
+                reread = [i for i in held if disk or i not in streamed]
 
                 def hash_copy(i: int) -> str:
                     rel = files[i].path
@@ -894,17 +897,8 @@ class _Run:
                         )
             outcome.stats = {"md5": digests}
         result = cluster.conclude(t0, outcome)
-        leaders = self.topo.leaders
-        for i, entry in enumerate(files):
-            seen = [result.stats[rank]["md5"].get(i, "") for rank in leaders]
-            expected = entry.content_md5 or Counter(seen).most_common(1)[0][0]
-            bad = [rank for rank, digest in zip(leaders, seen, strict=True) if digest != expected]
-            if bad:
-                ranks = ", ".join(map(str, bad))
-                against = "the blob's Content-MD5" if entry.content_md5 else "the other ranks"
-                raise VerifyError(f"MD5 on rank(s) {ranks} differs from {against}", path=entry.path)
-            self.verified_md5[i] = expected
-        self.report.verified_files = len(files)
+        self.verified_md5 = verdict(files, [(rank, result.stats[rank]["md5"]) for rank in self.topo.leaders])
+        self.report.verified_files = len(self.verified_md5)
         self.report.stages["verify"] = StageFigures(result.seconds, self.report.bytes)
 
     def record(self, listing: Listing, transfer: list[int]) -> None:

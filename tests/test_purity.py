@@ -19,6 +19,7 @@ PURE_MODULES = (
     "plan",
     "schedule",
     "fanout",
+    "digests",
     "naming",
     "source",
     "config",

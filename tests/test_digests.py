@@ -1,0 +1,37 @@
+"""--verify's verdict (azcp_cluster/digests.py): which copies are compared, against what."""
+
+from __future__ import annotations
+
+import pytest
+
+from azcp_cluster.digests import verdict
+from azcp_cluster.errors import VerifyError
+from azcp_cluster.model import FileEntry
+
+A, B = "QUFBQUFBQUFBQUFBQUFBQQ==", "QkJCQkJCQkJCQkJCQkJCQg=="
+
+
+def _files(*md5: str) -> list[FileEntry]:
+    return [FileEntry(name=f"f{i}", path=f"f{i}", size=1, content_md5=m) for i, m in enumerate(md5)]
+
+
+def test_every_copy_matches_the_content_md5() -> None:
+    assert verdict(_files(A, B), [(0, {0: A, 1: B}), (2, {0: A, 1: B})]) == {0: A, 1: B}
+
+
+def test_a_copy_that_differs_from_the_content_md5_names_its_rank_even_if_most_agree() -> None:
+    with pytest.raises(VerifyError, match=r"rank\(s\) 0, 2 differs from the blob's Content-MD5") as err:
+        verdict(_files(A), [(0, {0: B}), (1, {0: A}), (2, {0: B})])
+    assert err.value.path == "f0"
+
+
+def test_without_content_md5_the_majority_is_expected() -> None:
+    assert verdict(_files(""), [(0, {0: A}), (1, {0: A})]) == {0: A}
+    with pytest.raises(VerifyError, match=r"rank\(s\) 3 differs from the other ranks"):
+        verdict(_files(""), [(0, {0: A}), (1, {0: A}), (3, {0: B})])
+
+
+def test_only_the_nodes_that_hold_a_file_are_compared() -> None:
+    """A subset of receivers: file 1 is on rank 2's node only; file 2 on nobody's."""
+    got = verdict(_files("", "", ""), [(0, {0: A}), (2, {0: A, 1: B})])
+    assert got == {0: A, 1: B}
