@@ -159,10 +159,15 @@ class Broadcaster:
 
     # -- the MPI side (main thread) -------------------------------------------------------
 
-    def run(self, schedule: Sequence[Transfer], landed: Landed | None = None) -> BroadcastStats:
+    def run(
+        self, schedule: Sequence[Transfer], landed: Landed | None = None, failed: AzcpError | None = None
+    ) -> BroadcastStats:
         """Carry out every transfer this rank takes part in; raise the first local error after all ranks stopped.
 
-        ``landed``: streaming, the download still running (see :class:`Landed`).
+        ``landed``: streaming, the download still running (see :class:`Landed`). ``failed``:
+        this rank failed before the fan-out began (its download could not be set up): it takes
+        part without reading or writing until the first agreement, where all ranks stop, as it
+        does when anything else fails before its first post here (its threads cannot start).
         """
         from mpi4py import MPI
 
@@ -187,13 +192,22 @@ class Broadcaster:
         )
         reads: queue.SimpleQueue[Read | None] = queue.SimpleQueue()
         hashes: queue.SimpleQueue[Hash | None] = queue.SimpleQueue()
-        threads = [threading.Thread(target=self._reader, args=(reads,), name="azcp-readahead", daemon=True)]
+        threads: list[threading.Thread] = []
         own_disk = self.disk is None
-        disk = self.disk if self.disk is not None else DiskWriter(self.writer_count, name="azcp-bcast-writer")
-        if hashed:
-            threads.append(threading.Thread(target=self._hasher, args=(hashes,), name="azcp-md5", daemon=True))
-        for thread in threads:
-            thread.start()
+        disk = self.disk
+        try:
+            threads.append(threading.Thread(target=self._reader, args=(reads,), name="azcp-readahead", daemon=True))
+            if hashed:
+                threads.append(threading.Thread(target=self._hasher, args=(hashes,), name="azcp-md5", daemon=True))
+            for thread in threads:
+                thread.start()
+            if disk is None:
+                disk = DiskWriter(self.writer_count, name="azcp-bcast-writer")
+        except Exception as exc:  # no thread (a process limit): fail here, but never leave the others
+            failed = failed or _as_error(exc, "starting the fan-out's threads")
+        threads = [t for t in threads if t.ident is not None]  # only the started ones are joined
+        if failed is not None:
+            machine.failed(failed)  # before start(): nothing is read or written, everything posted
         inflight: deque[tuple[Transfer, list[Any]]] = deque()
         todo: deque[Instruction] = deque(machine.start())
         finish: Finish | None = None
@@ -209,6 +223,8 @@ class Broadcaster:
                         inflight.append((transfer, self._post(transfer, self.slots[step.slot].buffer, MPI)))
                     elif isinstance(step, Write):
                         try:
+                            if disk is None:
+                                raise RuntimeError("no disk writer")
                             disk.submit(self._work(step), self._reported(step.seq, "writer"))
                         except Exception as exc:  # (a closed writer): the write fails, reported as one
                             self._reported(step.seq, "writer")(exc)
@@ -217,8 +233,8 @@ class Broadcaster:
                     elif isinstance(step, Hash):
                         hashes.put(step)
                     elif isinstance(step, Agree):
-                        failed = self.comm.allreduce(1 if step.failed else 0) > 0
-                        todo.extend(machine.agreed(failed))
+                        any_failed = self.comm.allreduce(1 if step.failed else 0) > 0
+                        todo.extend(machine.agreed(any_failed))
                     elif isinstance(step, Drain):
                         while inflight:
                             MPI.Request.Waitall(inflight.popleft()[1])
@@ -259,7 +275,7 @@ class Broadcaster:
             hashes.put(None)
             for thread in threads:
                 thread.join()
-            if own_disk:
+            if own_disk and disk is not None:
                 disk.close()  # after the queued writes (a shared one: its owner closes it)
         if finish.error is not None:
             raise finish.error

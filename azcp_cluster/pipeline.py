@@ -26,6 +26,7 @@ from azcp_cluster.cluster import (
     Cluster,
     StageOutcome,
     StageResult,
+    as_azcp_error,
     error_from_payload,
     error_payload,
 )
@@ -668,8 +669,13 @@ class _Run:
                 broadcaster.on_bytes = progress.add
                 broadcaster.announce = lambda: cluster.signal_failure(outcome)
                 broadcaster.peer_failed = cluster.peer_failed
-                downloader = self.downloader(listing, plan, auth, progress.add_download) if mine else None
-                done = lead(broadcaster, schedule, feed, downloader, mine, index, since, self.rank)
+                downloader = None
+                early: AzcpError | None = None
+                try:
+                    downloader = self.downloader(listing, plan, auth, progress.add_download) if mine else None
+                except Exception as exc:  # the fan-out still runs to its first agreement: nobody is left waiting
+                    early = as_azcp_error(exc, self.rank)
+                done = lead(broadcaster, schedule, feed, downloader, mine, index, since, self.rank, early)
                 self.streamed_md5.update(done.digests or {})
             elif mine:
                 done = notify_while_downloading(

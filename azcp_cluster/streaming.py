@@ -219,16 +219,18 @@ def lead(
     index: dict[tuple[int, int], int],
     since: Callable[[], float],
     rank: int,
+    failed: AzcpError | None = None,
 ) -> Streamed:
     """A leader's part: the fan-out on this (the MPI) thread, its own ``blocks`` (if any) downloaded
     by ``downloader`` on a thread meanwhile. ``since()``: seconds since the stage began.
+    ``failed``: the download could not be set up; the fan-out still runs to its first agreement.
 
     Raises the stage's error: the fan-out's, or this rank's own download error rather than a
     peer's failure when both happened.
     """
     downloaded = 0.0
     thread: DownloadThread | None = None
-    if blocks:
+    if blocks and failed is None:
 
         def fetch() -> Any:
             nonlocal downloaded
@@ -256,7 +258,7 @@ def lead(
     dstats = None
     failure: BaseException | None = None
     try:
-        fanout = broadcaster.run(schedule, landed=feed)
+        fanout = broadcaster.run(schedule, landed=feed, failed=failed)
     except PeerFailed:
         if thread is not None:
             thread.stop.set()

@@ -211,12 +211,23 @@ def test_source_readers_with_a_blob_url_is_refused(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize(("bug", "extra"), [("retired", []), ("retired", ["--no-overlap"]), ("thread", [])])
+@pytest.mark.parametrize(
+    ("bug", "extra"),
+    [
+        ("retired", []),
+        ("retired", ["--no-overlap"]),
+        ("thread", []),
+        ("readahead", []),
+        ("readahead", ["--no-overlap"]),
+        ("downloader", []),
+    ],
+)
 def test_a_failure_outside_the_fan_out_machine_ends_every_rank(
     emulator: azurite.Emulator, tmp_path: Path, bug: str, extra: list[str]
 ) -> None:
-    """Rank 0 fails in the driver's own bookkeeping, or cannot start its download thread: it
-    goes on taking part until the next agreement, and every rank ends with one line, exit 1."""
+    """Rank 0 fails in the driver's own bookkeeping, cannot start its download thread or its
+    read-ahead, or cannot make its downloader: it goes on taking part until the next
+    agreement, and every rank ends with one line, exit 1."""
     container, files = _dataset(emulator)
     result = run_cli(
         [emulator.url(container, "d"), str(tmp_path / "n" / "{rank}"), *OPTIONS, *extra],

@@ -3,8 +3,9 @@
     mpiexec -n N python tests/programs/bug_in_fanout.py ARGS...
 
 AZCP_TEST_BUG: ``retired`` (the driver's bookkeeping of a completed transfer raises OSError,
-as a progress bar on a vanished terminal might) or ``thread`` (the leader's download thread
-cannot be started, as under a process limit). Every rank must end with one line and exit 1,
+as a progress bar on a vanished terminal might), ``thread`` (the leader's download thread
+cannot be started, as under a process limit), ``readahead`` (nor the fan-out's read-ahead
+thread) or ``downloader`` (the leader's downloader cannot be made). Every rank must end with one line and exit 1,
 not hang in a collective that rank 0 left.
 """
 
@@ -12,9 +13,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import Any
 
-from azcp_cluster import broadcast, streaming
+from azcp_cluster import broadcast, pipeline, streaming
 
 RANK = next((os.environ[k] for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK") if k in os.environ), "0")
 MODE = os.environ.get("AZCP_TEST_BUG", "retired")
@@ -35,6 +37,22 @@ elif RANK == "0" and MODE == "thread":
         raise RuntimeError("can't start new thread (simulated)")
 
     streaming.DownloadThread.start = no_thread  # type: ignore[method-assign]
+
+elif RANK == "0" and MODE == "readahead":
+    start = threading.Thread.start
+
+    def refusing(self: threading.Thread) -> None:
+        if self.name == "azcp-readahead":
+            raise RuntimeError("can't start new thread (simulated)")
+        start(self)
+
+    threading.Thread.start = refusing  # type: ignore[method-assign]
+elif RANK == "0" and MODE == "downloader":
+
+    def no_downloader(self: Any, *args: Any) -> Any:
+        raise RuntimeError("cannot make the downloader (simulated)")
+
+    pipeline._Run.downloader = no_downloader  # type: ignore[method-assign]
 
 from azcp_cluster.cli import main  # noqa: E402
 
