@@ -255,10 +255,6 @@ class FanOut:
         """Whether this rank has failed or knows of a failure (it reads and writes nothing more)."""
         return self.error is not None or self.peer
 
-    def waiting_for_landing(self) -> bool:
-        """Whether the next transfer to post waits for its bytes to land (the driver then watches downloads)."""
-        return self._next_post < len(self.items) and self.items[self._next_post].state is _State.LANDING
-
     # -- internals --------------------------------------------------------------------------
 
     def _set(self, item: _Item, state: _State) -> None:
