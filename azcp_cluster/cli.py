@@ -364,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = config_from_args(argv)
         except UsageError as exc:
             # Every rank parses the same arguments; print once (rank 0, or a plain process).
-            if _launcher_rank() == 0:
+            if launcher_rank() == 0:
                 print(exc.one_line(), file=sys.stderr)
             return exc.exit_code
         comm = _comm()
@@ -393,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # not a bug. Nothing to agree before MPI is up or alone; otherwise the others
             # may be waiting in a collective, so end the job, with the signal's code.
             stop = exc if isinstance(exc, Interrupted) else interrupts.error(rank) or signal_error(signal.SIGINT, rank)
-            if comm is not None or _launcher_rank() == 0:
+            if comm is not None or launcher_rank() == 0:
                 print(stop.one_line(), file=sys.stderr, flush=True)
             if comm is not None and comm.Get_size() > 1:
                 comm.Abort(stop.exit_code)
@@ -417,8 +417,8 @@ def _write_json(report: Any, path: str) -> None:
         print(f"azcp-cluster: warning: cannot write the JSON report to {path}: {exc.strerror}", file=sys.stderr)
 
 
-def _launcher_rank() -> int:
-    """This process's rank as the launcher set it, without initialising MPI."""
+def launcher_rank() -> int:
+    """This process's rank as the launcher set it (hydra, PMIx, Open MPI, Slurm), without initialising MPI."""
     import os
 
     for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):

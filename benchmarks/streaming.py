@@ -38,15 +38,10 @@ from azcp_cluster.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.datasets import pseudo_random
+from benchmarks.run import mpiexec
 
 REPO = Path(__file__).resolve().parents[1]
 OLD = "ec58a2f"  # main before issue 14
-
-
-def mpiexec() -> str:
-    """The mpiexec next to this interpreter, else the one on PATH."""
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
 
 
 def _sync() -> None:

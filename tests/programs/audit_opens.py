@@ -13,8 +13,9 @@ import sys
 from typing import Any
 
 WATCH = os.path.realpath(os.environ["AZCP_AUDIT_WATCH"])
-# MPICH (hydra) sets PMI_RANK, Open MPI OMPI_COMM_WORLD_RANK, Slurm SLURM_PROCID.
-RANK = next((os.environ[k] for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID") if k in os.environ), "0")
+from azcp_cluster.cli import launcher_rank  # noqa: E402
+
+RANK = launcher_rank()
 LOG = open(os.path.join(os.environ["AZCP_AUDIT_LOG"], f"rank-{RANK}.log"), "a", encoding="utf-8")  # noqa: SIM115
 
 

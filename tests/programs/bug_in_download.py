@@ -14,9 +14,9 @@ import sys
 from typing import Any
 
 from azcp_cluster import download
+from azcp_cluster.cli import launcher_rank
 
-RANK = next((os.environ[k] for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK") if k in os.environ), "0")
-if os.environ.get("AZCP_TEST_BUG_RANK", "0") == RANK:
+if int(os.environ.get("AZCP_TEST_BUG_RANK", "0")) == launcher_rank():
     get_once = download.Downloader._get_once
     calls = [0]
 
@@ -28,6 +28,6 @@ if os.environ.get("AZCP_TEST_BUG_RANK", "0") == RANK:
 
     download.Downloader._get_once = buggy  # type: ignore[method-assign]
 
-from azcp_cluster.cli import main  # noqa: E402
+from azcp_cluster.cli import main
 
 sys.exit(main())

@@ -17,8 +17,9 @@ import threading
 from typing import Any
 
 from azcp_cluster import broadcast, pipeline, streaming
+from azcp_cluster.cli import launcher_rank
 
-RANK = next((os.environ[k] for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK") if k in os.environ), "0")
+RANK = str(launcher_rank())
 MODE = os.environ.get("AZCP_TEST_BUG", "retired")
 if RANK == "0" and MODE == "retired":
     retired = broadcast.Broadcaster._retired

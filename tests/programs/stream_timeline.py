@@ -17,7 +17,9 @@ import threading
 import time
 from typing import Any
 
-RANK = int(next((os.environ[k] for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK") if k in os.environ), "0"))
+from azcp_cluster.cli import launcher_rank
+
+RANK = launcher_rank()
 LOGDIR = sys.argv.pop(1)
 os.makedirs(LOGDIR, exist_ok=True)
 LOG = open(os.path.join(LOGDIR, f"rank-{RANK}.log"), "a", encoding="utf-8")  # noqa: SIM115
