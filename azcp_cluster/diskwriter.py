@@ -31,9 +31,7 @@ class DiskWriter:
         if threads < 1:
             raise ValueError("threads must be at least 1")
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(threads)
-        ]
+        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for thread in self._threads:
             thread.start()
 

@@ -278,9 +278,7 @@ def test_a_fifo_at_a_temporary_name_is_removed_and_the_job_does_not_hang(tmp_pat
 def test_json_report_inside_dest_is_refused(tmp_path: Path) -> None:
     _write_tree(tmp_path / "src", {"a.bin": b"a"})
     (tmp_path / "d" / "0").mkdir(parents=True)
-    result = run_cli(
-        [str(tmp_path / "src"), str(tmp_path / "d" / "{rank}")], json_path=tmp_path / "d" / "0" / "a.bin"
-    )
+    result = run_cli([str(tmp_path / "src"), str(tmp_path / "d" / "{rank}")], json_path=tmp_path / "d" / "0" / "a.bin")
     assert result.returncode == 2, result.output
     (line,) = _errors(result.stderr)
     assert "--json" in line and "inside DEST" in line, line

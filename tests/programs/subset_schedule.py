@@ -4,8 +4,8 @@
 
 Rank 0 reads three local files (a small one, one of several transfers, one packed with
 the small one) and is every transfer's root. File 0 goes to rank 1 only, file 1 to rank 2
-only, file 2 to both; the schedule says so and nothing else does. Each rank prints one
-JSON line: which temporary files it wrote and whether each is byte-identical to the source.
+only, file 2 to both; the schedule says so and nothing else does. Each rank writes
+WORKDIR/result<rank>.json: which temporary files it wrote and whether each is byte-identical to the source.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ RECEIVERS = {0: (1,), 1: (2,), 2: (1, 2)}
 
 
 def main() -> int:
-    """Run the fan-out of the subset schedule and print what this rank has."""
+    """Run the fan-out of the subset schedule and write what this rank has to result<rank>.json."""
     work = sys.argv[1]
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
@@ -67,18 +67,18 @@ def main() -> int:
         if os.path.exists(path):
             with open(path, "rb") as got, open(sources[i], "rb") as want:
                 have[i] = got.read() == want.read()
-    print(
-        json.dumps(
+    # One file per rank: lines that several ranks print to one stdout can run together.
+    with open(os.path.join(work, f"result{rank}.json"), "w") as fh:
+        json.dump(
             {
                 "rank": rank,
                 "have": {str(k): v for k, v in have.items()},
                 "transfers": stats.chunks,
                 "p2p": sum(1 for t in schedule if not t.everyone),
                 "digests": sorted(broadcaster.digests),
-            }
-        ),
-        flush=True,
-    )
+            },
+            fh,
+        )
     return 0
 
 
