@@ -157,6 +157,11 @@ class Broadcaster:
         self.changed: set[int] = set()
         self._events: queue.SimpleQueue[tuple[str, int, AzcpError | None]] = queue.SimpleQueue()
 
+    def release(self) -> None:
+        """Free the slots once the fan-out is over (a second round maps its own; the verify
+        and the rename need none)."""
+        self.slots = []
+
     # -- the MPI side (main thread) -------------------------------------------------------
 
     def run(

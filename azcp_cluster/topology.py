@@ -94,6 +94,20 @@ def group_ranks(
     )
 
 
+def choose_reader(sees: Sequence[bool], requested: int | None, source: str) -> int:
+    """The rank that reads a local SOURCE: ``requested`` (``--source-rank``) or the lowest that sees it."""
+    if requested is not None:
+        if not 0 <= requested < len(sees):
+            raise UsageError(f"--source-rank {requested} is not a rank of this job (0..{len(sees) - 1})")
+        if not sees[requested]:
+            raise TopologyError(f"--source-rank {requested} cannot see SOURCE", path=source)
+        return requested
+    for rank, seen in enumerate(sees):
+        if seen:
+            return rank
+    raise UsageError(f"SOURCE {source!r} is neither a blob URL nor a path that exists on any rank")
+
+
 def choose_readers(sees: Sequence[bool], places: Sequence[tuple[str, str]], count: int) -> list[int]:
     """``--source-readers``: the lowest rank that sees SOURCE on each of the first ``count`` nodes
     (``places``, as for :func:`group_ranks`) that see it, ascending."""

@@ -16,8 +16,9 @@ import sys
 import threading
 from typing import Any
 
-from azcp_cluster import broadcast, pipeline, streaming
+from azcp_cluster import broadcast, streaming
 from azcp_cluster.cli import launcher_rank
+from azcp_cluster.stages import transfer
 
 RANK = str(launcher_rank())
 MODE = os.environ.get("AZCP_TEST_BUG", "retired")
@@ -50,10 +51,10 @@ elif RANK == "0" and MODE == "readahead":
     threading.Thread.start = refusing  # type: ignore[method-assign]
 elif RANK == "0" and MODE == "downloader":
 
-    def no_downloader(self: Any, *args: Any) -> Any:
+    def no_downloader(*args: Any) -> Any:
         raise RuntimeError("cannot make the downloader (simulated)")
 
-    pipeline._Run.downloader = no_downloader  # type: ignore[method-assign]
+    transfer.downloader = no_downloader
 
 from azcp_cluster.cli import main  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Run the CLI, corrupting one copy on disk after the fsync and before ``--verify`` reads it back.
 
 A test-only hook for what a disk, a filesystem or another writer can do to a file between
-its arrival and the verification: after ``_Run.sync`` (every temporary file fsynced), the
+its arrival and the verification: after ``stages.finish.sync`` (every temporary file fsynced), the
 rank named by AZCP_CORRUPT_RANK flips one byte of the file AZCP_CORRUPT_FILE (a path below
 DEST) in its temporary file, then the run goes on.
 """
@@ -12,16 +12,16 @@ import os
 import sys
 from typing import Any
 
-from azcp_cluster import pipeline
 from azcp_cluster.localfs import temp_path
+from azcp_cluster.stages import finish
 
-_sync = pipeline._Run.sync
+_sync = finish.sync
 
 
-def sync_then_corrupt(self: Any, listing: Any, transfer: list[int]) -> None:
-    _sync(self, listing, transfer)
-    if self.rank == int(os.environ["AZCP_CORRUPT_RANK"]):
-        path = temp_path(self.dest, os.environ["AZCP_CORRUPT_FILE"])
+def sync_then_corrupt(ctx: Any, place: Any, moved: Any) -> None:
+    _sync(ctx, place, moved)
+    if ctx.rank == int(os.environ["AZCP_CORRUPT_RANK"]):
+        path = temp_path(ctx.dest, os.environ["AZCP_CORRUPT_FILE"])
         fd = os.open(path, os.O_RDWR)
         try:
             byte = os.pread(fd, 1, 0)
@@ -31,7 +31,7 @@ def sync_then_corrupt(self: Any, listing: Any, transfer: list[int]) -> None:
             os.close(fd)
 
 
-pipeline._Run.sync = sync_then_corrupt  # type: ignore[method-assign]
+finish.sync = sync_then_corrupt
 
 from azcp_cluster.cli import main  # noqa: E402
 

@@ -11,21 +11,21 @@ import os
 import sys
 from typing import Any
 
-from azcp_cluster import pipeline
+from azcp_cluster.stages import survey
 
-_list = pipeline._Run.list_stage
+_list = survey.list_source
 
 
-def list_then_swap(self: Any, auth: Any) -> Any:
-    listing = _list(self, auth)
-    if self.rank == self.reader:
-        path = os.path.join(self.source_root, "a.bin")
+def list_then_swap(ctx: Any, place: Any) -> Any:
+    listed = _list(ctx, place)
+    if ctx.rank == place.reader:
+        path = os.path.join(ctx.source_root, "a.bin")
         os.unlink(path)
         os.mkfifo(path)
-    return listing
+    return listed
 
 
-pipeline._Run.list_stage = list_then_swap  # type: ignore[method-assign]
+survey.list_source = list_then_swap
 
 from azcp_cluster.cli import main  # noqa: E402
 

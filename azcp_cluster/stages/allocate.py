@@ -1,0 +1,186 @@
+"""The schedule and the allocate stage: what each node receives, its files and buffers made up front.
+
+``schedule_for`` cuts the plan into the leaders' transfers (a frozen :class:`Schedule`);
+``allocate`` makes, in an agreement of its own and before any byte moves, every temporary
+file this node writes, the download's buffers and the fan-out's slots (a :class:`Prepared`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from azcp_cluster.broadcast import Broadcaster
+from azcp_cluster.cluster import StageOutcome
+from azcp_cluster.localfs import check_space
+from azcp_cluster.localsource import source_file
+from azcp_cluster.model import Listing
+from azcp_cluster.plan import Plan
+from azcp_cluster.schedule import DIRECT_MIN, Transfer, files_written, transfer_schedule
+from azcp_cluster.stages.context import RunContext
+from azcp_cluster.stages.setup import Placement
+from azcp_cluster.stages.survey import Diff, Listed
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The transfers between the leaders, and the files they bring to this rank's node."""
+
+    transfers: tuple[Transfer, ...]
+    receives: frozenset[int]  # files the schedule brings here (this and earlier rounds)
+
+    @property
+    def payload(self) -> int:
+        """Bytes of file data in the transfers (not the alignment padding)."""
+        return sum(e.length for t in self.transfers for e in t.extents)
+
+    @property
+    def files(self) -> int:
+        """Files with bytes in the transfers."""
+        return len({e.file for t in self.transfers for e in t.extents})
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the allocate stage made for the transfer stage."""
+
+    broadcaster: Broadcaster | None  # leaders with something to fan out: slots mapped
+    here: tuple[int, ...]  # the files this node writes (and later syncs, verifies, renames)
+
+
+def schedule_for(ctx: RunContext, place: Placement, plan: Plan, earlier: Schedule | None = None) -> Schedule:
+    """The transfers between the leaders for ``plan`` (a shard goes out from its owner's leader).
+
+    ``earlier``: a first round's schedule, whose files this node still receives.
+    """
+    topo = place.topo
+    transfers = transfer_schedule(plan, ctx.cfg.bcast_chunk, topo.groups, root_of=topo.group_of)
+    receives = files_written(transfers, place.group)
+    if earlier is not None:
+        receives |= earlier.receives
+    return Schedule(tuple(transfers), frozenset(receives))
+
+
+def writes_here(listing: Listing, diff: Diff, schedule: Schedule) -> tuple[int, ...]:
+    """The transferred files this node does not have yet and the schedule brings it (it writes
+    and renames these); empty files are made on every node."""
+    files = listing.files
+    receives = schedule.receives
+    return tuple(i for i in diff.transfer if not diff.have[i] and (files[i].size == 0 or i in receives))
+
+
+def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan: Plan, schedule: Schedule) -> Prepared:
+    """Create the temporary files, the download buffers and the broadcast slots, in an
+    agreement of their own.
+
+    Before any download: a node's other ranks write into the temporary files its leader
+    creates here. A rank that cannot get its memory fails here, before anything is
+    downloaded, and never stays out of the Ibcasts the others have entered.
+    """
+    here = writes_here(listed.listing, diff, schedule)
+    if not diff.transfer:
+        return Prepared(None, here)  # nothing to write: a rerun stays cheap
+    cluster = ctx.cluster
+    cfg = ctx.cfg
+    outcome = StageOutcome()
+    broadcaster: Broadcaster | None = None
+    mine = plan.owned_by(ctx.rank)
+    with cluster.stage(outcome):
+        if not ctx.local and mine:
+            from azcp_cluster.download import WritePool, blocks_for, pool_buffers_for
+
+            # Mapped now, with its writer threads started: the download stage then
+            # measures the transfer, not page faults and thread start-up. No more
+            # buffers than this rank's requests can fill at once.
+            blocks = len(blocks_for(mine, cfg.block_size))
+            if place.leader and cfg.overlap:
+                # Streaming: this rank's download and its fan-out write at once; one
+                # set of writer threads for both (diskwriter.py).
+                from azcp_cluster.diskwriter import DiskWriter
+                from azcp_cluster.download import WRITER_THREADS
+
+                ctx.disk = DiskWriter(WRITER_THREADS + cfg.bcast_writers)
+            ctx.write_pool = WritePool(
+                cfg,
+                populate=True,
+                buffers=pool_buffers_for(cfg.concurrency, blocks),
+                writer=ctx.disk,
+            )
+        if place.leader:
+            files = listed.listing.files
+            # Checked before anything is written, where the sizes are known.
+            ctx.bytes_to_write = sum(files[i].size for i in here)
+            later = made_on_arrival(ctx, place, listed.listing, plan, here)
+            prepare_files(ctx, listed.listing, here, later)
+            broadcaster = make_broadcaster(ctx, place, listed, diff, schedule, later)
+    ctx.explain_space(outcome)  # the files' blocks are reserved here: a full disk shows here first
+    cluster.conclude(cluster.clock(), outcome)
+    topo = place.topo
+    if not ctx.local and any(not topo.is_leader(r) for r in topo.downloaders):
+        # Some node has downloaders besides its leader: they get the files' identities.
+        made = ctx.group_comm.bcast(ctx.tree.made if place.leader and ctx.tree is not None else None, root=0)
+        if mine and not place.leader:
+            ctx.dest_tree().adopt(made or {})  # DEST exists now: its leader made it
+    return Prepared(broadcaster, here)
+
+
+def prepare_files(ctx: RunContext, listing: Listing, indices: Sequence[int], later: Sequence[int] = ()) -> None:
+    """Leaders: check the space, then make the temporary files of ``indices`` anew at full size
+    (those in ``later`` are made by the broadcast's writers, see DestTree.prepare_all)."""
+    tree = ctx.dest_tree()
+    entries = [(listing.files[i].path, listing.files[i].size) for i in indices]
+    check_space(ctx.dest, tree.space_needed(entries))
+    tree.prepare_all(entries, later=[listing.files[i].path for i in later])
+
+
+def made_on_arrival(
+    ctx: RunContext, place: Placement, listing: Listing, plan: Plan, missing: Sequence[int]
+) -> list[int]:
+    """The small files this node only receives (no rank of the node downloads into them):
+    their writer creates them when their bytes arrive, one open each instead of two."""
+    group_of = place.topo.group_of
+    # A local SOURCE's plan names its readers as owners: they read it, nobody downloads.
+    downloaded = (
+        set() if ctx.local else {s.file for s in plan.shards if not s.peer and group_of[s.owner] == place.group}
+    )
+    files = listing.files
+    return [i for i in missing if 0 < files[i].size < DIRECT_MIN and i not in downloaded]
+
+
+def make_broadcaster(
+    ctx: RunContext, place: Placement, listed: Listed, diff: Diff, schedule: Schedule, later: Sequence[int] = ()
+) -> Broadcaster | None:
+    """Leaders: the fan-out engine for ``schedule``, its slots mapped now."""
+    transfers = schedule.transfers
+    if not transfers:
+        return None
+    cfg = ctx.cfg
+    reads = ctx.local and ctx.rank in place.readers
+    return Broadcaster(
+        ctx.node_comm,
+        listed.listing.files,
+        ctx.dest_tree(),
+        max(t.length for t in transfers),  # no slot larger than the largest transfer
+        pipeline=min(cfg.bcast_pipeline, len(transfers)),
+        writers=cfg.bcast_writers,
+        direct=cfg.bcast_direct,
+        have=list(diff.have),
+        verify=bool(cfg.verify),
+        source_of=read_from_source(ctx, listed, diff) if reads else None,
+        stop_requested=ctx.cluster.interrupted,
+        made_on_arrival=set(later),
+        disk=ctx.disk,
+    )
+
+
+def read_from_source(ctx: RunContext, listed: Listed, diff: Diff) -> Callable[[int], str | None]:
+    """For a reader of a local SOURCE: where each file it lacks is read from."""
+    have = diff.have
+    files = listed.listing.files
+
+    def where(index: int) -> str | None:
+        if have[index]:
+            return None  # sent from the reader's own complete copy
+        return source_file(ctx.source_root, files[index].name, listed.single_file)
+
+    return where

@@ -1,0 +1,130 @@
+"""What every stage of a run shares: its fixed facts, the handles to close, two messages.
+
+The facts (configuration, rank, DEST, the cluster, the report) do not change once the run
+starts. The handles (DEST's tree and lock, the download's buffers, the disk writers, the
+communicators) are opened by the stages that need them and closed here, whatever stage
+failed. Results move between stages as frozen values, not through this object.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TextIO
+
+from azcp_cluster.cluster import Cluster, StageOutcome
+from azcp_cluster.config import Config
+from azcp_cluster.desttree import DestTree
+from azcp_cluster.errors import LocalFSError
+from azcp_cluster.localfs import expand_dest, free_bytes
+from azcp_cluster.progress import wants_progress
+from azcp_cluster.report import Report
+from azcp_cluster.source import is_url
+
+if TYPE_CHECKING:
+    from azcp_cluster.destlock import DestLock
+    from azcp_cluster.diskwriter import DiskWriter
+    from azcp_cluster.download import WritePool
+
+
+class RunContext:
+    """One run on one rank: the facts every stage reads and the handles closed at its end."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        cluster: Cluster,
+        report: Report,
+        env: Mapping[str, str],
+        wall: Callable[[], float],
+        out: TextIO,
+        host: str,
+        started: float,
+        credential: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        self.cluster = cluster
+        self.report = report
+        self.env = env
+        self.wall = wall
+        self.out = out
+        self.host = host
+        self.started = started
+        self.credential = credential  # the Python API's credential=, else None
+        self.rank = cluster.rank
+        # Absolute, but not normalised: "link/../x" is where the kernel says, not "x".
+        self.dest = os.path.join(os.getcwd(), expand_dest(cfg.dest, self.rank, host))
+        # Symlinks and "..": two spellings of one directory are still one directory.
+        self.dest_identity = os.path.realpath(self.dest)
+        self.show_progress = wants_progress(cfg.progress, self.rank)
+        # A SOURCE without a scheme is a path: the readers read it, the others receive it.
+        self.local = not is_url(cfg.source)
+        self.source_root = os.path.abspath(cfg.source) if self.local else ""
+        self.bytes_to_write = 0  # of the files this node writes (allocate): for a full-disk message
+        self._warned_direct = False
+        # Handles, opened by the stages and closed by close().
+        # DEST opened by its real path (leaders, and downloaders once it exists): every file
+        # below it is reached through this handle, never through a link (desttree.py).
+        self.tree: DestTree | None = None
+        self.dest_lock: DestLock | None = None  # leaders: held from setup to the end of the run
+        self.write_pool: WritePool | None = None  # the download's buffers and writers (allocate)
+        self.disk: DiskWriter | None = None  # streaming leaders that download: writers shared with the fan-out
+        self.node_comm: Any = None  # the leaders' communicator, for the fan-out (setup)
+        self.group_comm: Any = None  # this node's ranks, its leader as rank 0 (setup)
+
+    def dest_tree(self) -> DestTree:
+        """This rank's handle on DEST (opened here by a downloader that is not its node's leader)."""
+        if self.tree is None:
+            self.tree = DestTree(self.dest, create=not self.cfg.dry_run)
+        return self.tree
+
+    def close_write_pool(self) -> None:
+        """Free the download's buffers and stop its writers (its memory is not the fan-out's)."""
+        if self.write_pool is not None:
+            self.write_pool.close()
+            self.write_pool = None
+
+    def close(self) -> None:
+        """Stop the writer threads; release DEST; free the communicators."""
+        self.close_write_pool()
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
+        if self.dest_lock is not None:
+            self.dest_lock.close()
+            self.dest_lock = None
+        if self.tree is not None:
+            self.tree.close()
+            self.tree = None
+        if self.node_comm is not None:
+            self.node_comm.Free()
+            self.node_comm = None
+        if self.group_comm is not None:
+            self.group_comm.Free()
+            self.group_comm = None
+
+    def explain_space(self, outcome: StageOutcome) -> None:
+        """Add what this node needed and has free to a full-disk error raised while writing."""
+        error = outcome.error
+        if isinstance(error, LocalFSError) and getattr(error, "no_space", False):
+            try:
+                free = f"{free_bytes(self.dest)} bytes free"
+            except OSError:
+                free = "free space unknown"
+            error.message += f" ({self.bytes_to_write} bytes needed on this node, {free})"
+
+    def warn_direct(self, stats: list[dict[str, Any]]) -> None:
+        """One line on rank 0 (once per run) when some rank's filesystem refused O_DIRECT."""
+        refused = [(rank, st["refused"]) for rank, st in enumerate(stats) if st.get("refused")]
+        if not refused or self._warned_direct:
+            return
+        self._warned_direct = True
+        if self.rank == 0:
+            ranks = ", ".join(str(r) for r, _ in refused)
+            print(
+                f"azcp-cluster: warning: the filesystem of DEST refuses O_DIRECT on rank(s) {ranks} "
+                f"(e.g. {refused[0][1]}): writing through the page cache there",
+                file=sys.stderr,
+                flush=True,
+            )

@@ -1,0 +1,145 @@
+"""The last stages: make every copy durable, verify it, give it its final name, record it.
+
+Each takes the frozen :class:`~azcp_cluster.stages.transfer.Transferred` and ends in an
+agreement of all ranks; no final name appears before every rank's bytes are durable
+(and, with ``--verify``, checked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+from collections.abc import Mapping
+
+from azcp_cluster import manifest
+from azcp_cluster.cluster import StageOutcome
+from azcp_cluster.digests import verdict
+from azcp_cluster.errors import VerifyError
+from azcp_cluster.report import StageFigures
+from azcp_cluster.stages.context import RunContext
+from azcp_cluster.stages.setup import Placement
+from azcp_cluster.stages.transfer import Transferred
+
+EMPTY_MD5 = "1B2M2Y8AsgTpgAmY7PhCfg=="  # base64 MD5 of no bytes
+
+
+def sync(ctx: RunContext, place: Placement, moved: Transferred) -> None:
+    """fsync every file this node wrote, once every rank has every byte (counted in the bcast stage)."""
+    cluster = ctx.cluster
+    t0 = cluster.clock()
+    outcome = StageOutcome()
+    with cluster.stage(outcome):
+        if place.leader and moved.here:
+            files = moved.listed.listing.files
+            ctx.dest_tree().sync_all([files[i].path for i in moved.here])
+    ctx.explain_space(outcome)
+    result = cluster.conclude(t0, outcome)
+    ctx.report.stages["bcast"].seconds += result.seconds
+
+
+def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int, str]:
+    """Compare every file's MD5 across ranks and with the blob's Content-MD5 (exit 7 on a mismatch).
+
+    Returns the MD5 every copy of each file has. ``--verify disk`` (the default mode):
+    after the fsync, each leader reads every copy back from its disk (O_DIRECT, several
+    files at once) and hashes it: a copy that the disk, the filesystem or another writer
+    changed after it arrived differs from the bytes hashed in flight, which is checked
+    too. ``--verify stream``: only the bytes hashed as they passed through the fan-out
+    (files nobody transferred are read back).
+    """
+    cluster = ctx.cluster
+    t0 = cluster.clock()
+    outcome = StageOutcome()
+    files = moved.listed.listing.files
+    have = moved.diff.have
+    disk = ctx.cfg.verify == "disk"
+    with cluster.stage(outcome):
+        digests: dict[int, str] = {}
+        if place.leader:  # one copy per node
+            tree = ctx.dest_tree()
+            written = set(moved.here)
+            streamed = dict(moved.streamed_md5)
+            for i in moved.diff.transfer:
+                if files[i].size == 0:
+                    streamed[i] = EMPTY_MD5
+            # Read back: everything this node holds (disk), or what was not streamed past
+            # this rank. A file the schedule did not bring here (a subset) is not here.
+            held = [i for i in range(len(files)) if i in written or have[i]]
+            reread = [i for i in held if disk or i not in streamed]
+
+            def hash_copy(i: int) -> str:
+                rel = files[i].path
+                try:
+                    opener = tree.opener(rel, temp=i in written)
+                    return manifest.md5_of(opener, direct=disk and ctx.cfg.bcast_direct)
+                except OSError as exc:
+                    where = tree.temp_shown(rel) if i in written else tree.shown(rel)
+                    raise VerifyError(f"cannot read the copy back: {exc.strerror or exc}", path=where) from None
+
+            with cluster.abandonable():  # local work: a signal stops it at once
+                digests = dict(zip(reread, manifest.hash_files(hash_copy, reread), strict=True))
+            for i, digest in streamed.items():
+                if i not in digests:
+                    digests[i] = digest  # --verify stream
+                elif digests[i] != digest:
+                    raise VerifyError(
+                        "the copy on disk differs from the bytes this rank received (changed after they "
+                        "arrived: by the disk, the filesystem or another writer)",
+                        path=tree.shown(files[i].path),
+                    )
+        outcome.stats = {"md5": digests}
+    result = cluster.conclude(t0, outcome)
+    verified = verdict(files, [(rank, result.stats[rank]["md5"]) for rank in place.topo.leaders])
+    ctx.report.verified_files = len(verified)
+    ctx.report.stages["verify"] = StageFigures(result.seconds, ctx.report.bytes)
+    return verified
+
+
+def rename(ctx: RunContext, place: Placement, moved: Transferred) -> None:
+    """Rename every file this node wrote to its final name, then fsync their directories."""
+    cluster = ctx.cluster
+    t0 = cluster.clock()
+    outcome = StageOutcome()
+    with cluster.stage(outcome):
+        if place.leader and moved.here:
+            tree = ctx.dest_tree()
+            files = moved.listed.listing.files
+            paths = [files[i].path for i in moved.here]
+            tree.rename_all(paths)  # each directory walked once, 8 directories at a time
+            tree.sync_dirs(paths)
+        # ru_maxrss is in KiB on Linux: the rank's peak resident memory of the whole run.
+        outcome.stats = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    ctx.explain_space(outcome)
+    result = cluster.conclude(t0, outcome)
+    ctx.report.stages["bcast"].seconds += result.seconds
+    ctx.report.peak_rss_bytes = max(int(st.get("rss", 0)) for st in result.stats)
+
+
+def record(ctx: RunContext, place: Placement, moved: Transferred, verified: Mapping[int, str]) -> None:
+    """Update every node's manifest with what is now known to be in DEST.
+
+    Copied files are the listed version. A skipped file is only known to be the listed
+    version if its ETag or MD5 was checked; after a size check its entry stays as it was.
+    """
+    cluster = ctx.cluster
+    outcome = StageOutcome()
+    files = moved.listed.listing.files
+    have = moved.diff.have
+    # Only what this node has now: a file the schedule did not bring here (a subset of
+    # receivers) is not in its DEST.
+    written = set(moved.here)
+    copied = [i for i in moved.diff.transfer if i in written or have[i]]
+    indices = range(len(files)) if ctx.cfg.compare in ("etag", "md5") else copied
+    # A file without a Content-MD5 (a local SOURCE, a blob uploaded without one) is
+    # recorded with the MD5 --verify found on every copy: --compare md5 can use it next time.
+    known = [
+        dataclasses.replace(files[i], content_md5=verified[i])
+        if not files[i].content_md5 and i in verified
+        else files[i]
+        for i in indices
+    ]
+    with cluster.stage(outcome):
+        if place.leader:
+            tree = ctx.dest_tree()
+            manifest.save(tree, known, manifest.load(tree))
+    cluster.conclude(cluster.clock(), outcome)

@@ -1,0 +1,194 @@
+"""The setup stage: check the arguments, find the readers, group the ranks by node, take DEST.
+
+Returns a frozen :class:`Placement` (who leads, downloads and reads) and the run's
+:class:`~azcp_cluster.credentials.Authorizer` for a blob SOURCE.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from azcp_cluster.cluster import StageOutcome
+from azcp_cluster.config import json_inside_dest
+from azcp_cluster.destlock import DestLock, lock_backoff
+from azcp_cluster.desttree import DestTree
+from azcp_cluster.errors import LockError, ReportPathError, TopologyError, UsageError
+from azcp_cluster.localfs import ensure_dest
+from azcp_cluster.localsource import check_overlap
+from azcp_cluster.source import parse_blob_url
+from azcp_cluster.stages.context import RunContext
+from azcp_cluster.topology import Topology, choose_reader, choose_readers, group_ranks
+
+if TYPE_CHECKING:
+    from azcp_cluster.credentials import Authorizer
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The roles of this run's ranks, the same on every rank (see topology.py)."""
+
+    topo: Topology
+    group: int  # this rank's node (its group of ranks: one copy of the dataset)
+    leader: bool  # this rank writes its node's DEST and takes part in the fan-out
+    reader: int  # lists the source (and reads it, when it is local)
+    readers: tuple[int, ...]  # a local SOURCE: every rank that reads it (--source-readers); else ()
+    auth: Authorizer | None  # a blob SOURCE: the run's credential, no token yet
+
+    def downloaders_here(self) -> list[int]:
+        """The ranks of this node that download (ascending)."""
+        return [r for r in self.topo.downloaders if self.topo.group_of[r] == self.group]
+
+
+def available_memory() -> int:
+    """Bytes of memory available for new allocations (MemAvailable; all RAM if unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def setup(ctx: RunContext) -> Placement:
+    """Check the arguments, find the readers, group the ranks by node, create and lock DEST.
+
+    Two agreements: every rank's place (host, real DEST) and whether it sees a local SOURCE
+    first; then the roles computed from them on every rank alike.
+    """
+    cluster = ctx.cluster
+    cfg = ctx.cfg
+    outcome = StageOutcome()
+    t0 = cluster.clock()
+    auth: Authorizer | None = None
+    sees = False
+    with cluster.stage(outcome):
+        cfg.validate()
+        if ctx.local:
+            # With --source-rank, only that rank looks: a shared filesystem sees one client.
+            if cfg.source_rank in (None, ctx.rank):
+                sees = os.path.exists(ctx.source_root)
+            if not cfg.dry_run:
+                cfg.check_memory(available_memory(), 0)
+        else:
+            if cfg.source_readers > 1:
+                raise UsageError("--source-readers is for a local SOURCE; a blob URL is read by the downloaders")
+            # Imported here: a local SOURCE never pays for the Azure and HTTP libraries.
+            from azcp_cluster.credentials import Authorizer, resolve_credential
+            from azcp_cluster.download import pool_bytes
+
+            source = parse_blob_url(cfg.source)
+            if not cfg.dry_run:
+                cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency))
+            auth = Authorizer(source, resolve_credential(source, ctx.env, cfg.auth, ctx.credential), ctx.wall)
+        outcome.stats = {"place": (ctx.host, ctx.dest_identity), "sees": sees}
+    result = cluster.conclude(t0, outcome)
+    places = [st["place"] for st in result.stats]
+    outcome = StageOutcome()
+    reader = 0
+    readers: list[int] = []
+    topo = Topology(group_of=(0,), leaders=(0,), downloaders=(0,), hosts=1)
+    leader = False
+    with cluster.stage(outcome):
+        if ctx.local:
+            sees_all = [st["sees"] for st in result.stats]
+            if cfg.source_readers > 1:
+                readers = choose_readers(sees_all, places, cfg.source_readers)
+            else:
+                readers = [choose_reader(sees_all, cfg.source_rank, cfg.source)]
+            reader = readers[0]
+        topo = group_ranks(
+            places,
+            preferred_leader=reader if ctx.local else None,
+            download_ranks=cfg.download_ranks,
+            readers=readers,
+        )
+        leader = topo.is_leader(ctx.rank)
+        if ctx.local:  # on every rank: each knows only its own DEST
+            check_overlap(os.path.realpath(ctx.source_root), ctx.dest_identity)
+        if cfg.json_path and json_inside_dest(os.path.realpath(cfg.json_path), ctx.dest_identity):
+            raise ReportPathError(f"--json {cfg.json_path} lies inside DEST; write the report outside it")
+        if leader:
+            ensure_dest(ctx.dest, create=not cfg.dry_run)
+            ctx.tree = DestTree(ctx.dest, create=not cfg.dry_run)
+    cluster.conclude(t0, outcome)
+    if not cfg.dry_run:
+        lock_dest(ctx, leader, t0)
+    # Collective on every rank; leaders get one communicator, ordered by group.
+    ctx.node_comm = cluster.comm.Split(0 if leader else 1, topo.group_of[ctx.rank])
+    # Each node's own ranks, its leader first: the leader hands its downloaders the
+    # identities of the temporary files it made (they write into no other file).
+    ctx.group_comm = cluster.comm.Split(topo.group_of[ctx.rank], 0 if leader else ctx.rank + 1)
+    report = ctx.report
+    report.nodes = topo.hosts
+    report.writers = topo.groups
+    report.download_ranks = 0 if ctx.local else len(topo.downloaders)
+    report.source_rank = reader if ctx.local else None
+    report.source_readers = list(readers)
+    group = topo.group_of[ctx.rank]
+    return Placement(topo=topo, group=group, leader=leader, reader=reader, readers=tuple(readers), auth=auth)
+
+
+def lock_dest(ctx: RunContext, leader: bool, t0: float) -> None:
+    """Every leader takes its DEST's lock, all or none (see destlock.py): try, agree, release, back off.
+
+    Nobody waits while holding a lock, so jobs that share nodes in any order cannot
+    deadlock. ``--lock fail`` ends at the first refusal, ``--lock-timeout`` after that
+    long (the slowest rank's clock, so every rank decides alike); exit 9.
+    """
+    cluster = ctx.cluster
+    cfg = ctx.cfg
+    # The pid alone is not unique (containers have their own pid namespaces): a random
+    # token tells this run's ranks from another run's.
+    me = f"{ctx.host} pid {os.getpid()}, run {random.getrandbits(32):08x}"
+    rng = random.Random()
+    attempt = 0
+    waited = False
+    while True:
+        outcome = StageOutcome()
+        with cluster.stage(outcome):
+            held_by = None
+            if leader:
+                assert ctx.tree is not None
+                if ctx.dest_lock is None:
+                    ctx.dest_lock = DestLock(ctx.tree, me)
+                held_by = ctx.dest_lock.try_acquire()
+            outcome.stats = {"held_by": held_by, "me": me, "dest": ctx.dest}
+        result = cluster.conclude(t0, outcome)
+        refused = [(rank, st) for rank, st in enumerate(result.stats) if st["held_by"] is not None]
+        if not refused:
+            return
+        if ctx.dest_lock is not None:
+            ctx.dest_lock.release()
+        rank, st = refused[0]
+        ours = {other["me"]: r for r, other in enumerate(result.stats)}
+        if st["held_by"] in ours:
+            raise TopologyError(
+                f"DEST is the same directory for rank {ours[st['held_by']]} on another host (a shared "
+                "filesystem): give each node its own DEST, e.g. with {host}",
+                path=st["dest"],
+                rank=rank,
+            )
+        holder = f"in use by another run (host {st['held_by']})"
+        if cfg.lock == "fail":
+            raise LockError(f"DEST is {holder}; --lock fail", path=st["dest"], rank=rank)
+        if cfg.lock_timeout is not None and result.seconds >= cfg.lock_timeout:
+            raise LockError(
+                f"DEST is still {holder} after --lock-timeout {cfg.lock_timeout:g} s", path=st["dest"], rank=rank
+            )
+        if not waited and ctx.rank == 0:
+            print(
+                f"azcp-cluster: notice: rank {rank}: DEST {st['dest']} is {holder}; waiting for it to end "
+                "(--lock fail exits instead)",
+                file=sys.stderr,
+                flush=True,
+            )
+        waited = True
+        time.sleep(lock_backoff(attempt, rng))
+        attempt += 1

@@ -1,0 +1,120 @@
+"""The list and diff stages: what SOURCE holds, and what each node's DEST already has.
+
+``list_source`` returns a frozen :class:`Listed` (the listing, the same on every rank);
+``diff`` a frozen :class:`Diff` (which files move, who already holds each).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from azcp_cluster import manifest
+from azcp_cluster.cluster import StageOutcome, error_from_payload, error_payload
+from azcp_cluster.localsource import list_local
+from azcp_cluster.model import Listing, decode_listing, encode_listing
+from azcp_cluster.report import StageFigures
+from azcp_cluster.source import parse_blob_url
+from azcp_cluster.stages.context import RunContext
+from azcp_cluster.stages.setup import Placement
+
+
+@dataclass(frozen=True)
+class Listed:
+    """The listing every rank received, and how long the lister took."""
+
+    listing: Listing
+    single_file: bool  # a local SOURCE that is one file, not a tree
+    seconds: float  # this rank's time in the list stage
+
+
+@dataclass(frozen=True)
+class Diff:
+    """Which files move, and where copies already are (the same on every rank but ``have``)."""
+
+    transfer: tuple[int, ...]  # files some node lacks, ascending
+    holders: tuple[tuple[int, ...], ...]  # per file: the leaders whose DEST already has it
+    have: tuple[bool, ...]  # per file: this rank's node already has it
+
+    def without(self, changed: list[int]) -> Diff:
+        """The same, with ``changed`` held by nobody (a local file that changed while it was read)."""
+        gone = set(changed)
+        return Diff(
+            self.transfer,
+            tuple(() if i in gone else h for i, h in enumerate(self.holders)),
+            tuple(False if i in gone else h for i, h in enumerate(self.have)),
+        )
+
+
+def list_source(ctx: RunContext, place: Placement) -> Listed:
+    """The lister (rank 0, or the reader of a local SOURCE) lists; everyone gets the list."""
+    cluster = ctx.cluster
+    t0 = cluster.clock()
+    payload: bytes | None = None
+    outcome = StageOutcome()
+    if ctx.rank == place.reader:
+        with cluster.stage(outcome), cluster.abandonable():  # a signal stops the listing at once
+            if ctx.local:
+                listed = list_local(ctx.source_root, ctx.cfg)
+            else:
+                from azcp_cluster.listing import list_source as list_blobs
+
+                assert place.auth is not None
+                listed = list_blobs(parse_blob_url(ctx.cfg.source), place.auth, ctx.cfg)
+            payload = encode_listing(listed)
+    single = ctx.local and ctx.rank == place.reader and os.path.isfile(ctx.source_root)
+    message = (payload, error_payload(outcome.error) if outcome.error else None, single)
+    payload, failure, single = cluster.bcast_object(message, root=place.reader)
+    if failure is not None:
+        raise error_from_payload(failure)
+    listing = decode_listing(payload)
+    seconds = cluster.clock() - t0
+    report = ctx.report
+    report.files = len(listing.files)
+    report.bytes = listing.total_bytes
+    report.markers_skipped = listing.markers_skipped
+    report.filtered_out = listing.filtered_out
+    report.stages["list"] = StageFigures(seconds, 0)
+    if not listing.files and ctx.rank == 0:
+        # Not an error (an empty prefix is a valid, finished copy), but rarely intended.
+        what = "filters left no file" if listing.filtered_out else "SOURCE matched no files"
+        print(f"azcp-cluster: warning: {what}; nothing to copy", file=sys.stderr, flush=True)
+    return Listed(listing, bool(single), seconds)
+
+
+def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
+    """Which files to transfer, and for each file the leaders whose copy already has it."""
+    cluster = ctx.cluster
+    t0 = cluster.clock()
+    outcome = StageOutcome()
+    files = listed.listing.files
+    with cluster.stage(outcome):
+        present = b""
+        if place.leader:  # one check per copy: the other ranks of a node share the leader's
+            with cluster.abandonable():  # hashing (--compare md5): a signal stops it at once
+                bits = np.array(manifest.present(ctx.dest_tree(), files, ctx.cfg.compare), dtype=bool)
+            present = np.packbits(bits).tobytes()
+        outcome.stats = {"present": present, "list_seconds": listed.seconds}
+    result = cluster.conclude(t0, outcome)
+    leaders = place.topo.leaders
+    matrix = np.stack(
+        [
+            np.unpackbits(np.frombuffer(result.stats[leader]["present"], dtype=np.uint8), count=len(files)).astype(bool)
+            for leader in leaders
+        ]
+    )  # groups x files
+    everywhere = matrix.all(axis=0)
+    transfer = tuple(int(i) for i in np.flatnonzero(~everywhere))
+    holders = tuple(tuple(leaders[g] for g in np.flatnonzero(matrix[:, i])) for i in range(len(files)))
+    report = ctx.report
+    report.stages["list"].seconds = max(s["list_seconds"] for s in result.stats)
+    report.skipped_files = len(files) - len(transfer)
+    report.skipped_bytes = sum(files[i].size for i in np.flatnonzero(everywhere))
+    report.transfer_files = len(transfer)
+    report.peer_files = sum(1 for i in transfer if holders[i])
+    report.azure_files = report.transfer_files - report.peer_files
+    report.stages["diff"] = StageFigures(result.seconds, 0)
+    return Diff(transfer, holders, tuple(matrix[place.group].tolist()))

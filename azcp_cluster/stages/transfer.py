@@ -1,0 +1,322 @@
+"""The transfer stages: download, fan out (at once, streaming, or one after the other), send again.
+
+``move`` runs them and returns a frozen :class:`Transferred`: what every node now holds under
+temporary names, and the MD5s hashed in flight. The roles and the streaming protocol are in
+streaming.py and docs/architecture.md ("Streaming").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from azcp_cluster.broadcast import Broadcaster
+from azcp_cluster.cluster import StageOutcome, StageResult, as_azcp_error, error_from_payload, error_payload
+from azcp_cluster.errors import AzcpError, SourceError
+from azcp_cluster.localsource import restat, source_file
+from azcp_cluster.plan import Plan, plan_transfers
+from azcp_cluster.progress import Progress
+from azcp_cluster.report import StageFigures
+from azcp_cluster.stages.allocate import Prepared, Schedule, make_broadcaster, prepare_files, schedule_for, writes_here
+from azcp_cluster.stages.context import RunContext
+from azcp_cluster.stages.setup import Placement
+from azcp_cluster.stages.survey import Diff, Listed
+
+if TYPE_CHECKING:
+    from azcp_cluster.credentials import Authorizer
+    from azcp_cluster.download import Downloader
+
+
+@dataclass(frozen=True)
+class Transferred:
+    """Every byte on every node that needs it, under temporary names (agreed by all ranks)."""
+
+    listed: Listed  # as read last (a local file that changed while it was read: as sent again)
+    diff: Diff
+    here: tuple[int, ...]  # the files this node wrote
+    streamed_md5: Mapping[int, str]  # --verify: file index -> MD5 hashed in flight on this rank
+
+
+@dataclass(frozen=True)
+class FannedOut:
+    """What one fan-out round found (agreed by all ranks)."""
+
+    changed: tuple[int, ...]  # local SOURCE files that changed while they were read
+    digests: Mapping[int, str]  # --verify: file index -> MD5 hashed in flight on this rank
+
+
+def move(
+    ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan: Plan, schedule: Schedule, prepared: Prepared
+) -> Transferred:
+    """Download this rank's share and fan every byte out; a local file that changed is sent again."""
+    if not ctx.local and ctx.cfg.overlap and any(plan.loads()):
+        assert place.auth is not None
+        done = stream(ctx, place, listed, plan, schedule, prepared.broadcaster, place.auth)
+    else:
+        if not ctx.local:
+            assert place.auth is not None
+            download(ctx, place, listed, plan, place.auth)
+        done = fan_out(ctx, place, schedule, prepared.broadcaster)
+    moved = Transferred(listed, diff, prepared.here, done.digests)
+    if done.changed:
+        moved = send_again(ctx, place, moved, schedule, list(done.changed))
+    return moved
+
+
+def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan, auth: Authorizer) -> None:
+    """Every downloader fetches its shards into its node's temporary files."""
+    from azcp_cluster.download import blocks_for
+
+    cluster = ctx.cluster
+    t0 = cluster.clock()
+    outcome = StageOutcome()
+    mine = plan.owned_by(ctx.rank)
+    progress = Progress("download", sum(s.length for s in mine), ctx.show_progress)
+    with cluster.stage(outcome):
+        stats = None
+        if mine:
+            stats = downloader(ctx, listed, plan, auth, progress.add).run(blocks_for(mine, ctx.cfg.block_size))
+        if stats is not None:
+            outcome.stats = {
+                "bytes": stats.bytes,
+                "retries": stats.retries,
+                "causes": dict(stats.retry_causes),
+                "refused": stats.direct_refused,
+            }
+    progress.close()
+    ctx.close_write_pool()  # its memory is not needed by the fan-out
+    ctx.explain_space(outcome)
+    if outcome.error is not None:
+        cluster.signal_failure(outcome)
+    result = cluster.conclude(t0, outcome)
+    record_download(ctx, result)
+    ctx.report.stages["download"] = StageFigures(result.seconds, ctx.report.downloaded_bytes)
+
+
+def downloader(
+    ctx: RunContext, listed: Listed, plan: Plan, auth: Authorizer, on_bytes: Callable[[int], None]
+) -> Downloader:
+    """This rank's downloader for its share of ``plan`` (paced by its share of --max-bandwidth)."""
+    from azcp_cluster.download import Downloader
+    from azcp_cluster.throttle import Pacer, share
+
+    cfg = ctx.cfg
+    pacer = None
+    if cfg.max_bandwidth is not None:
+        busy = sum(1 for load in plan.loads() if load)  # ranks that download at all
+        pacer = Pacer(share(cfg.max_bandwidth, busy), burst=cfg.block_size, clock=ctx.cluster.clock)
+    return Downloader(
+        listed.listing.files,
+        ctx.dest_tree(),
+        auth,
+        cfg,
+        peer_failed=ctx.cluster.peer_failed,
+        on_bytes=on_bytes,
+        pacer=pacer,
+        pool=ctx.write_pool,
+    )
+
+
+def record_download(ctx: RunContext, result: StageResult) -> None:
+    """The download's figures in the report: bytes, retries and their causes."""
+    causes: Counter[str] = Counter()
+    for stats_of_rank in result.stats:
+        causes.update(stats_of_rank.get("causes", {}))
+    report = ctx.report
+    report.downloaded_bytes = result.total("bytes")
+    report.retries = result.total("retries")
+    report.retries_by_rank = [int(st.get("retries", 0)) for st in result.stats]
+    report.retry_causes = dict(causes)
+    ctx.warn_direct(result.stats)
+
+
+def stream(
+    ctx: RunContext,
+    place: Placement,
+    listed: Listed,
+    plan: Plan,
+    schedule: Schedule,
+    broadcaster: Broadcaster | None,
+    auth: Authorizer,
+) -> FannedOut:
+    """Download and fan out at once: a transfer goes out as soon as its bytes are on its root's node.
+
+    One failure signal for the whole stage: a rank that fails signals the others (their
+    downloads stop, their fan-outs stop waiting for bytes) and the fan-out's agreements
+    stop every leader at the same transfer. Reported as both stages: ``download`` until
+    the last byte landed, ``bcast`` the whole stage (they overlap).
+    """
+    from azcp_cluster.download import Block, blocks_for
+    from azcp_cluster.streaming import LandingFeed, Streamed, lead, node_blocks, notify_while_downloading
+
+    cluster = ctx.cluster
+    topo = place.topo
+    rank = ctx.rank
+    t0 = cluster.clock()
+    transfers = list(schedule.transfers)
+    downloaders = place.downloaders_here()
+    blocks, landing = node_blocks(transfers, plan, place.group, downloaders, ctx.cfg.block_size, blocks_for)
+    mine = [Block(*blocks.blocks[i]) for i in blocks.of_rank.get(rank, ())]
+    index = {(f, o): i for i, (f, o, _) in enumerate(blocks.blocks)}
+    total = schedule.payload
+    progress = Progress("transfer", total, ctx.show_progress)
+    progress.expect_download(sum(s.length for s in plan.owned_by(rank)))
+    progress.expect_files(schedule.files)
+    outcome = StageOutcome()
+    feed: LandingFeed | None = None
+    digests: dict[int, str] = {}
+
+    def since() -> float:
+        return cluster.clock() - t0
+
+    def make_downloader() -> Downloader:
+        return downloader(ctx, listed, plan, auth, progress.add_download)
+
+    with cluster.stage(outcome):
+        done = Streamed(0.0)
+        if place.leader:
+            # The node's communicator: the leader is its rank 0, the others follow in
+            # world-rank order (see setup). Exactly the downloaders that have blocks send
+            # notices and an END: one with nothing to fetch is not waited for.
+            members = [r for r in topo.members(place.group) if r != rank]
+            others = [1 + members.index(r) for r in downloaders if r != rank and blocks.of_rank.get(r)]
+            feed = LandingFeed(landing, ctx.group_comm, others)
+            assert broadcaster is not None
+            broadcaster.on_bytes = progress.add
+            broadcaster.announce = lambda: cluster.signal_failure(outcome)
+            broadcaster.peer_failed = cluster.peer_failed
+            own = None
+            early: AzcpError | None = None
+            try:
+                own = make_downloader() if mine else None
+            except Exception as exc:  # the fan-out still runs to its first agreement: nobody is left waiting
+                early = as_azcp_error(exc, rank)
+            done = lead(broadcaster, transfers, feed, own, mine, index, since, rank, early)
+            digests.update(done.digests or {})
+        elif mine:
+            done = notify_while_downloading(ctx.group_comm, index, make_downloader, mine, since)
+        stats: dict[str, Any] = {"downloaded": done.downloaded}
+        if done.download is not None:
+            dstats = done.download
+            stats.update(bytes=dstats.bytes, retries=dstats.retries, causes=dict(dstats.retry_causes))
+            stats["refused"] = dstats.direct_refused
+        if done.fanout is not None and done.fanout.direct_refused:
+            stats["refused"] = done.fanout.direct_refused
+        outcome.stats = stats
+    progress.close()
+    if broadcaster is not None:
+        broadcaster.release()
+    if outcome.error is not None:
+        cluster.signal_failure(outcome)  # before waiting for the node's downloaders: they stop on it
+    if feed is not None:
+        feed.finish()
+    ctx.close_write_pool()
+    ctx.explain_space(outcome)
+    result = cluster.conclude(t0, outcome)
+    record_download(ctx, result)
+    report = ctx.report
+    report.stages["download"] = StageFigures(
+        max(float(st.get("downloaded", 0.0)) for st in result.stats), report.downloaded_bytes
+    )
+    report.overlap = True
+    report.broadcast_bytes += total
+    figures = report.stages["bcast"]
+    figures.seconds += result.seconds
+    figures.bytes += total
+    return FannedOut((), digests)
+
+
+def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: Broadcaster | None) -> FannedOut:
+    """Fan every byte out to every leader that receives it (temporary names only; see finish).
+
+    Reports the local SOURCE's files that changed while they were read (agreed by all).
+    """
+    if not schedule.transfers:
+        return FannedOut((), {})
+    cluster = ctx.cluster
+    t0 = cluster.clock()
+    total = schedule.payload
+    progress = Progress("bcast", total, ctx.show_progress)
+    progress.expect_files(schedule.files)
+    outcome = StageOutcome()
+    digests: dict[int, str] = {}
+    with cluster.stage(outcome):
+        if broadcaster is not None:  # leaders only; the others wait at the agreement
+            broadcaster.on_bytes = progress.add
+            stats = broadcaster.run(list(schedule.transfers))
+            digests.update(broadcaster.digests)
+            outcome.stats = {
+                "refused": stats.direct_refused,
+                "changed": sorted(broadcaster.changed),
+                "source_bytes": stats.source_bytes,
+            }
+    progress.close()
+    if broadcaster is not None:
+        broadcaster.release()
+    ctx.explain_space(outcome)
+    result = cluster.conclude(t0, outcome)
+    report = ctx.report
+    report.broadcast_bytes += total
+    ctx.warn_direct(result.stats)
+    if ctx.local:
+        read = [int(st.get("source_bytes", 0)) for st in result.stats]
+        before = report.source_bytes_by_rank or [0] * len(read)
+        report.source_bytes_by_rank = [a + b for a, b in zip(before, read, strict=True)]
+    figures = report.stages["bcast"]  # a second round (send_again) adds to the first
+    figures.seconds += result.seconds
+    figures.bytes += total
+    return FannedOut(tuple(sorted({i for st in result.stats for i in st.get("changed", ())})), digests)
+
+
+def send_again(
+    ctx: RunContext, place: Placement, moved: Transferred, first: Schedule, changed: list[int]
+) -> Transferred:
+    """Send the local SOURCE's files that changed while they were read once more, as they are now.
+
+    The reader looks at them again; every node makes their temporary files anew and
+    receives them again (a torn copy never reaches a final name: the rename comes after).
+    A file that changes again while it is read ends the run (exit 5), naming it.
+    """
+    cluster = ctx.cluster
+    listed = moved.listed
+    outcome = StageOutcome()
+    fresh: list[Any] = []
+    if ctx.rank == place.reader:
+        with cluster.stage(outcome):
+            fresh = [restat(ctx.source_root, listed.listing.files[i], listed.single_file) for i in changed]
+    message = (fresh, error_payload(outcome.error) if outcome.error else None)
+    fresh, failure = cluster.bcast_object(message, root=place.reader)
+    if failure is not None:
+        raise error_from_payload(failure)
+    files = list(listed.listing.files)
+    for index, entry in zip(changed, fresh, strict=True):
+        files[index] = entry
+    listed = dataclasses.replace(listed, listing=dataclasses.replace(listed.listing, files=tuple(files)))
+    ctx.report.bytes = listed.listing.total_bytes
+    diff = moved.diff.without(changed)  # a copy some node had is of another version now
+    topo = place.topo
+    lacking = set(changed)
+    holders = [[] if i in lacking else list(topo.leaders) for i in range(len(files))]
+    plan = plan_transfers(
+        [f.size for f in files], holders, topo.size, ctx.cfg.shard_size, owners=[place.reader], copies=topo.groups
+    )
+    schedule = schedule_for(ctx, place, plan, earlier=first)
+    outcome = StageOutcome()
+    broadcaster: Broadcaster | None = None
+    with cluster.stage(outcome):
+        if place.leader:
+            prepare_files(ctx, listed.listing, changed)
+            broadcaster = make_broadcaster(ctx, place, listed, diff, schedule)
+    ctx.explain_space(outcome)
+    cluster.conclude(cluster.clock(), outcome)
+    again = fan_out(ctx, place, schedule, broadcaster)
+    if again.changed:
+        raise SourceError(
+            "the file changed while it was read, twice (it is being written to); copy it once it is complete",
+            path=source_file(ctx.source_root, files[again.changed[0]].name, listed.single_file),
+        )
+    digests = {**moved.streamed_md5, **again.digests}
+    return Transferred(listed, diff, writes_here(listed.listing, diff, schedule), digests)
