@@ -13,11 +13,13 @@ import asyncio
 import contextlib
 import gc
 import random
+import ssl
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -27,10 +29,11 @@ from azcp_cluster.desttree import DestTree
 from azcp_cluster.directio import ALIGN, DirectFile, aligned_buffers
 from azcp_cluster.diskwriter import DiskWriter
 from azcp_cluster.errors import DownloadError
-from azcp_cluster.http1 import Connection, Head, ProtocolError, request_bytes
+from azcp_cluster.http1 import ConnectFailed, Connection, Head, ProtocolError, TunnelRefused, request_bytes
 from azcp_cluster.localfs import fs_error
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import Shard, round_up
+from azcp_cluster.proxies import Proxy
 from azcp_cluster.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
 from azcp_cluster.throttle import Pacer
 from azcp_cluster.tls import ssl_context
@@ -127,8 +130,11 @@ class Downloader:
         rng: random.Random | None = None,
         pacer: Pacer | None = None,
         pool: WritePool | None = None,
+        proxy: Proxy | None = None,
     ) -> None:
         self.files = files
+        self._tls: ssl.SSLContext | None = None  # https: made in run()
+        self.proxy = proxy  # HTTPS_PROXY / HTTP_PROXY for the storage endpoint (see proxies.py), or None
         self.pacer = pacer  # --max-bandwidth: this rank's share of the cap
         self.tree = tree  # the node's DEST: temporary files are opened through it, never by path
         self.auth = auth
@@ -242,17 +248,23 @@ class Downloader:
                 self.on_landed(block)
                 return
             except _Retryable as exc:
-                cause, retry_after = exc.cause, exc.retry_after
+                cause, retry_after, detail = exc.cause, exc.retry_after, ""
             except asyncio.TimeoutError:  # before OSError: it is one on Python 3.11+
-                cause, retry_after = "timeout", None
+                cause, retry_after, detail = "timeout", None, ""
+            except ConnectFailed as exc:  # the endpoint or the proxy cannot be reached: say which
+                cause, retry_after, detail = exc.cause_name, None, str(exc)
+            except TunnelRefused as exc:
+                if exc.status not in RETRYABLE_STATUS:  # 403, 407: asking again gets the same answer
+                    raise DownloadError(str(exc), path=entry.name) from None
+                cause, retry_after, detail = f"proxy {exc.status}", None, str(exc)
             except (OSError, ProtocolError) as exc:
-                # Refused or reset connections, TLS failures, malformed responses from a
-                # proxy: all retried, on a new connection. The cause is the class name only.
-                cause, retry_after = type(exc).__name__, None
+                # Reset connections, TLS failures, malformed responses: all retried, on a
+                # new connection. The cause is the class name only.
+                cause, retry_after, detail = type(exc).__name__, None, ""
             if attempt >= self.cfg.max_retries:
                 raise DownloadError(
                     f"giving up after {attempt} retries of bytes {block.offset}-{block.offset + block.length - 1}: "
-                    f"last cause {cause}",
+                    f"last cause {cause}" + (f" ({detail})" if detail else ""),
                     path=entry.name,
                 )
             self.stats.retries += 1
@@ -269,12 +281,12 @@ class Downloader:
             headers["If-Match"] = entry.etag
         headers.update(self.auth.headers())
         url = self.auth.blob_url(entry.name)
-        request = request_bytes(url, headers)
+        request = self._request(url, headers)
         self.stats.requests += 1
         conn = link.conn
         if conn is None or not conn.reusable:
             link.drop()
-            conn = link.conn = await asyncio.wait_for(Connection.open(url, self._tls), self.cfg.connect_timeout)
+            conn = link.conn = await self._connect(url)
         try:
             # One timer per request for the head; the body is watched by the watchdog.
             head = await asyncio.wait_for(conn.request(request), self.cfg.read_timeout)
@@ -295,6 +307,25 @@ class Downloader:
         finally:
             if not conn.reusable:  # an error response, a broken body, a cancelled request
                 link.drop()
+
+    def _request(self, url: str, headers: dict[str, str], method: str = "GET") -> bytes:
+        """A request's bytes: to the server, or, for http through a proxy, to the proxy (the whole URL)."""
+        proxy = self.proxy
+        if proxy is None or self._tls is not None:  # https through a proxy: inside its tunnel
+            return request_bytes(url, headers, method)
+        if proxy.authorization:
+            headers = {**headers, "Proxy-Authorization": proxy.authorization}
+        return request_bytes(url, headers, method, absolute=True)
+
+    async def _connect(self, url: str) -> Connection:
+        """A new connection for ``url`` (through the proxy, if any), within --connect-timeout."""
+        timeout = self.cfg.connect_timeout
+        try:
+            return await asyncio.wait_for(Connection.open(url, self._tls, self.proxy), timeout)
+        except asyncio.TimeoutError:
+            parts = urlsplit(url)
+            what = f"proxy {self.proxy.shown}" if self.proxy is not None else f"{parts.hostname}:{parts.port or ''}"
+            raise ConnectFailed(TimeoutError(f"no connection within {timeout:g} s"), what.rstrip(":")) from None
 
     async def _raise_for_status(self, head: Head, entry: FileEntry) -> None:
         status = head.status
@@ -317,6 +348,12 @@ class Downloader:
                 f"the blob was deleted during the copy (HTTP 404, {code}); rerun to copy what is there now",
                 path=entry.name,
             )
+        if status == 407 and self.proxy is not None:  # http through a proxy: the proxy answered
+            raise DownloadError(
+                f"proxy {self.proxy.shown} refused the request: HTTP 407 {head.reason}; check the "
+                "credentials in the proxy URL",
+                path=entry.name,
+            )
         if status in (401, 403):
             raise DownloadError(f"access denied (HTTP {status}, {code}); check the credentials", path=entry.name)
         raise DownloadError(f"unexpected HTTP {status} ({code})", path=entry.name)
@@ -332,9 +369,9 @@ class Downloader:
         url = self.auth.blob_url(entry.name)
         conn: Connection | None = None
         try:
-            conn = await asyncio.wait_for(Connection.open(url, self._tls), self.cfg.connect_timeout)
-            head = await asyncio.wait_for(conn.request(request_bytes(url, headers, "HEAD")), self.cfg.read_timeout)
-        except (OSError, ProtocolError, asyncio.TimeoutError):
+            conn = await self._connect(url)
+            head = await asyncio.wait_for(conn.request(self._request(url, headers, "HEAD")), self.cfg.read_timeout)
+        except (OSError, ProtocolError, TunnelRefused, asyncio.TimeoutError):
             return None
         finally:
             if conn is not None:

@@ -23,7 +23,11 @@ import socket
 import ssl
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from azcp_cluster.proxies import Proxy
 
 HEAD_LIMIT = 64 * 1024  # status line and headers; Azure's are under 2 KiB
 _END = b"\r\n\r\n"
@@ -43,6 +47,34 @@ TLS_SLACK = 512 * 1024
 
 class ProtocolError(Exception):
     """The server's response cannot be used (malformed, unsized, too large a head)."""
+
+
+class ConnectFailed(OSError):
+    """A connection could not be made; says to what (the endpoint or the proxy) and why, in one line."""
+
+    def __init__(self, cause: BaseException, what: str) -> None:
+        detail = getattr(cause, "strerror", None) or str(cause) or type(cause).__name__
+        super().__init__(f"{type(cause).__name__} connecting to {what}: {detail}")
+        self.cause_name = type(cause).__name__
+
+
+class TunnelRefused(Exception):
+    """The proxy answered the CONNECT with something other than 2xx: not worth retrying."""
+
+    def __init__(self, status: int, reason: str, proxy: str, target: str) -> None:
+        super().__init__(f"proxy {proxy} refused the tunnel to {target}: HTTP {status} {reason}".rstrip())
+        self.status = status
+
+
+def connect_bytes(host: str, port: int, authorization: str | None) -> bytes:
+    """The bytes of ``CONNECT host:port`` to a forward proxy (``authorization``: Proxy-Authorization)."""
+    if any(c in host for c in "\r\n /") or (authorization and ("\r" in authorization or "\n" in authorization)):
+        raise ValueError("CR, LF or a space inside a CONNECT target or header")
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    lines = [f"CONNECT {target} HTTP/1.1", f"Host: {target}"]
+    if authorization:
+        lines.append(f"Proxy-Authorization: {authorization}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 @dataclass(frozen=True)
@@ -101,11 +133,12 @@ def parse_head(data: bytes) -> Head:
     return Head(parts[0], int(parts[1]), parts[2] if len(parts) > 2 else "", headers)
 
 
-def request_bytes(url: str, headers: dict[str, str], method: str = "GET") -> bytes:
+def request_bytes(url: str, headers: dict[str, str], method: str = "GET", *, absolute: bool = False) -> bytes:
     """The bytes of ``GET url`` (or ``method``, e.g. ``HEAD``) with ``headers`` (the URL already percent-encoded).
 
     A ``HEAD`` response has no body: read its head with :meth:`Connection.request`, then
-    drop the connection.
+    drop the connection. ``absolute``: the request line names the whole URL, as a request
+    for an ``http://`` URL sent to a forward proxy does.
     """
     if method not in ("GET", "HEAD"):
         raise ValueError(f"unsupported method {method!r}")
@@ -113,6 +146,8 @@ def request_bytes(url: str, headers: dict[str, str], method: str = "GET") -> byt
     target = parts.path or "/"
     if parts.query:
         target += "?" + parts.query
+    if absolute:
+        target = f"{parts.scheme}://{parts.netloc}{target}"
     fields = [target, parts.netloc, *headers, *headers.values()]
     if any("\r" in f or "\n" in f for f in fields):
         raise ValueError("CR or LF inside a request line or header")
@@ -161,19 +196,44 @@ class Connection(asyncio.BufferedProtocol):
     # -- the caller's side ----------------------------------------------------------------
 
     @classmethod
-    async def open(cls, url: str, context: ssl.SSLContext | None) -> Connection:
-        """Connect to the host of ``url`` (TLS for https, with ``context``)."""
+    async def open(cls, url: str, context: ssl.SSLContext | None, proxy: Proxy | None = None) -> Connection:
+        """Connect to the host of ``url`` (TLS for https, with ``context``), through ``proxy`` if given.
+
+        Through a proxy, https goes through a CONNECT tunnel (TLS end to end, the proxy sees
+        only the host); http connects to the proxy itself, and the requests then name the
+        whole URL (:func:`request_bytes` with ``absolute=True``). A failure to connect is a
+        :class:`ConnectFailed` naming what could not be reached.
+        """
         parts = urlsplit(url)
         https = parts.scheme.lower() == "https"
         host = parts.hostname or ""
         port = parts.port or (443 if https else 80)
         loop = asyncio.get_running_loop()
-        if https:
-            _, conn = await loop.create_connection(
-                cls, host, port, ssl=context or ssl.create_default_context(), server_hostname=host
-            )
-        else:
-            _, conn = await loop.create_connection(cls, host, port)
+        tls = (context or ssl.create_default_context()) if https else None
+        if proxy is None:
+            try:
+                if tls is not None:
+                    _, conn = await loop.create_connection(cls, host, port, ssl=tls, server_hostname=host)
+                else:
+                    _, conn = await loop.create_connection(cls, host, port)
+            except (OSError, ssl.SSLError) as exc:
+                if isinstance(exc, ssl.SSLError):
+                    raise
+                raise ConnectFailed(exc, f"{host}:{port}") from exc
+            return conn
+        try:
+            sock = await _dial(loop, proxy.host, proxy.port)
+        except OSError as exc:
+            raise ConnectFailed(exc, f"proxy {proxy.shown}") from exc
+        try:
+            if tls is not None:
+                await _tunnel(loop, sock, host, port, proxy)
+                _, conn = await loop.create_connection(cls, sock=sock, ssl=tls, server_hostname=host)
+            else:
+                _, conn = await loop.create_connection(cls, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
         return conn
 
     @property
@@ -433,3 +493,42 @@ class Connection(asyncio.BufferedProtocol):
             self._waiter = None
         if self.error is not None:
             raise self.error
+
+
+async def _dial(loop: asyncio.AbstractEventLoop, host: str, port: int) -> socket.socket:
+    """A connected non-blocking TCP socket to ``host:port`` (each address in turn)."""
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    last: OSError | None = None
+    for family, kind, proto, _, address in infos:
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, address)
+        except OSError as exc:
+            sock.close()
+            last = exc
+            continue
+        return sock
+    raise last or OSError(f"no address for {host}")
+
+
+async def _tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, host: str, port: int, proxy: Proxy) -> None:
+    """Ask the proxy on ``sock`` for a tunnel to ``host:port``; return once it is open."""
+    await loop.sock_sendall(sock, connect_bytes(host, port, proxy.authorization))
+    head = bytearray()
+    while _END not in head:
+        if len(head) > HEAD_LIMIT:
+            raise ProtocolError(f"proxy {proxy.shown}: CONNECT response head too large")
+        # Byte by byte would be slow; a server speaks only after our TLS hello, so nothing
+        # but the proxy's head can arrive now, and reading past it cannot take TLS bytes.
+        chunk = await loop.sock_recv(sock, 4096)
+        if not chunk:
+            raise ConnectionResetError(f"proxy {proxy.shown} closed the connection during CONNECT")
+        head += chunk
+    end = head.index(_END)
+    if end + len(_END) != len(head):
+        raise ProtocolError(f"proxy {proxy.shown}: bytes after the CONNECT response")
+    reply = parse_head(bytes(head[:end]))
+    if not 200 <= reply.status < 300:
+        target = f"{host}:{port}"
+        raise TunnelRefused(reply.status, reply.reason, proxy.shown, target)

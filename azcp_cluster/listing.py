@@ -10,6 +10,7 @@ from azcp_cluster.credentials import Authorizer
 from azcp_cluster.errors import ListError
 from azcp_cluster.model import Listing
 from azcp_cluster.naming import RawEntry, directory_prefix, select
+from azcp_cluster.proxies import Proxy
 from azcp_cluster.source import BlobSource
 from azcp_cluster.tls import sdk_verify
 
@@ -27,7 +28,7 @@ def _raw(props: Any) -> RawEntry:
     )
 
 
-def _explain(exc: Exception, source: BlobSource, origin: str = "") -> ListError:
+def _explain(exc: Exception, source: BlobSource, origin: str = "", proxy: Proxy | None = None) -> ListError:
     """A one-line cause for a listing failure; never echoes URLs (they may carry a SAS)."""
     from azure.core.exceptions import (
         ClientAuthenticationError,
@@ -54,12 +55,18 @@ def _explain(exc: Exception, source: BlobSource, origin: str = "") -> ListError:
             return ListError(f"{where}: access denied (HTTP {exc.status_code}, {code}); check the credentials{used}")
         return ListError(f"{where}: listing failed (HTTP {exc.status_code}, {code})")
     if isinstance(exc, ServiceRequestError | ServiceResponseError):
-        return ListError(f"cannot reach {source.endpoint}: {type(exc).__name__}")
+        through = f" through proxy {proxy.shown}" if proxy is not None else ""
+        return ListError(f"cannot reach {source.endpoint}{through}: {type(exc).__name__}")
     return ListError(f"{where}: listing failed ({type(exc).__name__})")
 
 
-def list_source(source: BlobSource, auth: Authorizer, cfg: Config) -> Listing:
-    """Return the files under ``source`` after the prefix, marker, filter and safety rules."""
+def list_source(source: BlobSource, auth: Authorizer, cfg: Config, proxy: Proxy | None = None) -> Listing:
+    """Return the files under ``source`` after the prefix, marker, filter and safety rules.
+
+    ``proxy``: the one the ranged GETs use (proxies.py), passed to the SDK explicitly and its
+    own reading of the environment turned off, so that the listing and the GETs never take
+    different ways (NO_PROXY read twice, two ways).
+    """
     from azure.core.exceptions import AzureError, ResourceNotFoundError
     from azure.storage.blob import ContainerClient
 
@@ -71,6 +78,8 @@ def list_source(source: BlobSource, auth: Authorizer, cfg: Config) -> Listing:
         retry_total=cfg.max_retries,
         connection_timeout=cfg.connect_timeout,
         read_timeout=cfg.read_timeout,
+        use_env_settings=False,
+        proxies={source.endpoint.split(":", 1)[0].lower(): proxy.url} if proxy is not None else None,
     )
     try:
         with client:
@@ -88,4 +97,4 @@ def list_source(source: BlobSource, auth: Authorizer, cfg: Config) -> Listing:
     except ListError:
         raise
     except AzureError as exc:
-        raise _explain(exc, source, auth.credential.origin) from None
+        raise _explain(exc, source, auth.credential.origin, proxy) from None

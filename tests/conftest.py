@@ -117,11 +117,17 @@ class Result:
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The test process environment without Azure credentials (or a forced --auth), plus ``extra``.
+    """The test process environment without Azure credentials, a forced --auth or proxies, plus ``extra``.
 
     Under Open MPI, scripts/openmpi.env is added too (a variable already set in the environment wins).
     """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AZURE_") and k != "AZCP_AUTH"}
+    # No proxy of the machine's either: the emulator is on loopback, and the proxy tests set their own.
+    proxies = {"http_proxy", "https_proxy", "all_proxy", "no_proxy"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("AZURE_") and k != "AZCP_AUTH" and k.lower() not in proxies
+    }
     if mpi_flavour() == "openmpi":
         for key, value in openmpi_env().items():
             env.setdefault(key, value)

@@ -28,6 +28,7 @@ PURE_MODULES = (
     "errors",
     "topology",
     "throttle",
+    "proxies",
 )
 FORBIDDEN = frozenset(
     {"azure", "aiohttp", "mpi4py", "os", "io", "shutil", "socket", "mmap", "pathlib", "asyncio", "importlib"}

@@ -20,6 +20,7 @@ from azcp_cluster.desttree import DestTree
 from azcp_cluster.errors import LockError, ReportPathError, TopologyError, UsageError
 from azcp_cluster.localfs import ensure_dest
 from azcp_cluster.localsource import check_overlap
+from azcp_cluster.proxies import Proxy, proxy_for
 from azcp_cluster.source import parse_blob_url
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.topology import Topology, choose_reader, choose_readers, group_ranks
@@ -38,6 +39,7 @@ class Placement:
     reader: int  # lists the source (and reads it, when it is local)
     readers: tuple[int, ...]  # a local SOURCE: every rank that reads it (--source-readers); else ()
     auth: Authorizer | None  # a blob SOURCE: the run's credential, no token yet
+    proxy: Proxy | None = None  # a blob SOURCE: the proxy its ranged GETs go through (proxies.py)
 
     def downloaders_here(self) -> list[int]:
         """The ranks of this node that download (ascending)."""
@@ -67,6 +69,7 @@ def setup(ctx: RunContext) -> Placement:
     outcome = StageOutcome()
     t0 = cluster.clock()
     auth: Authorizer | None = None
+    proxy: Proxy | None = None
     sees = False
     with cluster.stage(outcome):
         cfg.validate()
@@ -87,6 +90,7 @@ def setup(ctx: RunContext) -> Placement:
             if not cfg.dry_run:
                 cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency))
             auth = Authorizer(source, resolve_credential(source, ctx.env, cfg.auth, ctx.credential), ctx.wall)
+            proxy = proxy_for(source.endpoint, ctx.env)  # a proxy variable that cannot be used: exit 2 here
         outcome.stats = {"place": (ctx.host, ctx.dest_identity), "sees": sees}
     result = cluster.conclude(t0, outcome)
     places = [st["place"] for st in result.stats]
@@ -132,7 +136,9 @@ def setup(ctx: RunContext) -> Placement:
     report.source_rank = reader if ctx.local else None
     report.source_readers = list(readers)
     group = topo.group_of[ctx.rank]
-    return Placement(topo=topo, group=group, leader=leader, reader=reader, readers=tuple(readers), auth=auth)
+    return Placement(
+        topo=topo, group=group, leader=leader, reader=reader, readers=tuple(readers), auth=auth, proxy=proxy
+    )
 
 
 def lock_dest(ctx: RunContext, leader: bool, t0: float) -> None:

@@ -63,7 +63,7 @@ def list_source(ctx: RunContext, place: Placement) -> Listed:
                 from azcp_cluster.listing import list_source as list_blobs
 
                 assert place.auth is not None
-                listed = list_blobs(parse_blob_url(ctx.cfg.source), place.auth, ctx.cfg)
+                listed = list_blobs(parse_blob_url(ctx.cfg.source), place.auth, ctx.cfg, place.proxy)
             payload = encode_listing(listed)
     single = ctx.local and ctx.rank == place.reader and os.path.isfile(ctx.source_root)
     message = (payload, error_payload(outcome.error) if outcome.error else None, single)

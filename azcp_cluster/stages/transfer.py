@@ -26,7 +26,6 @@ from azcp_cluster.stages.setup import Placement
 from azcp_cluster.stages.survey import Diff, Listed
 
 if TYPE_CHECKING:
-    from azcp_cluster.credentials import Authorizer
     from azcp_cluster.download import Downloader
 
 
@@ -53,12 +52,10 @@ def move(
 ) -> Transferred:
     """Download this rank's share and fan every byte out; a local file that changed is sent again."""
     if not ctx.local and ctx.cfg.overlap and any(plan.loads()):
-        assert place.auth is not None
-        done = stream(ctx, place, listed, plan, schedule, prepared.broadcaster, place.auth)
+        done = stream(ctx, place, listed, plan, schedule, prepared.broadcaster)
     else:
         if not ctx.local:
-            assert place.auth is not None
-            download(ctx, place, listed, plan, place.auth)
+            download(ctx, place, listed, plan)
         done = fan_out(ctx, place, schedule, prepared.broadcaster)
     moved = Transferred(listed, diff, prepared.here, done.digests)
     if done.changed:
@@ -66,7 +63,7 @@ def move(
     return moved
 
 
-def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan, auth: Authorizer) -> None:
+def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan) -> None:
     """Every downloader fetches its shards into its node's temporary files."""
     from azcp_cluster.download import blocks_for
 
@@ -78,7 +75,7 @@ def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan, auth
     with cluster.stage(outcome):
         stats = None
         if mine:
-            stats = downloader(ctx, listed, plan, auth, progress.add).run(blocks_for(mine, ctx.cfg.block_size))
+            stats = downloader(ctx, place, listed, plan, progress.add).run(blocks_for(mine, ctx.cfg.block_size))
         if stats is not None:
             outcome.stats = {
                 "bytes": stats.bytes,
@@ -97,7 +94,7 @@ def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan, auth
 
 
 def downloader(
-    ctx: RunContext, listed: Listed, plan: Plan, auth: Authorizer, on_bytes: Callable[[int], None]
+    ctx: RunContext, place: Placement, listed: Listed, plan: Plan, on_bytes: Callable[[int], None]
 ) -> Downloader:
     """This rank's downloader for its share of ``plan`` (paced by its share of --max-bandwidth)."""
     from azcp_cluster.download import Downloader
@@ -108,15 +105,17 @@ def downloader(
     if cfg.max_bandwidth is not None:
         busy = sum(1 for load in plan.loads() if load)  # ranks that download at all
         pacer = Pacer(share(cfg.max_bandwidth, busy), burst=cfg.block_size, clock=ctx.cluster.clock)
+    assert place.auth is not None
     return Downloader(
         listed.listing.files,
         ctx.dest_tree(),
-        auth,
+        place.auth,
         cfg,
         peer_failed=ctx.cluster.peer_failed,
         on_bytes=on_bytes,
         pacer=pacer,
         pool=ctx.write_pool,
+        proxy=place.proxy,
     )
 
 
@@ -140,7 +139,6 @@ def stream(
     plan: Plan,
     schedule: Schedule,
     broadcaster: Broadcaster | None,
-    auth: Authorizer,
 ) -> FannedOut:
     """Download and fan out at once: a transfer goes out as soon as its bytes are on its root's node.
 
@@ -173,7 +171,7 @@ def stream(
         return cluster.clock() - t0
 
     def make_downloader() -> Downloader:
-        return downloader(ctx, listed, plan, auth, progress.add_download)
+        return downloader(ctx, place, listed, plan, progress.add_download)
 
     with cluster.stage(outcome):
         done = Streamed(0.0)

@@ -1,0 +1,257 @@
+"""The ranged GETs go through HTTPS_PROXY / HTTP_PROXY as the listing does, and NO_PROXY exempts.
+
+Pure: which proxy a URL takes (proxies.py) and the CONNECT request's bytes. For real: a
+forward proxy on loopback (devtools/forwardproxy.py) in front of Azurite, over HTTP (the
+proxy sees every ranged GET: absolute-form requests) and over HTTPS (a CONNECT tunnel,
+TLS end to end), with credentials in the proxy URL; a proxy that refuses, one that is not
+there, and NO_PROXY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.certs import make_certificate
+from azcp_cluster.devtools.forwardproxy import ForwardProxy, Seen
+from azcp_cluster.errors import UsageError
+from azcp_cluster.http1 import ConnectFailed, Connection, TunnelRefused, connect_bytes, request_bytes
+from azcp_cluster.proxies import Proxy, bypassed, parse_proxy, proxy_for
+from tests.conftest import assert_copies, run_cli
+
+# -- pure -------------------------------------------------------------------------------------
+
+
+def test_the_scheme_picks_the_variable_lower_case_first_then_all_proxy() -> None:
+    env = {"HTTPS_PROXY": "http://upper:1", "https_proxy": "http://lower:2", "HTTP_PROXY": "plain:3"}
+    assert proxy_for("https://acct.blob.core.windows.net/c", env).host == "lower"  # type: ignore[union-attr]
+    got = proxy_for("http://127.0.0.1:10000/devstoreaccount1", env)
+    assert got is not None and (got.host, got.port, got.variable) == ("plain", 3, "HTTP_PROXY")
+    assert proxy_for("https://a.example/c", {"ALL_PROXY": "http://all:8080"}).port == 8080  # type: ignore[union-attr]
+    assert proxy_for("https://a.example/c", {"HTTP_PROXY": "http://p:1"}) is None  # http's proxy is not https's
+    assert proxy_for("https://a.example/c", {}) is None
+    assert proxy_for("https://a.example/c", {"HTTPS_PROXY": "  "}) is None
+
+
+def test_credentials_become_basic_auth_and_are_never_shown() -> None:
+    proxy = parse_proxy("http://us%40er:p%3Ass@proxy.corp:3128", "HTTPS_PROXY")
+    assert proxy.authorization == "Basic " + base64.b64encode(b"us@er:p:ss").decode()
+    assert proxy.shown == "http://proxy.corp:3128 (from HTTPS_PROXY)"
+    for secret in ("us@er", "us%40er", "p:ss", "p%3Ass", proxy.authorization):
+        assert secret not in proxy.shown and secret not in repr(proxy)
+    assert parse_proxy("proxy.corp", "HTTPS_PROXY").port == 80
+    assert parse_proxy("http://[::1]:8080", "HTTPS_PROXY").shown.startswith("http://[::1]:8080")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("socks5://p:1080", "only http:// proxies"),
+        ("https://p:443", "only http:// proxies"),
+        ("http://p:notaport", "port is not a number"),
+        ("http://:8080", "no host"),
+    ],
+)
+def test_a_proxy_that_cannot_be_used_is_a_usage_error(value: str, message: str) -> None:
+    with pytest.raises(UsageError, match=message) as info:
+        proxy_for("https://acct.blob.core.windows.net/c", {"HTTPS_PROXY": value})
+    assert info.value.exit_code == 2 and "HTTPS_PROXY" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "no_proxy", "exempt"),
+    [
+        ("acct.blob.core.windows.net", 443, "*", True),
+        ("acct.blob.core.windows.net", 443, "core.windows.net", True),
+        ("acct.blob.core.windows.net", 443, ".core.windows.net", True),
+        ("acct.blob.core.windows.net", 443, "windows.net.", True),
+        ("acct.blob.core.windows.net", 443, "ACCT.blob.core.windows.net", True),
+        ("acct.blob.core.windows.net", 443, "s.net", False),  # not on a dot boundary
+        ("acct.blob.core.windows.net", 443, "other.example, blob.core.windows.net:443", True),
+        ("acct.blob.core.windows.net", 443, "blob.core.windows.net:8443", False),
+        ("127.0.0.1", 10000, "127.0.0.1", True),
+        ("127.0.0.1", 10000, "127.0.0.0/8", True),
+        ("127.0.0.1", 10000, "127.0.0.1:10000", True),
+        ("127.0.0.1", 10000, "127.0.0.1:10001", False),
+        ("127.0.0.1", 10000, "10.0.0.0/8,localhost", False),
+        ("::1", 443, "::1", True),
+        ("::1", 443, "[::1]:443", True),
+        ("::1", 443, "[::1]:80", False),
+        ("localhost", 80, "", False),
+        ("localhost", 80, " , ,", False),
+    ],
+)
+def test_no_proxy(host: str, port: int, no_proxy: str, exempt: bool) -> None:
+    assert bypassed(host, port, no_proxy) is exempt
+    url = f"https://{'[' + host + ']' if ':' in host else host}:{port}/c"
+    got = proxy_for(url, {"HTTPS_PROXY": "http://p:1", "no_proxy": no_proxy})
+    assert (got is None) is exempt
+
+
+def test_connect_and_absolute_requests() -> None:
+    assert connect_bytes("acct.blob.core.windows.net", 443, "Basic eA==") == (
+        b"CONNECT acct.blob.core.windows.net:443 HTTP/1.1\r\nHost: acct.blob.core.windows.net:443\r\n"
+        b"Proxy-Authorization: Basic eA==\r\n\r\n"
+    )
+    assert connect_bytes("::1", 443, None).startswith(b"CONNECT [::1]:443 HTTP/1.1\r\n")
+    with pytest.raises(ValueError):
+        connect_bytes("evil\r\nX: y", 443, None)
+    line = request_bytes("http://127.0.0.1:10000/a/b?sv=1", {}, absolute=True).split(b"\r\n")[0]
+    assert line == b"GET http://127.0.0.1:10000/a/b?sv=1 HTTP/1.1"
+
+
+# -- for real ---------------------------------------------------------------------------------
+
+BLOBS = {f"d/part-{i}.bin": os.urandom(1_500_000 + 4099 * i) for i in range(3)}
+BLOBS["d/small.txt"] = b"hello"
+EXPECTED = {name.removeprefix("d/"): data for name, data in BLOBS.items()}
+BLOCK = 512 * 1024
+ARGS = ["--block-size", "512KiB", "--no-progress", "--max-retries", "1"]
+
+
+def _blocks() -> set[tuple[str, str]]:
+    """(blob, Range) of every ranged GET a copy of BLOBS makes with BLOCK."""
+    want = set()
+    for name, data in BLOBS.items():
+        for start in range(0, len(data), BLOCK):
+            want.add((name, f"bytes={start}-{min(start + BLOCK, len(data)) - 1}"))
+    return want
+
+
+def _ranged(seen: list[Seen]) -> set[tuple[str, str]]:
+    return {(s.target.split("?")[0].split("/", 5)[-1], s.range) for s in seen if s.method == "GET" and s.range}
+
+
+@pytest.fixture(scope="module")
+def container(emulator: azurite.Emulator) -> str:
+    name = "p" + uuid.uuid4().hex[:20]
+    azurite.upload(emulator, name, BLOBS)
+    return name
+
+
+def test_every_ranged_get_goes_through_http_proxy_with_credentials(
+    emulator: azurite.Emulator, container: str, tmp_path: Path
+) -> None:
+    with ForwardProxy(credentials=("stage", "s3cr:t")) as proxy:
+        url = proxy.url.replace("s3cr:t", "s3cr%3At")
+        env = {**emulator.key_env(), "HTTP_PROXY": url}
+        result = run_cli([emulator.url(container, "d"), str(tmp_path / "{rank}"), *ARGS], n=2, env=env)
+        assert result.returncode == 0, result.output
+        assert_copies(tmp_path, EXPECTED, ranks=2)
+        # Every block fetched through the proxy, each once (no retries here), and the
+        # listing too (the SDK honours the same variable).
+        assert _ranged(proxy.seen) == _blocks()
+        assert sum(1 for s in proxy.seen if s.range) == len(_blocks())
+        assert any("comp=list" in s.target for s in proxy.seen)
+        assert "s3cr" not in result.output
+
+
+def test_no_proxy_matching_the_host_sends_nothing_through_it(
+    emulator: azurite.Emulator, container: str, tmp_path: Path
+) -> None:
+    with ForwardProxy() as proxy:
+        env = {**emulator.key_env(), "HTTP_PROXY": proxy.url, "NO_PROXY": "localhost,127.0.0.1"}
+        result = run_cli([emulator.url(container, "d"), str(tmp_path / "{rank}"), *ARGS], n=2, env=env)
+        assert result.returncode == 0, result.output
+        assert_copies(tmp_path, EXPECTED, ranks=2)
+        assert proxy.seen == []
+
+
+def test_a_proxy_that_refuses_the_blob_gets_ends_the_run_naming_it(
+    emulator: azurite.Emulator, container: str, tmp_path: Path
+) -> None:
+    def refuse(seen: Seen) -> int | None:
+        return 407 if seen.range else None  # the listing goes through; the ranged GETs do not
+
+    with ForwardProxy(refuse=refuse) as proxy:
+        env = {**emulator.key_env(), "HTTP_PROXY": proxy.url}
+        result = run_cli([emulator.url(container, "d"), str(tmp_path / "{rank}"), *ARGS], n=2, env=env)
+    assert result.returncode == 5, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    assert len(errors) == 1, result.stderr
+    assert f"proxy http://127.0.0.1:{proxy.port} (from HTTP_PROXY) refused the request: HTTP 407" in errors[0]
+    assert not any((tmp_path / str(r) / name).exists() for r in range(2) for name in EXPECTED)
+
+
+def test_a_proxy_that_is_not_there_is_named_in_one_line(
+    emulator: azurite.Emulator, container: str, tmp_path: Path
+) -> None:
+    port = azurite.free_port()  # nothing listens there
+    env = {**emulator.key_env(), "HTTP_PROXY": f"http://127.0.0.1:{port}"}
+    result = run_cli([emulator.url(container, "d"), str(tmp_path / "{rank}"), *ARGS], n=2, env=env, timeout=120)
+    assert result.returncode == 3, result.output  # the listing goes first, through the same proxy
+    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    assert len(errors) == 1, result.stderr
+    assert f"through proxy http://127.0.0.1:{port} (from HTTP_PROXY)" in errors[0], errors[0]
+
+
+def test_the_ranged_gets_name_what_they_could_not_reach() -> None:
+    """The GETs' own connections (what a download's last cause says), on real sockets."""
+    absent = azurite.free_port()
+    proxy = parse_proxy(f"http://127.0.0.1:{absent}", "HTTPS_PROXY")
+
+    async def attempt(url: str, through: Proxy | None) -> str:
+        with pytest.raises((ConnectFailed, TunnelRefused)) as info:
+            await Connection.open(url, None, through)
+        return str(info.value)
+
+    said = asyncio.run(attempt("https://127.0.0.1:1/c", proxy))
+    assert said.startswith("ConnectionRefusedError connecting to proxy http://127.0.0.1:") and str(absent) in said
+    said = asyncio.run(attempt(f"http://127.0.0.1:{absent}/c", None))
+    assert said.startswith(f"ConnectionRefusedError connecting to 127.0.0.1:{absent}")
+    with ForwardProxy(refuse=lambda seen: 403) as refusing:
+        said = asyncio.run(attempt("https://127.0.0.1:1/c", parse_proxy(refusing.url, "HTTPS_PROXY")))
+    shown = f"http://127.0.0.1:{refusing.port} (from HTTPS_PROXY)"
+    assert said == f"proxy {shown} refused the tunnel to 127.0.0.1:1: HTTP 403 Forbidden"
+
+
+@pytest.fixture(scope="module")
+def https_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[azurite.Emulator]:
+    cert, key = make_certificate(tmp_path_factory.mktemp("tls"))
+    with azurite.running(cert=str(cert), key=str(key)) as emu:
+        azurite.upload(emu, "tunnel", BLOBS)
+        yield emu
+
+
+def test_https_goes_through_a_connect_tunnel(https_emulator: azurite.Emulator, tmp_path: Path) -> None:
+    emu = https_emulator
+    assert emu.ca_file is not None
+    with ForwardProxy(credentials=("stage", "pw")) as proxy:
+        env = {
+            **emu.key_env(),
+            "HTTPS_PROXY": proxy.url,
+            "SSL_CERT_FILE": emu.ca_file,
+            "REQUESTS_CA_BUNDLE": emu.ca_file,
+        }
+        result = run_cli([emu.url("tunnel", "d"), str(tmp_path / "{rank}"), *ARGS], n=2, env=env)
+        assert result.returncode == 0, result.output
+        assert_copies(tmp_path, EXPECTED, ranks=2)
+        tunnels = proxy.requests("CONNECT")
+        # The listing's and the GETs' (at least one per downloading rank); nothing in clear.
+        assert len(tunnels) >= 3 and {s.target for s in tunnels} == {f"127.0.0.1:{emu.port}"}
+        assert not proxy.requests("GET")
+
+
+def test_a_proxy_that_refuses_the_tunnel_ends_the_run_naming_it(
+    https_emulator: azurite.Emulator, tmp_path: Path
+) -> None:
+    emu = https_emulator
+    assert emu.ca_file is not None
+    with ForwardProxy(refuse=lambda seen: 403) as proxy:
+        env = {
+            **emu.key_env(),
+            "HTTPS_PROXY": proxy.url,
+            "SSL_CERT_FILE": emu.ca_file,
+            "REQUESTS_CA_BUNDLE": emu.ca_file,
+        }
+        result = run_cli([emu.url("tunnel", "d"), str(tmp_path / "{rank}"), *ARGS], n=2, env=env)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    assert result.returncode == 3, result.output  # the listing goes first, through the same proxy
+    assert len(errors) == 1 and f"127.0.0.1:{proxy.port}" in errors[0], result.stderr
