@@ -19,7 +19,7 @@ from azcp_cluster.report import Report, check_json_path
 # The keyword options, by kind (the Config fields; sizes also accept "64MiB" strings).
 _SIZES = ("block_size", "bcast_chunk", "shard_size")
 _INTS = ("concurrency", "bcast_pipeline", "bcast_writers", "max_retries", "source_readers", *_SIZES)
-_OPTIONAL_INTS = ("source_rank", "download_ranks")
+_OPTIONAL_INTS = ("source_rank", "download_ranks", "download_workers")
 _BOOLS = ("bcast_direct", "dry_run", "progress", "overlap")
 _FLOATS = ("read_timeout", "connect_timeout")
 _OPTIONAL_FLOATS = ("lock_timeout",)
@@ -36,6 +36,8 @@ def _convert(name: str, value: Any) -> Any:
         return parse_rate(value)
     if name == "max_bandwidth" and (value is None or (isinstance(value, int | float) and not isinstance(value, bool))):
         return None if value is None else _float(name, value)
+    if name == "download_workers" and value == "auto":
+        return None
     if name == "verify" and isinstance(value, bool):
         return "disk" if value else ""  # verify=True: the default mode, as a bare --verify
     if name == "verify" and isinstance(value, str):

@@ -20,6 +20,7 @@ from azcp_cluster.config import (
     MAX_BCAST_WRITERS,
     MAX_BLOCK_SIZE,
     MAX_CONCURRENCY,
+    MAX_DOWNLOAD_WORKERS,
     MAX_LOCK_TIMEOUT,
     MAX_READ_TIMEOUT,
     MAX_RETRIES_LIMIT,
@@ -106,6 +107,11 @@ def _integer(text: str) -> int:
     if len(digits.lstrip("0")) > _INT_DIGITS:
         raise argparse.ArgumentTypeError(f"{shown(text)} is far beyond the supported range")
     return int(text)
+
+
+def _workers(text: str) -> int | None:
+    """``auto`` (None) or a whole number."""
+    return None if text.strip().lower() == "auto" else _integer(text)
 
 
 def _rate(text: str) -> float:
@@ -206,6 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="only K ranks download from Azure, spread over the nodes (default: every rank); fewer clients "
         "for a throttled account",
+    )
+    p.add_argument(
+        "--download-workers",
+        type=_workers,
+        default=None,
+        metavar="N|auto",
+        help="processes under each downloading rank that make its ranged GETs, so that TLS runs on every "
+        f"core of a node (1 to {MAX_DOWNLOAD_WORKERS}; 1: in the rank itself); auto (the default): the CPUs "
+        "the rank may use over the ranks on its host, at most 8, and one per 256MiB of its share",
     )
     p.add_argument(
         "--max-bandwidth",
@@ -314,6 +329,7 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
         source_readers=args.source_readers,
         overlap=not args.no_overlap,
         download_ranks=args.download_ranks,
+        download_workers=args.download_workers,
         max_bandwidth=args.max_bandwidth,
         lock=args.lock,
         lock_timeout=args.lock_timeout,

@@ -54,6 +54,7 @@ MAX_CONCURRENCY = 4096
 MAX_BCAST_PIPELINE = 256
 MAX_BCAST_WRITERS = 64
 MAX_RETRIES_LIMIT = 100
+MAX_DOWNLOAD_WORKERS = 64  # download worker processes per rank
 MAX_READ_TIMEOUT = 86400.0  # seconds (a day); also the bound of the API's connect_timeout
 # Every timeout: shorter than the download watchdog's tick (0.1 s) would abandon every body
 # at its first pause (and a lock wait that short is no wait).
@@ -221,6 +222,9 @@ class Config:
     overlap: bool = True
     # How many ranks download (default all), chosen round-robin over the nodes.
     download_ranks: int | None = None
+    # Processes under each downloading rank that make its ranged GETs (TLS on every core of a
+    # node); None: auto, from the CPUs the rank may use, the ranks on its host and its share.
+    download_workers: int | None = None
     # Cluster-wide download cap in bytes per second, split over the downloading ranks.
     max_bandwidth: float | None = None
     # Which credential: "auto" (first match wins) or one of AUTH_METHODS, forced.
@@ -266,6 +270,11 @@ class Config:
             raise UsageError(f"--source-readers must be at least 1 (got {shown(self.source_readers)})")
         if self.source_readers > 1 and self.source_rank is not None:
             raise UsageError("--source-rank names one reader; it cannot be combined with --source-readers")
+        if self.download_workers is not None and not 1 <= self.download_workers <= MAX_DOWNLOAD_WORKERS:
+            raise UsageError(
+                f"--download-workers must be auto or between 1 and {MAX_DOWNLOAD_WORKERS} "
+                f"(got {shown(self.download_workers)})"
+            )
         if self.download_ranks is not None and self.download_ranks < 1:
             raise UsageError(f"--download-ranks must be at least 1 (got {shown(self.download_ranks)})")
         if self.max_bandwidth is not None and not MIN_BANDWIDTH <= self.max_bandwidth <= MAX_BANDWIDTH_LIMIT:

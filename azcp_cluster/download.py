@@ -17,7 +17,7 @@ import ssl
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -93,6 +93,7 @@ class DownloadStats:
     retries: int = 0
     retry_causes: Counter[str] = field(default_factory=Counter)
     direct_refused: str = ""  # a path whose filesystem refused O_DIRECT, if any
+    worker_bytes: list[int] = field(default_factory=list)  # by download worker process (workers.py)
 
 
 class _Retryable(Exception):
@@ -119,7 +120,7 @@ class Downloader:
 
     def __init__(
         self,
-        files: Sequence[FileEntry],
+        files: Sequence[FileEntry] | Mapping[int, FileEntry],
         tree: DestTree,
         auth: Authorizer,
         cfg: Config,

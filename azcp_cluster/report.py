@@ -77,6 +77,9 @@ class Report:
     retries: int = 0
     retry_causes: dict[str, int] = field(default_factory=dict)
     retries_by_rank: list[int] = field(default_factory=list)  # index: rank
+    # Per rank: the bytes each of its download worker processes fetched ([] if it had none:
+    # its GETs ran in the rank itself).
+    worker_bytes_by_rank: list[list[int]] = field(default_factory=list)
     exit_code: int = 0
     error: str | None = None
     dry_run: bool = False

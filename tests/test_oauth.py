@@ -94,6 +94,21 @@ def test_stage_with_a_token_credential_over_https(secure: Secure, tmp_path: Path
         assert token not in printed and token.split(".")[1] not in printed
 
 
+def test_download_workers_take_their_tokens_from_the_rank(secure: Secure, tmp_path: Path) -> None:
+    """One token cache per rank: its worker processes never ask the credential (no token storm)."""
+    emu, blobs = secure
+    lines, printed = run_program(emu, str(tmp_path / "node{rank}"), tmp_path / "out", "workers")
+    assert all(d["ok"] for d in lines), lines
+    for rank in range(4):
+        assert tree_of(tmp_path / f"node{rank}") == expected(blobs)
+    per_rank = lines[0]["workers"]
+    assert len(per_rank) == 4 and all(len(w) == 2 and all(b > 0 for b in w) for w in per_rank), per_rank
+    # As without workers: the first token (said to expire at once) and its refresh, per rank.
+    assert [d["issued"] for d in lines] == [2, 2, 2, 2], lines
+    for token in (t for d in lines for t in d["tokens"]):
+        assert token not in printed
+
+
 @pytest.mark.parametrize(
     ("mode", "error", "code", "cause"),
     [

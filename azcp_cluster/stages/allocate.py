@@ -7,6 +7,7 @@ file this node writes, the download's buffers and the fan-out's slots (a :class:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from azcp_cluster.schedule import DIRECT_MIN, Transfer, files_written, transfer_
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement
 from azcp_cluster.stages.survey import Diff, Listed
+from azcp_cluster.topology import workers_for
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,8 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
     broadcaster: Broadcaster | None = None
     mine = plan.owned_by(ctx.rank)
     with cluster.stage(outcome):
-        if not ctx.local and mine:
+        # With worker processes, each has its own buffers and writers (workers.py).
+        if not ctx.local and mine and download_workers(ctx, place, plan) == 1:
             from azcp_cluster.download import WritePool, blocks_for, pool_buffers_for
 
             # Mapped now, with its writer threads started: the download stage then
@@ -122,6 +125,16 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
         if mine and not place.leader:
             ctx.dest_tree().adopt(made or {})  # DEST exists now: its leader made it
     return Prepared(broadcaster, here)
+
+
+def download_workers(ctx: RunContext, place: Placement, plan: Plan) -> int:
+    """How many worker processes make this rank's ranged GETs (1: the rank itself; topology.workers_for)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))  # the CPUs this rank may use, not the machine's
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    share = sum(s.length for s in plan.owned_by(ctx.rank))
+    return workers_for(ctx.cfg.download_workers, cpus, place.ranks_on_host, share)
 
 
 def prepare_files(ctx: RunContext, listing: Listing, indices: Sequence[int], later: Sequence[int] = ()) -> None:

@@ -40,6 +40,7 @@ class Placement:
     readers: tuple[int, ...]  # a local SOURCE: every rank that reads it (--source-readers); else ()
     auth: Authorizer | None  # a blob SOURCE: the run's credential, no token yet
     proxy: Proxy | None = None  # a blob SOURCE: the proxy its ranged GETs go through (proxies.py)
+    ranks_on_host: int = 1  # ranks of this job on this rank's host (they share its CPUs)
 
     def downloaders_here(self) -> list[int]:
         """The ranks of this node that download (ascending)."""
@@ -136,8 +137,16 @@ def setup(ctx: RunContext) -> Placement:
     report.source_rank = reader if ctx.local else None
     report.source_readers = list(readers)
     group = topo.group_of[ctx.rank]
+    on_host = sum(1 for host, _ in places if host == ctx.host)
     return Placement(
-        topo=topo, group=group, leader=leader, reader=reader, readers=tuple(readers), auth=auth, proxy=proxy
+        topo=topo,
+        group=group,
+        leader=leader,
+        reader=reader,
+        readers=tuple(readers),
+        auth=auth,
+        proxy=proxy,
+        ranks_on_host=on_host,
     )
 
 

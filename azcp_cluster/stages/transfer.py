@@ -20,13 +20,22 @@ from azcp_cluster.localsource import restat, source_file
 from azcp_cluster.plan import Plan, plan_transfers
 from azcp_cluster.progress import Progress
 from azcp_cluster.report import StageFigures
-from azcp_cluster.stages.allocate import Prepared, Schedule, make_broadcaster, prepare_files, schedule_for, writes_here
+from azcp_cluster.stages.allocate import (
+    Prepared,
+    Schedule,
+    download_workers,
+    make_broadcaster,
+    prepare_files,
+    schedule_for,
+    writes_here,
+)
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement
 from azcp_cluster.stages.survey import Diff, Listed
 
 if TYPE_CHECKING:
     from azcp_cluster.download import Downloader
+    from azcp_cluster.workers import WorkerDownloader
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,7 @@ def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan) -> N
                 "retries": stats.retries,
                 "causes": dict(stats.retry_causes),
                 "refused": stats.direct_refused,
+                "workers": list(stats.worker_bytes),
             }
     progress.close()
     ctx.close_write_pool()  # its memory is not needed by the fan-out
@@ -95,20 +105,40 @@ def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan) -> N
 
 def downloader(
     ctx: RunContext, place: Placement, listed: Listed, plan: Plan, on_bytes: Callable[[int], None]
-) -> Downloader:
-    """This rank's downloader for its share of ``plan`` (paced by its share of --max-bandwidth)."""
+) -> Downloader | WorkerDownloader:
+    """This rank's downloader for its share of ``plan`` (paced by its share of --max-bandwidth):
+    in the rank itself, or on ``--download-workers`` processes (workers.py)."""
+    from azcp_cluster import workers as processes
     from azcp_cluster.download import Downloader
     from azcp_cluster.throttle import Pacer, share
 
     cfg = ctx.cfg
-    pacer = None
+    assert place.auth is not None
+    rate = None
     if cfg.max_bandwidth is not None:
         busy = sum(1 for load in plan.loads() if load)  # ranks that download at all
-        pacer = Pacer(share(cfg.max_bandwidth, busy), burst=cfg.block_size, clock=ctx.cluster.clock)
-    assert place.auth is not None
+        rate = share(cfg.max_bandwidth, busy)
+    workers = download_workers(ctx, place, plan)
+    files = listed.listing.files
+    tree = ctx.dest_tree()
+    if workers > 1:
+        return processes.WorkerDownloader(
+            files,
+            ctx.dest,
+            tree.made,
+            lambda i: files[i].path,
+            place.auth,
+            cfg,
+            workers,
+            peer_failed=ctx.cluster.peer_failed,
+            on_bytes=on_bytes,
+            rate=rate,
+            proxy=place.proxy,
+        )
+    pacer = Pacer(rate, burst=cfg.block_size, clock=ctx.cluster.clock) if rate is not None else None
     return Downloader(
-        listed.listing.files,
-        ctx.dest_tree(),
+        files,
+        tree,
         place.auth,
         cfg,
         peer_failed=ctx.cluster.peer_failed,
@@ -129,6 +159,7 @@ def record_download(ctx: RunContext, result: StageResult) -> None:
     report.retries = result.total("retries")
     report.retries_by_rank = [int(st.get("retries", 0)) for st in result.stats]
     report.retry_causes = dict(causes)
+    report.worker_bytes_by_rank = [list(st.get("workers", ())) for st in result.stats]
     ctx.warn_direct(result.stats)
 
 
@@ -170,7 +201,7 @@ def stream(
     def since() -> float:
         return cluster.clock() - t0
 
-    def make_downloader() -> Downloader:
+    def make_downloader() -> Downloader | WorkerDownloader:
         return downloader(ctx, place, listed, plan, progress.add_download)
 
     with cluster.stage(outcome):
@@ -200,6 +231,7 @@ def stream(
         if done.download is not None:
             dstats = done.download
             stats.update(bytes=dstats.bytes, retries=dstats.retries, causes=dict(dstats.retry_causes))
+            stats["workers"] = list(dstats.worker_bytes)
             stats["refused"] = dstats.direct_refused
         if done.fanout is not None and done.fanout.direct_refused:
             stats["refused"] = done.fanout.direct_refused

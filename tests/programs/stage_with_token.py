@@ -8,7 +8,8 @@ away, but the first token a rank gets *tells* the client it expires 2 ms after i
 the client refreshes it before its next request: a rank that sends several requests asks
 exactly twice (the second token says an hour).
 
-MODE ``good``: every token is valid. MODE ``bad-download-token``: rank 0's tokens (it lists
+MODE ``good``: every token is valid; ``workers``: the same, each rank's GETs on two download
+worker processes (their tokens come from the rank). MODE ``bad-download-token``: rank 0's tokens (it lists
 and downloads) are valid; the other ranks' have a wrong audience, so only their ranged GETs
 are refused. MODE ``unavailable``: the other ranks' credential raises, as azure-identity's
 do, with a long message of several lines. Writes OUT_DIR/rank-N.json: the outcome, how many tokens were
@@ -58,7 +59,7 @@ class TestCredential:
                 "resource.\nError details: see https://aka.ms/azsdk/python/identity/managedidentitycredential/troubleshoot"
             )
         now = int(time.time())
-        good = self.mode == "good" or self.rank == 0
+        good = self.mode in ("good", "workers") or self.rank == 0
         claims = {
             "aud": GOOD_AUDIENCE if good else "https://vault.azure.net",
             "iss": ISSUER,
@@ -89,8 +90,14 @@ try:
         concurrency=2,
         bcast_chunk="1MiB",
         verify=True,
+        download_workers=2 if mode == "workers" else 1,
     )
-    outcome: dict[str, Any] = {"ok": True, "files": report.files, "downloaded": report.downloaded_bytes}
+    outcome: dict[str, Any] = {
+        "ok": True,
+        "files": report.files,
+        "downloaded": report.downloaded_bytes,
+        "workers": report.worker_bytes_by_rank,
+    }
 except azcp_cluster.AzcpError as exc:
     outcome = {"ok": False, "type": type(exc).__name__, "code": exc.exit_code, "line": exc.one_line()}
 record = {"rank": rank, "issued": len(credential.tokens), "tokens": credential.tokens, "scopes": credential.scopes}

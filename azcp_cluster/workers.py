@@ -1,0 +1,317 @@
+"""Download worker processes: a rank's ranged GETs on several cores (TLS is CPU-bound in Python).
+
+Why processes and not threads: a rank's client spends most of its CPU in Python (the event
+loop, asyncio's TLS layer, the protocol) with the GIL held; only OpenSSL's decryption and
+the socket reads release it. Threads would share one interpreter's worth of that work;
+processes (started fresh with ``python -m azcp_cluster.dlworker``, never forked from an
+MPI process without an exec) each have their own.
+
+The rank stays the one the cluster talks to. Each worker runs an ordinary
+:class:`~azcp_cluster.download.Downloader` on its part of the rank's blocks, with its own
+buffers and writer threads, and reports over a private socket pair: bytes and landed
+blocks as they come (the rank passes them to the progress bar and the streaming engine),
+then its counters, or its error. The rank sends it what it cannot know alone: a fresh
+bearer token (one token cache per rank: the workers never ask the credential themselves,
+so no token storm), and "stop" when another rank or another worker failed.
+
+Safety is what a non-leader downloader already has: the worker opens DEST by its real path
+and writes only into the temporary files whose identities the rank hands it (those its
+node's leader made), never through a link. A worker ignores SIGINT and SIGTERM (its rank
+decides and tells it) and is killed by the kernel if its rank dies (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import selectors
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from azcp_cluster.config import Config
+from azcp_cluster.credentials import Authorizer, Credential
+from azcp_cluster.download import Block, DownloadStats
+from azcp_cluster.errors import AzcpError, DownloadError, InternalError
+from azcp_cluster.model import FileEntry
+from azcp_cluster.proxies import Proxy
+
+# How often the rank looks at the other ranks and at its token while its workers run.
+TICK_SECONDS = 0.1
+# How long stopped workers get to end on their own before they are killed.
+STOP_GRACE_SECONDS = 10.0
+_FRAME = struct.Struct("!I")
+
+
+def send(sock: socket.socket, message: Any) -> None:
+    """One message (a pickled tuple) on ``sock``: a length, then the bytes."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_FRAME.pack(len(data)) + data)
+
+
+def receive(sock: socket.socket) -> Any:
+    """The next message on ``sock``; None once the other side has closed it."""
+    head = _read_exactly(sock, _FRAME.size)
+    if head is None:
+        return None
+    (length,) = _FRAME.unpack(head)
+    data = _read_exactly(sock, length)
+    if data is None:
+        return None
+    return pickle.loads(data)
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
+    chunks = bytearray()
+    while len(chunks) < n:
+        try:
+            chunk = sock.recv(n - len(chunks))
+        except (ConnectionError, OSError):
+            return None
+        if not chunk:
+            return None
+        chunks += chunk
+    return bytes(chunks)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one worker is asked to do (sent pickled as its first message)."""
+
+    worker: int
+    files: Mapping[int, FileEntry]  # only the files its blocks are in
+    blocks: tuple[Block, ...]
+    dest: str
+    made: Mapping[str, int]  # relative path -> identity of the temporary files it may write
+    cfg: Config  # its --concurrency is its part of the rank's
+    credential: Credential  # a token credential without its object: tokens come from the rank
+    source: Any  # the BlobSource
+    token: tuple[str, float] | None  # the rank's current bearer token and its expiry
+    rate: float | None  # its part of the rank's --max-bandwidth share, bytes per second
+    proxy: Proxy | None
+
+
+def deal(blocks: Sequence[Block], workers: int) -> list[list[Block]]:
+    """Split ``blocks`` over ``workers``: largest first, each to the least loaded (LPT), order kept within each."""
+    loads = [0] * workers
+    parts: list[list[tuple[int, Block]]] = [[] for _ in range(workers)]
+    for index, block in sorted(enumerate(blocks), key=lambda ib: (-ib[1].length, ib[0])):
+        k = min(range(workers), key=lambda w: (loads[w], w))
+        loads[k] += block.length
+        parts[k].append((index, block))
+    return [[block for _, block in sorted(part, key=lambda ib: ib[0])] for part in parts]
+
+
+class _Worker:
+    __slots__ = ("done", "error", "index", "proc", "sock")
+
+    def __init__(self, index: int, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self.index = index
+        self.proc = proc
+        self.sock = sock
+        self.done = False
+        self.error: AzcpError | None = None
+
+
+class WorkerDownloader:
+    """The :class:`~azcp_cluster.download.Downloader` interface over worker processes.
+
+    ``run(blocks)`` returns the summed :class:`DownloadStats` or raises the first worker's
+    error (``PeerFailed`` when the rank was told to stop). ``on_bytes``, ``on_landed`` and
+    ``peer_failed`` are called on the thread that called ``run``, as a Downloader's are.
+    """
+
+    def __init__(
+        self,
+        files: Sequence[FileEntry],
+        dest: str,
+        made: Mapping[str, int],
+        paths: Callable[[int], str],
+        auth: Authorizer,
+        cfg: Config,
+        workers: int,
+        *,
+        peer_failed: Callable[[], bool] = lambda: False,
+        on_bytes: Callable[[int], None] = lambda n: None,
+        on_landed: Callable[[Block], None] = lambda block: None,
+        rate: float | None = None,
+        proxy: Proxy | None = None,
+    ) -> None:
+        self.files = files
+        self.dest = dest
+        self.made = made
+        self.paths = paths  # file index -> its path below DEST (the key of ``made``)
+        self.auth = auth
+        self.cfg = cfg
+        self.workers = workers
+        self.peer_failed = peer_failed
+        self.on_bytes = on_bytes
+        self.on_landed = on_landed
+        self.rate = rate
+        self.proxy = proxy
+        self.stats = DownloadStats()
+        self.started = 0  # worker processes started (for the report and the tests)
+
+    def run(self, blocks: Sequence[Block]) -> DownloadStats:
+        """Download every block on the workers; raise the first failure after all of them ended."""
+        parts = [part for part in deal(blocks, min(self.workers, len(blocks))) if part] if blocks else []
+        running: list[_Worker] = []
+        self.stats.worker_bytes = [0] * len(parts)
+        try:
+            for index, part in enumerate(parts):
+                running.append(self._start(index, part, len(parts)))
+            self._drive(running)
+        finally:
+            self._end(running)
+        errors = [w.error for w in running if w.error is not None]
+        real = [e for e in errors if not isinstance(e, _Stopped)]
+        if real:
+            raise real[0]
+        if errors:
+            from azcp_cluster.cluster import PeerFailed
+
+            raise PeerFailed()
+        return self.stats
+
+    # -- starting and ending --------------------------------------------------------------
+
+    def _start(self, index: int, part: list[Block], count: int) -> _Worker:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "azcp_cluster.dlworker", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+                close_fds=True,
+            )
+        except OSError as exc:
+            ours.close()
+            raise DownloadError(f"cannot start download worker {index}: {exc.strerror or exc}") from None
+        finally:
+            theirs.close()
+        worker = _Worker(index, proc, ours)
+        self.started += 1
+        needed = {b.file for b in part}
+        cred = self.auth.credential
+        token = None
+        if self.auth.tokens is not None:
+            token = self.auth.tokens.get()
+            cred = replace(cred, token_credential=None)
+        job = Job(
+            worker=index,
+            files={i: self.files[i] for i in needed},
+            blocks=tuple(part),
+            dest=self.dest,
+            made={self.paths(i): self.made[self.paths(i)] for i in needed if self.paths(i) in self.made},
+            cfg=replace(self.cfg, concurrency=max(1, -(-self.cfg.concurrency // count))),
+            credential=cred,
+            source=self.auth.source,
+            token=token,
+            rate=self.rate / count if self.rate is not None else None,
+            proxy=self.proxy,
+        )
+        with contextlib.suppress(OSError):  # it died at once: its end of file says so below
+            send(ours, ("job", job))
+        return worker
+
+    def _end(self, running: list[_Worker]) -> None:
+        """Every worker told to stop, given a grace period, then killed; sockets closed."""
+        for worker in running:
+            if not worker.done:
+                with contextlib.suppress(OSError):
+                    send(worker.sock, ("stop",))
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for worker in running:
+            try:
+                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.proc.kill()
+                worker.proc.wait()
+            worker.sock.close()
+
+    # -- while they run -------------------------------------------------------------------
+
+    def _drive(self, running: list[_Worker]) -> None:
+        selector = selectors.DefaultSelector()
+        try:
+            for worker in running:
+                selector.register(worker.sock, selectors.EVENT_READ, worker)
+            live = len(running)
+            token = self.auth.tokens.get() if self.auth.tokens is not None else None
+            stopping = False
+            while live:
+                for key, _ in selector.select(TICK_SECONDS):
+                    worker = key.data
+                    message = receive(worker.sock)
+                    if message is None or self._handle(worker, message):
+                        selector.unregister(worker.sock)
+                        live -= 1
+                        if message is None and not worker.done:
+                            code = worker.proc.wait()
+                            worker.error = DownloadError(
+                                f"download worker {worker.index} (pid {worker.proc.pid}) ended without finishing "
+                                f"(exit code {code})"
+                            )
+                        worker.done = True
+                        if worker.error is not None:
+                            stopping = True
+                if not stopping and self.peer_failed():
+                    stopping = True
+                if stopping:
+                    self._tell([w for w in running if not w.done], ("stop",))
+                    continue
+                if self.auth.tokens is not None:
+                    fresh = self.auth.tokens.get()  # refreshed here when due, once for all workers
+                    if fresh != token:
+                        token = fresh
+                        self._tell([w for w in running if not w.done], ("token", fresh))
+        finally:
+            selector.close()
+
+    def _tell(self, workers: list[_Worker], message: Any) -> None:
+        for worker in workers:
+            with contextlib.suppress(OSError):
+                send(worker.sock, message)
+
+    def _handle(self, worker: _Worker, message: Any) -> bool:
+        """Act on one message; True when the worker has said its last."""
+        kind = message[0]
+        if kind == "bytes":
+            self.on_bytes(message[1])
+        elif kind == "landed":
+            self.on_landed(message[1])
+        elif kind == "done":
+            stats: DownloadStats = message[1]
+            self.stats.bytes += stats.bytes
+            self.stats.requests += stats.requests
+            self.stats.retries += stats.retries
+            self.stats.retry_causes.update(stats.retry_causes)
+            self.stats.direct_refused = self.stats.direct_refused or stats.direct_refused
+            self.stats.worker_bytes[worker.index] = stats.bytes
+            return True
+        elif kind == "error":
+            from azcp_cluster.cluster import error_from_payload
+
+            worker.error = error_from_payload(message[1])
+            return True
+        elif kind == "stopped":
+            worker.error = _Stopped(f"download worker {worker.index} stopped")
+            return True
+        else:
+            worker.error = InternalError(f"download worker {worker.index} sent {kind!r}")
+            return True
+        return False
+
+
+class _Stopped(AzcpError):
+    """A worker that stopped because it was told to (another failure is the one to report)."""

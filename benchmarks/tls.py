@@ -1,0 +1,245 @@
+"""The download's client over HTTP and HTTPS: CPU-s per GiB and MiB/s, against its ceiling.
+
+    python -m benchmarks.tls [--size 1GiB] [--workers 1,2,4,8] [--repeats 3] [--json FILE]
+
+The server is nginx (Debian's ``nginx-light``: ``apt-get install nginx-light``), serving the
+same bytes over HTTP and HTTPS with ranged GETs from a throwaway prefix on loopback: a
+ceiling that is not the bottleneck (the emulator's own TLS tops out near 0.4 GiB/s here).
+For each scheme, in one run, alternating, medians of ``--repeats``:
+
+* ``lean``: a lean aiohttp loop of the same ranged GETs, bodies read and dropped (one
+  process): the client CPU Python cannot go below with aiohttp;
+* ``tool-1``: the tool's download byte path in one process (``download.Downloader``:
+  bodies received into the page-aligned pool and written to disk with O_DIRECT);
+* ``tool-N``: the same on N worker processes (``workers.WorkerDownloader``, ``--download-workers N``).
+
+Client CPU is the benchmark process's own time plus its waited-for children's (the
+workers); ``ratio_cpu`` is the tool's CPU-s per GiB over the lean loop's. On a machine with
+few cores the workers share them with nginx: the sweep's MiB/s says more on a many-core one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shutil
+import signal
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+from azcp_cluster.config import Config, MiB, parse_size
+from azcp_cluster.credentials import ANONYMOUS, Authorizer
+from azcp_cluster.desttree import DestTree
+from azcp_cluster.devtools.azurite import free_port
+from azcp_cluster.devtools.certs import make_certificate
+from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.download import Block, Downloader
+from azcp_cluster.model import FileEntry
+from azcp_cluster.source import parse_blob_url
+from azcp_cluster.workers import WorkerDownloader
+
+GiB = 1 << 30
+ACCOUNT, CONTAINER = "devstoreaccount1", "bench"
+NGINX_CONF = """
+worker_processes {workers};
+user root;
+error_log {prefix}/error.log warn;
+pid {prefix}/nginx.pid;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    sendfile on;
+    keepalive_requests 100000;
+    server {{
+        listen 127.0.0.1:{http};
+        listen 127.0.0.1:{https} ssl;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        ssl_protocols TLSv1.2 TLSv1.3;
+        root {root};
+    }}
+}}
+"""
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its waited-for children so far."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+async def _lean(urls: list[str], size: int, block: int, concurrency: int, tls: ssl.SSLContext | None) -> None:
+    ranges = [(u, off, min(block, size - off)) for u in urls for off in range(0, size, block)]
+    queue: asyncio.Queue[tuple[str, int, int]] = asyncio.Queue()
+    for item in ranges:
+        queue.put_nowait(item)
+    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0, ssl=tls if tls is not None else False)
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while not queue.empty():
+            url, off, length = queue.get_nowait()
+            async with session.get(URL(url, encoded=True), headers={"Range": f"bytes={off}-{off + length - 1}"}) as r:
+                r.raise_for_status()
+                got = 0
+                while piece := await r.content.readany():
+                    got += len(piece)
+                assert got == length
+
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+        await asyncio.gather(*(worker(session) for _ in range(min(concurrency, len(ranges)))))
+
+
+def measure(run: Callable[[], None], total: int) -> tuple[float, float]:
+    """(MiB/s, client CPU-s per GiB) of one ``run`` that moves ``total`` bytes."""
+    cpu, wall = _cpu(), time.perf_counter()
+    run()
+    wall, cpu = time.perf_counter() - wall, _cpu() - cpu
+    return total / MiB / wall, cpu / (total / GiB)
+
+
+def bench_scheme(
+    url: str,
+    tls: ssl.SSLContext | None,
+    work: Path,
+    names: list[str],
+    size: int,
+    cfg: Config,
+    sweep: list[int],
+    repeats: int,
+) -> dict[str, Any]:
+    """The lean loop and the tool with each worker count against ``url``, alternating; medians."""
+    block = cfg.block_size
+    total = size * len(names)
+    auth = Authorizer(parse_blob_url(url), ANONYMOUS, time.time)
+    urls = [auth.blob_url(n) for n in names]
+    files = [FileEntry(name=n, path=n, size=size) for n in names]
+    blocks = [Block(i, off, block) for i in range(len(names)) for off in range(0, size, block)]
+    samples: dict[str, list[tuple[float, float]]] = {"lean": [], **{f"tool-{w}": [] for w in sweep}}
+
+    def lean() -> None:
+        asyncio.run(_lean(urls, size, block, cfg.concurrency, tls))
+
+    def tool(workers: int) -> Callable[[], None]:
+        def run() -> None:
+            dest = work / "dest"
+            shutil.rmtree(dest, ignore_errors=True)
+            dest.mkdir()
+            tree = DestTree(str(dest))
+            tree.prepare_all([(n, size) for n in names])
+            try:
+                if workers == 1:
+                    stats = Downloader(files, tree, auth, cfg).run(blocks)
+                else:
+                    down = WorkerDownloader(files, str(dest), tree.made, lambda i: names[i], auth, cfg, workers)
+                    stats = down.run(blocks)
+                assert stats.bytes == total
+            finally:
+                tree.close()
+
+        return run
+
+    phases = [("lean", lean)] + [(f"tool-{w}", tool(w)) for w in sweep]
+    for repeat in range(repeats):
+        turn = repeat % len(phases)
+        for name, phase in phases[turn:] + phases[:turn]:
+            samples[name].append(measure(phase, total))
+    figures: dict[str, Any] = {}
+    for name, got in samples.items():
+        figures[name] = {
+            "mib_s": round(statistics.median(r for r, _ in got), 1),
+            "cpu_s_per_gib": round(statistics.median(c for _, c in got), 3),
+        }
+    lean_cpu = figures["lean"]["cpu_s_per_gib"]
+    one = figures["tool-1"]["mib_s"] if "tool-1" in figures else None
+    for name, fig in figures.items():
+        fig["ratio_cpu"] = round(fig["cpu_s_per_gib"] / lean_cpu, 3)
+        if one and name.startswith("tool-"):
+            fig["speedup"] = round(fig["mib_s"] / one, 2)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print (and with --json write) its figures."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="1GiB", help="bytes in all (4 files)")
+    parser.add_argument("--workers", default="1,2,4,8", help="the sweep of --download-workers")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--block-size", default="16MiB")
+    parser.add_argument("--nginx-workers", default="auto")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not os.path.exists(nginx):
+        print("benchmarks.tls: needs nginx (apt-get install nginx-light)", file=sys.stderr)
+        return 2
+    total, block = parse_size(args.size), parse_size(args.block_size)
+    size = total // 4 // block * block
+    total = size * 4
+    sweep = [int(w) for w in args.workers.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="azcp-tls-bench-"))
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        cert, key = make_certificate(work)
+        data = work / "root" / ACCOUNT / CONTAINER
+        data.mkdir(parents=True)
+        names = [f"blob-{i}.bin" for i in range(4)]
+        for i, name in enumerate(names):
+            (data / name).write_bytes(pseudo_random(size, f"tls{i}"))
+        ports = {"http": free_port(), "https": free_port()}
+        conf = work / "nginx.conf"
+        conf.write_text(
+            NGINX_CONF.format(
+                workers=args.nginx_workers,
+                prefix=work,
+                http=ports["http"],
+                https=ports["https"],
+                cert=cert,
+                key=key,
+                root=work / "root",
+            )
+        )
+        proc = subprocess.Popen([nginx, "-c", str(conf), "-p", str(work), "-g", "daemon off;"])
+        time.sleep(1.0)
+        # The tool's ssl_context (REQUESTS_CA_BUNDLE first), in this process and the workers.
+        os.environ["REQUESTS_CA_BUNDLE"] = os.environ["SSL_CERT_FILE"] = str(cert)
+        tls = ssl.create_default_context(cafile=str(cert))
+        cfg = Config(source="x", dest="y", block_size=block, concurrency=args.concurrency)
+        results: dict[str, Any] = {"bytes": total, "block_size": block, "concurrency": args.concurrency}
+        for scheme in ("http", "https"):
+            url = f"{scheme}://127.0.0.1:{ports[scheme]}/{ACCOUNT}/{CONTAINER}/"
+            results[scheme] = bench_scheme(
+                url, tls if scheme == "https" else None, work, names, size, cfg, sweep, args.repeats
+            )
+        results["cpus"] = len(os.sched_getaffinity(0))
+        print(json.dumps(results, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGQUIT)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

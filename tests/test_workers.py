@@ -1,0 +1,220 @@
+"""Download worker processes (``--download-workers``): a rank's ranged GETs on several cores.
+
+Pure: how many workers (topology.workers_for) and how the blocks are dealt (workers.deal).
+For real, under mpiexec against Azurite over HTTP and HTTPS: two workers each receive
+bodies, the copies are byte-identical; a worker's failure, and a worker killed, end the
+run with one line; a token credential's tokens come from the rank.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.certs import make_certificate
+from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
+from azcp_cluster.download import Block
+from azcp_cluster.topology import AUTO_WORKERS_MAX, BYTES_PER_WORKER, workers_for
+from azcp_cluster.workers import deal
+from tests.conftest import assert_copies, clean_env, mpiexec_path, run_cli
+
+GiB = 1 << 30
+
+
+# -- pure -------------------------------------------------------------------------------------
+
+
+def test_explicit_counts_are_kept_and_nothing_to_fetch_needs_no_worker() -> None:
+    assert workers_for(4, 2, 1, GiB) == 4
+    assert workers_for(1, 96, 1, GiB) == 1
+    assert workers_for(8, 2, 1, 0) == 1  # nothing to download: the rank alone
+
+
+@pytest.mark.parametrize(
+    ("cpus", "on_host", "share", "want"),
+    [
+        (96, 1, 100 * GiB, AUTO_WORKERS_MAX),  # capped
+        (96, 8, 100 * GiB, AUTO_WORKERS_MAX),  # 12 each, capped
+        (16, 4, 100 * GiB, 4),  # the host's CPUs shared by its ranks
+        (2, 4, 100 * GiB, 1),  # fewer CPUs than ranks: the ranks themselves
+        (2, 1, 100 * GiB, 2),
+        (96, 1, BYTES_PER_WORKER, 1),  # a small share is not worth a process
+        (96, 1, BYTES_PER_WORKER + 1, 2),
+        (96, 1, 3 * BYTES_PER_WORKER, 3),
+        (96, 1, 1, 1),
+    ],
+)
+def test_auto(cpus: int, on_host: int, share: int, want: int) -> None:
+    assert workers_for(None, cpus, on_host, share) == want
+
+
+def test_every_block_is_dealt_once_in_order_and_the_loads_stay_within_one_block() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        blocks = [
+            Block(rng.randrange(5), rng.randrange(1 << 30), rng.choice([1, 7, 1 << 20, 16 << 20]))
+            for _ in range(rng.randrange(1, 60))
+        ]
+        workers = rng.randrange(1, 9)
+        parts = deal(blocks, workers)
+        assert len(parts) == workers
+        assert sorted((b for p in parts for b in p), key=blocks.index) == blocks  # each exactly once
+        for part in parts:
+            assert part == sorted(part, key=blocks.index)  # a worker keeps the landing order
+        loads = [sum(b.length for b in p) for p in parts]
+        assert max(loads) - min(loads) <= max(b.length for b in blocks)
+
+
+# -- for real ---------------------------------------------------------------------------------
+
+BLOBS = {f"w/part-{i}.bin": os.urandom(3 * (1 << 20) + 1234 * i) for i in range(4)}
+BLOBS["w/tiny.txt"] = b"tiny"
+EXPECTED = {name.removeprefix("w/"): data for name, data in BLOBS.items()}
+ARGS = ["--block-size", "1MiB", "--no-progress", "--download-workers", "2"]
+
+
+@pytest.fixture(scope="module")
+def container(emulator: azurite.Emulator) -> str:
+    name = "w" + uuid.uuid4().hex[:20]
+    azurite.upload(emulator, name, BLOBS)
+    return name
+
+
+def _both_workers_fetched(doc: dict, ranks: int) -> None:
+    per_rank = doc["worker_bytes_by_rank"]
+    assert len(per_rank) == ranks
+    for got in per_rank:
+        assert len(got) == 2 and all(b > 0 for b in got), per_rank  # two workers, each with bodies
+    assert sum(sum(got) for got in per_rank) == sum(len(d) for d in BLOBS.values()) == doc["downloaded_bytes"]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["streaming", "two-phase"])
+def test_two_workers_per_rank_over_http(
+    emulator: azurite.Emulator, container: str, tmp_path: Path, overlap: bool
+) -> None:
+    extra = [] if overlap else ["--no-overlap"]
+    result = run_cli(
+        [emulator.url(container, "w"), str(tmp_path / "{rank}"), *ARGS, *extra],
+        n=2,
+        env=emulator.key_env(),
+        json_path=tmp_path / "r.json",
+    )
+    assert result.returncode == 0, result.output
+    assert_copies(tmp_path, EXPECTED, ranks=2)
+    assert result.json is not None
+    _both_workers_fetched(result.json, 2)
+
+
+def test_two_workers_on_one_node_of_two_downloaders(emulator: azurite.Emulator, container: str, tmp_path: Path) -> None:
+    """One DEST for both ranks (one node): the non-leader's workers write into its leader's files."""
+    result = run_cli(
+        [emulator.url(container, "w"), str(tmp_path / "one"), *ARGS],
+        n=2,
+        env=emulator.key_env(),
+        json_path=tmp_path / "r.json",
+    )
+    assert result.returncode == 0, result.output
+    assert {p.name: p.read_bytes() for p in (tmp_path / "one").iterdir() if not p.name.startswith(".")} == EXPECTED
+    assert result.json is not None
+    _both_workers_fetched(result.json, 2)
+
+
+@pytest.fixture(scope="module")
+def https_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[azurite.Emulator]:
+    cert, key = make_certificate(tmp_path_factory.mktemp("tls"))
+    with azurite.running(cert=str(cert), key=str(key)) as emu:
+        azurite.upload(emu, "secure", BLOBS)
+        yield emu
+
+
+def test_two_workers_over_https(https_emulator: azurite.Emulator, tmp_path: Path) -> None:
+    emu = https_emulator
+    assert emu.ca_file is not None
+    env = {**emu.key_env(), "SSL_CERT_FILE": emu.ca_file, "REQUESTS_CA_BUNDLE": emu.ca_file}
+    result = run_cli(
+        [emu.url("secure", "w"), str(tmp_path / "{rank}"), *ARGS], n=1, env=env, json_path=tmp_path / "r.json"
+    )
+    assert result.returncode == 0, result.output
+    assert_copies(tmp_path, EXPECTED, ranks=1)
+    assert result.json is not None
+    _both_workers_fetched(result.json, 1)
+
+
+def test_a_workers_failure_ends_the_run_with_one_line_and_no_final_name(
+    emulator: azurite.Emulator, container: str, tmp_path: Path
+) -> None:
+    # Every GET of one blob answered 500: its worker gives up (exit 5), the others stop.
+    with FaultProxy(emulator, [Rule("500", blob="w/part-2.bin", nth=1, times=1000)]) as proxy:
+        result = run_cli(
+            [proxy.url(container, "w"), str(tmp_path / "{rank}"), *ARGS, "--max-retries", "1"],
+            n=2,
+            env=emulator.key_env(),
+            timeout=120,
+        )
+    assert result.returncode == 5, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    assert len(errors) == 1 and "part-2.bin" in errors[0] and "giving up" in errors[0], result.stderr
+    for rank in range(2):
+        assert not any((tmp_path / str(rank) / name).exists() for name in EXPECTED)
+    assert "Traceback" not in result.output
+
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every process below ``root``, from /proc."""
+    parent: dict[int, int] = {}
+    command: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            command[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    below, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, ppid in parent.items():
+            if ppid == pid:
+                below.append((child, command.get(child, "")))
+                frontier.append(child)
+    return below
+
+
+def test_a_worker_killed_mid_copy_ends_the_run_naming_it(
+    emulator: azurite.Emulator, container: str, tmp_path: Path
+) -> None:
+    # Slow bodies (64 KiB every 0.2 s) keep the workers busy long enough to kill one.
+    with FaultProxy(emulator, [Rule("slow", blob="w/part-*", nth=1, times=1000, stall=0.2)]) as proxy:
+        cmd = [mpiexec_path(), "-n", "1", sys.executable, "-m", "azcp_cluster"]
+        cmd += [proxy.url(container, "w"), str(tmp_path / "{rank}"), *ARGS]
+        with subprocess.Popen(
+            cmd, env=clean_env(emulator.key_env()), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ) as run:
+            deadline = time.monotonic() + 60
+            workers: list[tuple[int, str]] = []
+            while time.monotonic() < deadline and len(workers) < 2:
+                workers = [(p, c) for p, c in _descendants(run.pid) if "azcp_cluster.dlworker" in c]
+                time.sleep(0.1)
+            assert len(workers) == 2, workers
+            victim = workers[0][0]
+            os.kill(victim, signal.SIGKILL)
+            out, err = run.communicate(timeout=120)
+    assert run.returncode == 5, out + err
+    errors = [line for line in err.splitlines() if line.startswith("azcp-cluster: error")]
+    assert len(errors) == 1, err
+    assert f"(pid {victim}) ended without finishing (exit code -9)" in errors[0]
+    assert not any((tmp_path / "0" / name).exists() for name in EXPECTED)
+    other = workers[1][0]
+    assert not Path(f"/proc/{other}").exists()  # the other worker was stopped and reaped
