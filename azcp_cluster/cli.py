@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N|auto",
         help="processes under each downloading rank that make its ranged GETs, so that TLS runs on every "
         f"core of a node (1 to {MAX_DOWNLOAD_WORKERS}; 1: in the rank itself); auto (the default): the CPUs "
-        "the rank may use over the ranks on its host, at most 8, and one per 256MiB of its share",
+        "the rank may use (shared with the host's other downloading ranks unless it is bound to its own), "
+        "at most 8 and at most --concurrency, and one per 256MiB of its share",
     )
     p.add_argument(
         "--max-bandwidth",

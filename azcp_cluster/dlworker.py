@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
-    from azcp_cluster.workers import receive, send
+    from azcp_cluster.workers import HEARTBEAT_SECONDS, receive, send
 
     sock = socket.socket(fileno=int(argv[1]))
     first = receive(sock)
@@ -85,7 +85,13 @@ def main(argv: list[str]) -> int:
             if message[0] == "token":
                 pushed.update(message[1])
 
+    def beat() -> None:
+        # The rank tells a slow worker from a frozen one by these (see workers.HEARTBEAT_SECONDS).
+        while not stop.wait(HEARTBEAT_SECONDS):
+            say(("alive",))
+
     threading.Thread(target=listen, name="azcp-worker-listen", daemon=True).start()
+    threading.Thread(target=beat, name="azcp-worker-beat", daemon=True).start()
     try:
         stats = run(job, pushed, stop, say)
         say(("stopped",) if stats is None else ("done", stats))
@@ -95,7 +101,9 @@ def main(argv: list[str]) -> int:
         if isinstance(exc, PeerFailed) or stop.is_set():
             say(("stopped",))
         else:
-            say(("error", error_payload(as_azcp_error(exc, rank=None))))  # type: ignore[arg-type]
+            error = as_azcp_error(exc, rank=None)  # type: ignore[arg-type]
+            # A full disk keeps its mark: the rank adds what this node needed and had free.
+            say(("error", error_payload(error), bool(getattr(error, "no_space", False))))
     with lock:
         sock.close()
     return 0
@@ -114,9 +122,12 @@ def run(job: Any, pushed: _PushedToken, stop: threading.Event, say: Any) -> Any:
     if credential.kind == "token":
         credential = replace(credential, token_credential=pushed)
     auth = Authorizer(job.source, credential, time.time)
+    from azcp_cluster.download import WritePool
+
     tree = DestTree(job.dest, create=False)
     tree.adopt(dict(job.made))
-    pacer = Pacer(job.rate, burst=job.cfg.block_size, clock=time.monotonic) if job.rate else None
+    pacer = Pacer(job.rate, burst=job.burst, clock=time.monotonic) if job.rate else None
+    pool = WritePool(job.cfg, populate=True, buffers=job.buffers)
     downloader = Downloader(
         job.files,
         tree,
@@ -126,11 +137,13 @@ def run(job: Any, pushed: _PushedToken, stop: threading.Event, say: Any) -> Any:
         on_bytes=lambda n: say(("bytes", n)),
         on_landed=lambda block: say(("landed", block)),
         pacer=pacer,
+        pool=pool,
         proxy=job.proxy,
     )
     try:
         stats = downloader.run(list(job.blocks))
     finally:
+        pool.close()
         tree.close()
     if stop.is_set() and stats.bytes < sum(b.length for b in job.blocks):
         return None

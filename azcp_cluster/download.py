@@ -258,9 +258,11 @@ class Downloader:
                 if exc.status not in RETRYABLE_STATUS:  # 403, 407: asking again gets the same answer
                     raise DownloadError(str(exc), path=entry.name) from None
                 cause, retry_after, detail = f"proxy {exc.status}", None, str(exc)
-            except (OSError, ProtocolError) as exc:
-                # Reset connections, TLS failures, malformed responses: all retried, on a
-                # new connection. The cause is the class name only.
+            except ProtocolError as exc:  # a malformed response (or a proxy's): retried, said
+                cause, retry_after, detail = type(exc).__name__, None, str(exc)
+            except OSError as exc:
+                # Reset connections, TLS failures: retried, on a new connection. The cause is
+                # the class name only (an OSError's text can carry a URL).
                 cause, retry_after, detail = type(exc).__name__, None, ""
             if attempt >= self.cfg.max_retries:
                 raise DownloadError(

@@ -526,9 +526,11 @@ async def _tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, host: st
             raise ConnectionResetError(f"proxy {proxy.shown} closed the connection during CONNECT")
         head += chunk
     end = head.index(_END)
+    try:
+        reply = parse_head(bytes(head[:end]))
+    except ProtocolError as exc:
+        raise ProtocolError(f"proxy {proxy.shown}: {exc}") from None
+    if not 200 <= reply.status < 300:  # a refusal often carries a page of HTML: not read
+        raise TunnelRefused(reply.status, reply.reason, proxy.shown, f"{host}:{port}")
     if end + len(_END) != len(head):
         raise ProtocolError(f"proxy {proxy.shown}: bytes after the CONNECT response")
-    reply = parse_head(bytes(head[:end]))
-    if not 200 <= reply.status < 300:
-        target = f"{host}:{port}"
-        raise TunnelRefused(reply.status, reply.reason, proxy.shown, target)

@@ -4,7 +4,7 @@ The same variables, read the same way, as the listing (azure-storage-blob over r
 and azcopy: the lower-case name first, then the upper-case one; ``https://`` URLs take
 ``https_proxy``, ``http://`` URLs ``http_proxy``, either falls back to ``all_proxy``.
 ``no_proxy`` is a comma-separated list of host names (a suffix on a dot boundary, with or
-without the leading dot), IP addresses, CIDR blocks, any of them with ``:port``, or ``*``.
+without the leading dot or ``*.``), IP addresses, CIDR blocks, any of them with ``:port``, or ``*``.
 A proxy is an ``http://`` URL (the scheme may be left out), optionally with
 ``user:password@``, sent as ``Proxy-Authorization: Basic``.
 """
@@ -101,7 +101,7 @@ def bypassed(host: str, port: int, no_proxy: str) -> bool:
             except ValueError:
                 pass
             continue
-        name = name.lstrip(".").rstrip(".")
+        name = name.removeprefix("*.").lstrip(".").rstrip(".")  # "*.example.com" as Go's reading has it
         if name and (host == name or host.endswith("." + name)):
             return True
     return False

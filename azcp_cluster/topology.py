@@ -131,11 +131,11 @@ AUTO_WORKERS_MAX = 8  # auto never starts more download workers than this per ra
 BYTES_PER_WORKER = 256 * 1024 * 1024  # auto: one worker per this much of the rank's share
 
 
-def workers_for(requested: int | None, cpus: int, ranks_on_host: int, share: int) -> int:
+def workers_for(requested: int | None, cpus: int, sharing: int, share: int) -> int:
     """How many download worker processes a rank uses (1: the rank downloads itself).
 
-    ``requested``: ``--download-workers`` (None: auto). Auto: the CPUs the rank may use over
-    the ranks on its host, at most :data:`AUTO_WORKERS_MAX`, and no more than one per
+    ``requested``: ``--download-workers`` (None: auto). Auto: the ``cpus`` the rank may use over
+    the ``sharing`` ranks that download with them, at most :data:`AUTO_WORKERS_MAX`, and no more than one per
     :data:`BYTES_PER_WORKER` of its ``share`` (a small share is not worth the processes'
     start). Never more workers than there is a share to split.
     """
@@ -143,6 +143,6 @@ def workers_for(requested: int | None, cpus: int, ranks_on_host: int, share: int
         return 1
     if requested is not None:
         return max(1, requested)
-    per_rank = max(1, cpus // max(1, ranks_on_host))
+    per_rank = max(1, cpus // max(1, sharing))
     by_share = max(1, -(-share // BYTES_PER_WORKER))
     return max(1, min(per_rank, AUTO_WORKERS_MAX, by_share))

@@ -23,9 +23,11 @@ decides and tells it) and is killed by the kernel if its rank dies (``PR_SET_PDE
 from __future__ import annotations
 
 import contextlib
+import heapq
 import os
 import pickle
 import selectors
+import signal
 import socket
 import struct
 import subprocess
@@ -37,7 +39,7 @@ from typing import Any
 
 from azcp_cluster.config import Config
 from azcp_cluster.credentials import Authorizer, Credential
-from azcp_cluster.download import Block, DownloadStats
+from azcp_cluster.download import SPARE_BUFFERS, Block, DownloadStats
 from azcp_cluster.errors import AzcpError, DownloadError, InternalError
 from azcp_cluster.model import FileEntry
 from azcp_cluster.proxies import Proxy
@@ -46,6 +48,14 @@ from azcp_cluster.proxies import Proxy
 TICK_SECONDS = 0.1
 # How long stopped workers get to end on their own before they are killed.
 STOP_GRACE_SECONDS = 10.0
+# A send to (or a message from) a worker that takes longer than this counts as its end.
+SEND_TIMEOUT_SECONDS = 10.0
+# A worker says it is alive this often; one that says nothing for its read timeout plus
+# SILENCE_MARGIN (frozen, stuck starting on a hung filesystem) ends the run, named.
+HEARTBEAT_SECONDS = 1.0
+SILENCE_MARGIN_SECONDS = 10.0
+# What a worker process costs beyond its buffers (an interpreter with numpy), for the memory check.
+WORKER_MEMORY = 96 * 1024 * 1024
 _FRAME = struct.Struct("!I")
 
 
@@ -93,29 +103,33 @@ class Job:
     credential: Credential  # a token credential without its object: tokens come from the rank
     source: Any  # the BlobSource
     token: tuple[str, float] | None  # the rank's current bearer token and its expiry
+    buffers: int  # its download buffers (its part of the rank's pool)
     rate: float | None  # its part of the rank's --max-bandwidth share, bytes per second
+    burst: float  # its part of the pacer's burst (the rank's is one block)
     proxy: Proxy | None
 
 
 def deal(blocks: Sequence[Block], workers: int) -> list[list[Block]]:
     """Split ``blocks`` over ``workers``: largest first, each to the least loaded (LPT), order kept within each."""
-    loads = [0] * workers
+    loads = [(0, w) for w in range(workers)]  # a heap of (load, worker)
     parts: list[list[tuple[int, Block]]] = [[] for _ in range(workers)]
     for index, block in sorted(enumerate(blocks), key=lambda ib: (-ib[1].length, ib[0])):
-        k = min(range(workers), key=lambda w: (loads[w], w))
-        loads[k] += block.length
+        load, k = heapq.heappop(loads)
         parts[k].append((index, block))
+        heapq.heappush(loads, (load + block.length, k))
     return [[block for _, block in sorted(part, key=lambda ib: ib[0])] for part in parts]
 
 
 class _Worker:
-    __slots__ = ("done", "error", "index", "proc", "sock")
+    __slots__ = ("done", "error", "heard", "index", "proc", "sock", "told")
 
     def __init__(self, index: int, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
         self.index = index
         self.proc = proc
         self.sock = sock
-        self.done = False
+        self.done = False  # it said its last (or is gone)
+        self.told = False  # it was told to stop
+        self.heard = time.monotonic()  # when it last said anything
         self.error: AzcpError | None = None
 
 
@@ -160,7 +174,8 @@ class WorkerDownloader:
 
     def run(self, blocks: Sequence[Block]) -> DownloadStats:
         """Download every block on the workers; raise the first failure after all of them ended."""
-        parts = [part for part in deal(blocks, min(self.workers, len(blocks))) if part] if blocks else []
+        count = min(self.workers, len(blocks), self.cfg.concurrency)  # each worker has a request or more
+        parts = [part for part in deal(blocks, count) if part] if count else []
         running: list[_Worker] = []
         self.stats.worker_bytes = [0] * len(parts)
         try:
@@ -181,11 +196,43 @@ class WorkerDownloader:
 
     # -- starting and ending --------------------------------------------------------------
 
+    def _job(self, index: int, part: list[Block], count: int) -> Job:
+        """Worker ``index``'s job: its blocks, the files they are in, its part of the rank's
+        requests, buffers, pace and burst."""
+        needed = {b.file for b in part}
+        cred = self.auth.credential
+        token = None
+        if self.auth.tokens is not None:
+            token = self.auth.tokens.get()
+            cred = replace(cred, token_credential=None)
+        concurrency = max(1, self.cfg.concurrency // count + (1 if index < self.cfg.concurrency % count else 0))
+        paths = {i: self.paths(i) for i in needed}
+        return Job(
+            worker=index,
+            files={i: self.files[i] for i in needed},
+            blocks=tuple(part),
+            dest=self.dest,
+            made={p: self.made[p] for p in paths.values() if p in self.made},
+            cfg=replace(self.cfg, concurrency=concurrency),
+            # The rank's spare buffers are split too: N workers hold what one rank would.
+            buffers=min(concurrency + max(1, SPARE_BUFFERS // count), len(part) + max(1, SPARE_BUFFERS // count)),
+            credential=cred,
+            source=self.auth.source,
+            token=token,
+            rate=self.rate / count if self.rate is not None else None,
+            burst=self.cfg.block_size / count,
+            proxy=self.proxy,
+        )
+
     def _start(self, index: int, part: list[Block], count: int) -> _Worker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        # Blocked while the child starts, so that it inherits them blocked: a Ctrl-C to the
+        # process group in the moment before it ignores them cannot kill it (its rank decides).
+        held = {signal.SIGINT, signal.SIGTERM}
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, held)
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "azcp_cluster.dlworker", str(theirs.fileno())],
@@ -198,38 +245,20 @@ class WorkerDownloader:
             ours.close()
             raise DownloadError(f"cannot start download worker {index}: {exc.strerror or exc}") from None
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             theirs.close()
+        # Never blocked for long by a worker that does not read (stopped, or stuck starting):
+        # a send or a receive that takes this long counts as the worker's end.
+        ours.settimeout(SEND_TIMEOUT_SECONDS)
         worker = _Worker(index, proc, ours)
         self.started += 1
-        needed = {b.file for b in part}
-        cred = self.auth.credential
-        token = None
-        if self.auth.tokens is not None:
-            token = self.auth.tokens.get()
-            cred = replace(cred, token_credential=None)
-        job = Job(
-            worker=index,
-            files={i: self.files[i] for i in needed},
-            blocks=tuple(part),
-            dest=self.dest,
-            made={self.paths(i): self.made[self.paths(i)] for i in needed if self.paths(i) in self.made},
-            cfg=replace(self.cfg, concurrency=max(1, -(-self.cfg.concurrency // count))),
-            credential=cred,
-            source=self.auth.source,
-            token=token,
-            rate=self.rate / count if self.rate is not None else None,
-            proxy=self.proxy,
-        )
-        with contextlib.suppress(OSError):  # it died at once: its end of file says so below
-            send(ours, ("job", job))
+        with contextlib.suppress(OSError):  # it died, or does not read: its end says so below
+            send(ours, ("job", self._job(index, part, count)))
         return worker
 
     def _end(self, running: list[_Worker]) -> None:
         """Every worker told to stop, given a grace period, then killed; sockets closed."""
-        for worker in running:
-            if not worker.done:
-                with contextlib.suppress(OSError):
-                    send(worker.sock, ("stop",))
+        self._tell([w for w in running if not w.done and not w.told], ("stop",))
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         for worker in running:
             try:
@@ -242,33 +271,48 @@ class WorkerDownloader:
     # -- while they run -------------------------------------------------------------------
 
     def _drive(self, running: list[_Worker]) -> None:
+        """Pass the workers' messages on until each has said its last; once any failed (or
+        another rank did), stop them all, and kill those that do not end within the grace."""
         selector = selectors.DefaultSelector()
         try:
             for worker in running:
                 selector.register(worker.sock, selectors.EVENT_READ, worker)
             live = len(running)
             token = self.auth.tokens.get() if self.auth.tokens is not None else None
-            stopping = False
+            stop_by: float | None = None  # once stopping: when the grace ends
             while live:
                 for key, _ in selector.select(TICK_SECONDS):
                     worker = key.data
+                    worker.heard = time.monotonic()
                     message = receive(worker.sock)
                     if message is None or self._handle(worker, message):
                         selector.unregister(worker.sock)
                         live -= 1
                         if message is None and not worker.done:
-                            code = worker.proc.wait()
-                            worker.error = DownloadError(
-                                f"download worker {worker.index} (pid {worker.proc.pid}) ended without finishing "
-                                f"(exit code {code})"
-                            )
+                            self._ended(worker, stopped=stop_by is not None or self.peer_failed())
                         worker.done = True
-                        if worker.error is not None:
-                            stopping = True
-                if not stopping and self.peer_failed():
-                    stopping = True
-                if stopping:
-                    self._tell([w for w in running if not w.done], ("stop",))
+                        if worker.error is not None and stop_by is None:
+                            stop_by = time.monotonic() + STOP_GRACE_SECONDS
+                if stop_by is None and self.peer_failed():
+                    stop_by = time.monotonic() + STOP_GRACE_SECONDS
+                silent = self._silent([w for w in running if not w.done])
+                if silent is not None and stop_by is None:
+                    silent.error = DownloadError(
+                        f"download worker {silent.index} (pid {silent.proc.pid}) said nothing for "
+                        f"{time.monotonic() - silent.heard:.0f} s (frozen, or stuck starting); stopped it"
+                    )
+                    silent.proc.kill()
+                    stop_by = time.monotonic() + STOP_GRACE_SECONDS
+                if stop_by is not None:
+                    self._tell([w for w in running if not w.done and not w.told], ("stop",))
+                    if time.monotonic() >= stop_by:  # told, and still there: not waited for longer
+                        for late in [w for w in running if not w.done]:
+                            late.proc.kill()
+                            late.proc.wait()
+                            late.error = late.error or _Stopped(f"download worker {late.index} killed")
+                            late.done = True
+                            selector.unregister(late.sock)
+                            live -= 1
                     continue
                 if self.auth.tokens is not None:
                     fresh = self.auth.tokens.get()  # refreshed here when due, once for all workers
@@ -278,15 +322,41 @@ class WorkerDownloader:
         finally:
             selector.close()
 
+    def _silent(self, workers: list[_Worker]) -> _Worker | None:
+        """A worker that has said nothing, not even that it is alive, for too long."""
+        limit = self.cfg.read_timeout + SILENCE_MARGIN_SECONDS
+        now = time.monotonic()
+        return next((w for w in workers if now - w.heard > limit), None)
+
+    def _ended(self, worker: _Worker, stopped: bool) -> None:
+        """A worker's socket closed before its last word: it died (or stopped, when told to)."""
+        try:
+            code = worker.proc.wait(timeout=STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:  # closed its socket but lives on: not waited for
+            worker.proc.kill()
+            code = worker.proc.wait()
+        if worker.error is not None:  # already said why (stopped for its silence)
+            return
+        if stopped:  # a signal to the group, or another failure: that is the one to report
+            worker.error = _Stopped(f"download worker {worker.index} ended (exit code {code})")
+            return
+        worker.error = DownloadError(
+            f"download worker {worker.index} (pid {worker.proc.pid}) ended without finishing (exit code {code})"
+        )
+
     def _tell(self, workers: list[_Worker], message: Any) -> None:
         for worker in workers:
+            if message[0] == "stop":
+                worker.told = True  # once: a worker that does not read must not fill its socket
             with contextlib.suppress(OSError):
                 send(worker.sock, message)
 
     def _handle(self, worker: _Worker, message: Any) -> bool:
         """Act on one message; True when the worker has said its last."""
         kind = message[0]
-        if kind == "bytes":
+        if kind == "alive":
+            pass
+        elif kind == "bytes":
             self.on_bytes(message[1])
         elif kind == "landed":
             self.on_landed(message[1])
@@ -303,6 +373,8 @@ class WorkerDownloader:
             from azcp_cluster.cluster import error_from_payload
 
             worker.error = error_from_payload(message[1])
+            if len(message) > 2 and message[2]:
+                worker.error.no_space = True  # type: ignore[attr-defined]
             return True
         elif kind == "stopped":
             worker.error = _Stopped(f"download worker {worker.index} stopped")

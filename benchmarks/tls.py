@@ -11,7 +11,13 @@ For each scheme, in one run, alternating, medians of ``--repeats``:
   process): the client CPU Python cannot go below with aiohttp;
 * ``tool-1``: the tool's download byte path in one process (``download.Downloader``:
   bodies received into the page-aligned pool and written to disk with O_DIRECT);
-* ``tool-N``: the same on N worker processes (``workers.WorkerDownloader``, ``--download-workers N``).
+* ``tool-N``: the same on N worker processes (``workers.WorkerDownloader``, ``--download-workers N``);
+* ``tool-1-uvloop``: ``tool-1`` under uvloop's event loop (the 'bench' extra);
+* ``blocking-T``: T threads on blocking connections (http.client, ``readinto`` one buffer each,
+  bodies dropped): the thread design, whose TLS reads release the GIL.
+
+Kernel TLS is not among them: Python 3.11's ssl module cannot hand a session to the kernel
+and this VM's kernel has no ``tls`` module.
 
 Client CPU is the benchmark process's own time plus its waited-for children's (the
 workers); ``ratio_cpu`` is the tool's CPU-s per GiB over the lean loop's. On a machine with
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
 import resource
@@ -32,10 +39,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from yarl import URL
@@ -103,12 +112,62 @@ async def _lean(urls: list[str], size: int, block: int, concurrency: int, tls: s
         await asyncio.gather(*(worker(session) for _ in range(min(concurrency, len(ranges)))))
 
 
+def _blocking(urls: list[str], size: int, block: int, threads: int, tls: ssl.SSLContext | None) -> None:
+    """``threads`` threads, each on one keep-alive blocking connection (http.client), bodies read
+    with ``readinto`` into one preallocated buffer per thread and dropped: the thread design."""
+    ranges = [(u, off, min(block, size - off)) for u in urls for off in range(0, size, block)]
+    lock = threading.Lock()
+
+    def worker() -> None:
+        buf = memoryview(bytearray(block))
+        conn: http.client.HTTPConnection | None = None
+        while True:
+            with lock:
+                if not ranges:
+                    break
+                url, off, length = ranges.pop()
+            parts = urlsplit(url)
+            if conn is None:
+                if parts.scheme == "https":
+                    conn = http.client.HTTPSConnection(parts.hostname or "", parts.port, context=tls)
+                else:
+                    conn = http.client.HTTPConnection(parts.hostname or "", parts.port)
+            target = parts.path + (f"?{parts.query}" if parts.query else "")
+            conn.request("GET", target, headers={"Range": f"bytes={off}-{off + length - 1}"})
+            resp = conn.getresponse()
+            got = 0
+            while got < length:
+                n = resp.readinto(buf[got:length])
+                if not n:
+                    break
+                got += n
+            resp.read()
+            assert got == length
+        if conn is not None:
+            conn.close()
+
+    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+
+
 def measure(run: Callable[[], None], total: int) -> tuple[float, float]:
     """(MiB/s, client CPU-s per GiB) of one ``run`` that moves ``total`` bytes."""
     cpu, wall = _cpu(), time.perf_counter()
     run()
     wall, cpu = time.perf_counter() - wall, _cpu() - cpu
     return total / MiB / wall, cpu / (total / GiB)
+
+
+def uvloop_available() -> bool:
+    """Whether uvloop is installed (the 'bench' extra)."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def bench_scheme(
@@ -128,12 +187,14 @@ def bench_scheme(
     urls = [auth.blob_url(n) for n in names]
     files = [FileEntry(name=n, path=n, size=size) for n in names]
     blocks = [Block(i, off, block) for i in range(len(names)) for off in range(0, size, block)]
-    samples: dict[str, list[tuple[float, float]]] = {"lean": [], **{f"tool-{w}": [] for w in sweep}}
 
     def lean() -> None:
         asyncio.run(_lean(urls, size, block, cfg.concurrency, tls))
 
-    def tool(workers: int) -> Callable[[], None]:
+    def blocking(threads: int) -> Callable[[], None]:
+        return lambda: _blocking(urls, size, block, threads, tls)
+
+    def tool(workers: int, loop: str = "asyncio") -> Callable[[], None]:
         def run() -> None:
             dest = work / "dest"
             shutil.rmtree(dest, ignore_errors=True)
@@ -141,18 +202,29 @@ def bench_scheme(
             tree = DestTree(str(dest))
             tree.prepare_all([(n, size) for n in names])
             try:
-                if workers == 1:
-                    stats = Downloader(files, tree, auth, cfg).run(blocks)
-                else:
-                    down = WorkerDownloader(files, str(dest), tree.made, lambda i: names[i], auth, cfg, workers)
-                    stats = down.run(blocks)
+                if loop == "uvloop":
+                    import uvloop
+
+                    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+                try:
+                    if workers == 1:
+                        stats = Downloader(files, tree, auth, cfg).run(blocks)
+                    else:
+                        down = WorkerDownloader(files, str(dest), tree.made, lambda i: names[i], auth, cfg, workers)
+                        stats = down.run(blocks)
+                finally:
+                    asyncio.set_event_loop_policy(None)
                 assert stats.bytes == total
             finally:
                 tree.close()
 
         return run
 
-    phases = [("lean", lean)] + [(f"tool-{w}", tool(w)) for w in sweep]
+    phases = [("lean", lean), ("blocking-1", blocking(1)), ("blocking-2", blocking(2))]
+    if uvloop_available():
+        phases.append(("tool-1-uvloop", tool(1, "uvloop")))
+    phases += [(f"tool-{w}", tool(w)) for w in sweep]
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in phases}
     for repeat in range(repeats):
         turn = repeat % len(phases)
         for name, phase in phases[turn:] + phases[:turn]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,6 +75,7 @@ def test_a_proxy_that_cannot_be_used_is_a_usage_error(value: str, message: str) 
         ("acct.blob.core.windows.net", 443, "windows.net.", True),
         ("acct.blob.core.windows.net", 443, "ACCT.blob.core.windows.net", True),
         ("acct.blob.core.windows.net", 443, "s.net", False),  # not on a dot boundary
+        ("acct.blob.core.windows.net", 443, "*.core.windows.net", True),
         ("acct.blob.core.windows.net", 443, "other.example, blob.core.windows.net:443", True),
         ("acct.blob.core.windows.net", 443, "blob.core.windows.net:8443", False),
         ("127.0.0.1", 10000, "127.0.0.1", True),
@@ -242,16 +244,36 @@ def test_https_goes_through_a_connect_tunnel(https_emulator: azurite.Emulator, t
 def test_a_proxy_that_refuses_the_tunnel_ends_the_run_naming_it(
     https_emulator: azurite.Emulator, tmp_path: Path
 ) -> None:
+    """A 407 with a page of HTML (as squid sends it): the listing, first through it, names the
+    proxy and its answer at once (not after a minute and a half of the SDK's retries)."""
     emu = https_emulator
     assert emu.ca_file is not None
-    with ForwardProxy(refuse=lambda seen: 403) as proxy:
+    with ForwardProxy(refuse=lambda seen: 407) as proxy:
         env = {
             **emu.key_env(),
             "HTTPS_PROXY": proxy.url,
             "SSL_CERT_FILE": emu.ca_file,
             "REQUESTS_CA_BUNDLE": emu.ca_file,
         }
-        result = run_cli([emu.url("tunnel", "d"), str(tmp_path / "{rank}"), *ARGS], n=2, env=env)
+        started = time.monotonic()
+        result = run_cli([emu.url("tunnel", "d"), str(tmp_path / "{rank}"), "--no-progress"], n=2, env=env)
+        took = time.monotonic() - started
     errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
     assert result.returncode == 3, result.output  # the listing goes first, through the same proxy
-    assert len(errors) == 1 and f"127.0.0.1:{proxy.port}" in errors[0], result.stderr
+    assert len(errors) == 1, result.stderr
+    assert f"proxy http://127.0.0.1:{proxy.port} (from HTTPS_PROXY) refused the tunnel" in errors[0], errors[0]
+    assert "HTTP 407 Proxy Authentication Required" in errors[0], errors[0]
+    assert len(proxy.requests("CONNECT")) == 1 and took < 30, (took, proxy.seen)
+
+
+def test_the_ranged_gets_read_a_refusal_with_a_body() -> None:
+    """A refused CONNECT whose answer has a body is a refusal (not a malformed response, retried)."""
+    with ForwardProxy(refuse=lambda seen: 407) as refusing:
+        proxy = parse_proxy(refusing.url, "HTTPS_PROXY")
+
+        async def attempt() -> None:
+            await Connection.open("https://127.0.0.1:1/c", None, proxy)
+
+        with pytest.raises(TunnelRefused) as info:
+            asyncio.run(attempt())
+    assert info.value.status == 407 and "HTTP 407 Proxy Authentication Required" in str(info.value)

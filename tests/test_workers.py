@@ -218,3 +218,81 @@ def test_a_worker_killed_mid_copy_ends_the_run_naming_it(
     assert not any((tmp_path / "0" / name).exists() for name in EXPECTED)
     other = workers[1][0]
     assert not Path(f"/proc/{other}").exists()  # the other worker was stopped and reaped
+
+
+def test_no_more_workers_than_requests_in_flight(emulator: azurite.Emulator, container: str, tmp_path: Path) -> None:
+    """--concurrency is the rank's requests in flight, workers or not: 1 means one worker."""
+    result = run_cli(
+        [emulator.url(container, "w"), str(tmp_path / "{rank}"), *ARGS[:-1], "4", "--concurrency", "1"],
+        n=1,
+        env=emulator.key_env(),
+        json_path=tmp_path / "r.json",
+    )
+    assert result.returncode == 0, result.output
+    assert_copies(tmp_path, EXPECTED, ranks=1)
+    assert result.json is not None and result.json["worker_bytes_by_rank"] == [[]]  # in the rank itself
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_the_process_group_ends_rank_and_workers(
+    emulator: azurite.Emulator, container: str, tmp_path: Path, signum: int, code: int
+) -> None:
+    """A Ctrl-C (or Slurm's SIGTERM) reaches the rank and its workers at once: the rank's code, one
+    line, no traceback, no worker left behind."""
+    with FaultProxy(emulator, [Rule("slow", blob="w/part-*", nth=1, times=1000, stall=0.2)]) as proxy:
+        cmd = [sys.executable, "-m", "azcp_cluster", proxy.url(container, "w"), str(tmp_path / "{rank}"), *ARGS]
+        with subprocess.Popen(
+            cmd,
+            env=clean_env(emulator.key_env()),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own process group, as a job step's
+        ) as run:
+            deadline = time.monotonic() + 60
+            workers: list[tuple[int, str]] = []
+            while time.monotonic() < deadline and len(workers) < 2:
+                workers = [(p, c) for p, c in _descendants(run.pid) if "azcp_cluster.dlworker" in c]
+                time.sleep(0.05)
+            assert len(workers) == 2, workers
+            os.killpg(run.pid, signum)
+            started = time.monotonic()
+            out, err = run.communicate(timeout=60)
+    assert run.returncode == code, out + err
+    assert time.monotonic() - started < 20
+    assert "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.startswith("azcp-cluster: error")]) == 1, err
+    assert not any(Path(f"/proc/{pid}").exists() for pid, _ in workers)
+
+
+FROZEN = Path(__file__).parent / "programs" / "frozen_worker"
+
+
+@pytest.mark.parametrize("interrupt", [False, True], ids=["silent", "then-ctrl-c"])
+def test_a_frozen_worker_does_not_hang_the_run(
+    emulator: azurite.Emulator, container: str, tmp_path: Path, interrupt: bool
+) -> None:
+    """A worker that never starts (never says it is alive) is named and killed after the read
+    timeout and a margin; told to stop by a Ctrl-C, it is killed after the grace period."""
+    env = clean_env({**emulator.key_env(), "PYTHONPATH": str(FROZEN)})
+    cmd = [sys.executable, "-m", "azcp_cluster", emulator.url(container, "w"), str(tmp_path / "{rank}"), *ARGS]
+    cmd += ["--read-timeout", "2"]
+    started = time.monotonic()
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as run:
+        if interrupt:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and len(_descendants(run.pid)) < 2:
+                time.sleep(0.05)
+            time.sleep(0.5)
+            run.send_signal(signal.SIGINT)  # the rank only: its workers are frozen
+        out, err = run.communicate(timeout=90)
+    took = time.monotonic() - started
+    errors = [line for line in err.splitlines() if line.startswith("azcp-cluster: error")]
+    assert len(errors) == 1, err
+    if interrupt:
+        assert run.returncode == 130, out + err
+    else:
+        assert run.returncode == 5, out + err
+        assert "said nothing for" in errors[0] and "stuck starting" in errors[0], errors[0]
+    assert took < 40, took
+    assert not any((tmp_path / "0" / name).exists() for name in EXPECTED)

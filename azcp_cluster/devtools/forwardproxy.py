@@ -124,9 +124,12 @@ class ForwardProxy:
                 status = status or self.refuse(seen)
                 if status is not None:
                     reason = {407: "Proxy Authentication Required", 403: "Forbidden"}.get(status, "Refused")
+                    # With a page of HTML, as squid and most proxies answer.
+                    page = f"<html><body><h1>{status} {reason}</h1></body></html>\n".encode()
                     writer.write(
-                        f"HTTP/1.1 {status} {reason}\r\nContent-Length: 0\r\nConnection: close\r\n"
-                        'Proxy-Authenticate: Basic realm="test"\r\n\r\n'.encode("latin-1")
+                        f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/html\r\nContent-Length: {len(page)}\r\n"
+                        'Connection: close\r\nProxy-Authenticate: Basic realm="test"\r\n\r\n'.encode("latin-1")
+                        + page
                     )
                     await writer.drain()
                     return

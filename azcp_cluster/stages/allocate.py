@@ -19,7 +19,7 @@ from azcp_cluster.model import Listing
 from azcp_cluster.plan import Plan
 from azcp_cluster.schedule import DIRECT_MIN, Transfer, files_written, transfer_schedule
 from azcp_cluster.stages.context import RunContext
-from azcp_cluster.stages.setup import Placement
+from azcp_cluster.stages.setup import Placement, available_memory
 from azcp_cluster.stages.survey import Diff, Listed
 from azcp_cluster.topology import workers_for
 
@@ -89,7 +89,13 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
     mine = plan.owned_by(ctx.rank)
     with cluster.stage(outcome):
         # With worker processes, each has its own buffers and writers (workers.py).
-        if not ctx.local and mine and download_workers(ctx, place, plan) == 1:
+        workers = download_workers(ctx, place, plan) if not ctx.local and mine else 1
+        if workers > 1:
+            from azcp_cluster.download import pool_bytes
+            from azcp_cluster.workers import WORKER_MEMORY
+
+            cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency) + workers * WORKER_MEMORY)
+        if not ctx.local and mine and workers == 1:
             from azcp_cluster.download import WritePool, blocks_for, pool_buffers_for
 
             # Mapped now, with its writer threads started: the download stage then
@@ -128,13 +134,20 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
 
 
 def download_workers(ctx: RunContext, place: Placement, plan: Plan) -> int:
-    """How many worker processes make this rank's ranged GETs (1: the rank itself; topology.workers_for)."""
+    """How many worker processes make this rank's ranged GETs (1: the rank itself; topology.workers_for).
+
+    The CPUs are those the rank may use. A rank bound to some of the machine's (Slurm's
+    ``--cpus-per-task``, ``taskset``) has them to itself; one that may use them all shares
+    them with the other downloading ranks on its host.
+    """
     try:
-        cpus = len(os.sched_getaffinity(0))  # the CPUs this rank may use, not the machine's
+        cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
+    bound = cpus < (os.cpu_count() or cpus)
     share = sum(s.length for s in plan.owned_by(ctx.rank))
-    return workers_for(ctx.cfg.download_workers, cpus, place.ranks_on_host, share)
+    sharing = 1 if bound else place.downloaders_on_host
+    return min(workers_for(ctx.cfg.download_workers, cpus, sharing, share), ctx.cfg.concurrency)
 
 
 def prepare_files(ctx: RunContext, listing: Listing, indices: Sequence[int], later: Sequence[int] = ()) -> None:

@@ -40,7 +40,7 @@ class Placement:
     readers: tuple[int, ...]  # a local SOURCE: every rank that reads it (--source-readers); else ()
     auth: Authorizer | None  # a blob SOURCE: the run's credential, no token yet
     proxy: Proxy | None = None  # a blob SOURCE: the proxy its ranged GETs go through (proxies.py)
-    ranks_on_host: int = 1  # ranks of this job on this rank's host (they share its CPUs)
+    downloaders_on_host: int = 1  # downloading ranks of this job on this rank's host (they share its CPUs)
 
     def downloaders_here(self) -> list[int]:
         """The ranks of this node that download (ascending)."""
@@ -137,7 +137,7 @@ def setup(ctx: RunContext) -> Placement:
     report.source_rank = reader if ctx.local else None
     report.source_readers = list(readers)
     group = topo.group_of[ctx.rank]
-    on_host = sum(1 for host, _ in places if host == ctx.host)
+    on_host = sum(1 for r in topo.downloaders if places[r][0] == ctx.host)
     return Placement(
         topo=topo,
         group=group,
@@ -146,7 +146,7 @@ def setup(ctx: RunContext) -> Placement:
         readers=tuple(readers),
         auth=auth,
         proxy=proxy,
-        ranks_on_host=on_host,
+        downloaders_on_host=max(1, on_host),
     )
 
 
