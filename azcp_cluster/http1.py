@@ -23,7 +23,7 @@ import socket
 import ssl
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
@@ -342,8 +342,8 @@ class Connection(asyncio.BufferedProtocol):
     # -- the transport's side -------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport (uvloop's are not subclasses of asyncio.Transport: not checked).
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None and hasattr(socket, "SO_RCVLOWAT"):
             self._sock = sock
