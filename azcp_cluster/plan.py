@@ -12,14 +12,18 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import NamedTuple
 
 # Shard boundaries fall on multiples of this, so O_DIRECT writers never straddle them.
 SHARD_ALIGN = 4096
 
 
-@dataclass(frozen=True, order=True)
-class Shard:
-    """A byte range ``[offset, offset + length)`` of file ``file`` that rank ``owner`` fetches."""
+class Shard(NamedTuple):
+    """A byte range ``[offset, offset + length)`` of file ``file`` that rank ``owner`` fetches.
+
+    A named tuple, not a dataclass: a plan of a million files makes a million of them, and a
+    frozen dataclass costs several times as much to make (immutable and ordered alike).
+    """
 
     file: int  # index into the listing's files
     offset: int
