@@ -158,9 +158,14 @@ class Broadcaster:
         self._events: queue.SimpleQueue[tuple[str, int, AzcpError | None]] = queue.SimpleQueue()
 
     def release(self) -> None:
-        """Free the slots once the fan-out is over (a second round maps its own; the verify
-        and the rename need none)."""
+        """Free the slots and the per-file state once the fan-out has ended normally (a second
+        round maps its own; the verify and the rename need none). Its digests and changed
+        files are the caller's to have taken first."""
         self.slots = []
+        self.have = []
+        self._schedule = ()
+        self._completes = []
+        self.digests = {}
 
     # -- the MPI side (main thread) -------------------------------------------------------
 

@@ -20,9 +20,8 @@ from azcp_cluster.config import Config, format_bytes
 from azcp_cluster.errors import AzcpError
 from azcp_cluster.plan import Plan, plan_transfers
 from azcp_cluster.report import Report, report_lines
-from azcp_cluster.stages import allocate, finish, survey, transfer
+from azcp_cluster.stages import allocate, finish, setup, survey, transfer
 from azcp_cluster.stages.context import RunContext
-from azcp_cluster.stages.setup import setup
 
 if TYPE_CHECKING:
     from azcp_cluster.interrupts import Interrupts
@@ -73,14 +72,14 @@ def run(
 def execute(ctx: RunContext) -> None:
     """Every stage in order on this rank; each hands a frozen result to the next."""
     cfg = ctx.cfg
-    place = setup(ctx)
+    place = setup.setup(ctx)
     listed = survey.list_source(ctx, place)
     diff = survey.diff(ctx, place, listed)
     topo = place.topo
     owners = list(place.readers) if ctx.local else list(topo.downloaders)
     plan = plan_transfers(
         [f.size for f in listed.listing.files],
-        [list(h) for h in diff.holders],
+        diff.holders,
         topo.size,
         cfg.shard_size,
         owners=owners,

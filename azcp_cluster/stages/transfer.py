@@ -20,15 +20,8 @@ from azcp_cluster.localsource import restat, source_file
 from azcp_cluster.plan import Plan, plan_transfers
 from azcp_cluster.progress import Progress
 from azcp_cluster.report import StageFigures
-from azcp_cluster.stages.allocate import (
-    Prepared,
-    Schedule,
-    download_workers,
-    make_broadcaster,
-    prepare_files,
-    schedule_for,
-    writes_here,
-)
+from azcp_cluster.stages import allocate
+from azcp_cluster.stages.allocate import Prepared, Schedule
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement
 from azcp_cluster.stages.survey import Diff, Listed
@@ -118,7 +111,7 @@ def downloader(
     if cfg.max_bandwidth is not None:
         busy = sum(1 for load in plan.loads() if load)  # ranks that download at all
         rate = share(cfg.max_bandwidth, busy)
-    workers = download_workers(ctx, place, plan)
+    workers = allocate.download_workers(ctx, place, plan)
     files = listed.listing.files
     tree = ctx.dest_tree()
     if workers > 1:
@@ -237,7 +230,9 @@ def stream(
             stats["refused"] = done.fanout.direct_refused
         outcome.stats = stats
     progress.close()
-    if broadcaster is not None:
+    if broadcaster is not None and outcome.error is None:
+        # Only after a normal end: leaving early, writes may still be queued on the shared
+        # disk writers, which look their slots up.
         broadcaster.release()
     if outcome.error is not None:
         cluster.signal_failure(outcome)  # before waiting for the node's downloaders: they stop on it
@@ -284,7 +279,7 @@ def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: 
                 "source_bytes": stats.source_bytes,
             }
     progress.close()
-    if broadcaster is not None:
+    if broadcaster is not None and outcome.error is None:  # (see stream)
         broadcaster.release()
     ctx.explain_space(outcome)
     result = cluster.conclude(t0, outcome)
@@ -333,13 +328,13 @@ def send_again(
     plan = plan_transfers(
         [f.size for f in files], holders, topo.size, ctx.cfg.shard_size, owners=[place.reader], copies=topo.groups
     )
-    schedule = schedule_for(ctx, place, plan, earlier=first)
+    schedule = allocate.schedule_for(ctx, place, plan, earlier=first)
     outcome = StageOutcome()
     broadcaster: Broadcaster | None = None
     with cluster.stage(outcome):
         if place.leader:
-            prepare_files(ctx, listed.listing, changed)
-            broadcaster = make_broadcaster(ctx, place, listed, diff, schedule)
+            allocate.prepare_files(ctx, listed.listing, changed)
+            broadcaster = allocate.make_broadcaster(ctx, place, listed, diff, schedule)
     ctx.explain_space(outcome)
     cluster.conclude(cluster.clock(), outcome)
     again = fan_out(ctx, place, schedule, broadcaster)
@@ -349,4 +344,4 @@ def send_again(
             path=source_file(ctx.source_root, files[again.changed[0]].name, listed.single_file),
         )
     digests = {**moved.streamed_md5, **again.digests}
-    return Transferred(listed, diff, writes_here(listed.listing, diff, schedule), digests)
+    return Transferred(listed, diff, allocate.writes_here(listed.listing, diff, schedule), digests)
