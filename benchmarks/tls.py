@@ -46,9 +46,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
-from yarl import URL
-
 from azcp_cluster.config import Config, MiB, parse_size
 from azcp_cluster.credentials import ANONYMOUS, Authorizer
 from azcp_cluster.desttree import DestTree
@@ -59,6 +56,7 @@ from azcp_cluster.download import Block, Downloader
 from azcp_cluster.model import FileEntry
 from azcp_cluster.source import parse_blob_url
 from azcp_cluster.workers import WorkerDownloader
+from benchmarks.run import _raw_download
 
 GiB = 1 << 30
 ACCOUNT, CONTAINER = "devstoreaccount1", "bench"
@@ -89,27 +87,6 @@ def _cpu() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-
-
-async def _lean(urls: list[str], size: int, block: int, concurrency: int, tls: ssl.SSLContext | None) -> None:
-    ranges = [(u, off, min(block, size - off)) for u in urls for off in range(0, size, block)]
-    queue: asyncio.Queue[tuple[str, int, int]] = asyncio.Queue()
-    for item in ranges:
-        queue.put_nowait(item)
-    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0, ssl=tls if tls is not None else False)
-
-    async def worker(session: aiohttp.ClientSession) -> None:
-        while not queue.empty():
-            url, off, length = queue.get_nowait()
-            async with session.get(URL(url, encoded=True), headers={"Range": f"bytes={off}-{off + length - 1}"}) as r:
-                r.raise_for_status()
-                got = 0
-                while piece := await r.content.readany():
-                    got += len(piece)
-                assert got == length
-
-    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-        await asyncio.gather(*(worker(session) for _ in range(min(concurrency, len(ranges)))))
 
 
 def _blocking(urls: list[str], size: int, block: int, threads: int, tls: ssl.SSLContext | None) -> None:
@@ -189,7 +166,7 @@ def bench_scheme(
     blocks = [Block(i, off, block) for i in range(len(names)) for off in range(0, size, block)]
 
     def lean() -> None:
-        asyncio.run(_lean(urls, size, block, cfg.concurrency, tls))
+        asyncio.run(_raw_download(urls, size, block, cfg.concurrency, tls))
 
     def blocking(threads: int) -> Callable[[], None]:
         return lambda: _blocking(urls, size, block, threads, tls)
