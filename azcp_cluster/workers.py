@@ -170,7 +170,6 @@ class WorkerDownloader:
         self.rate = rate
         self.proxy = proxy
         self.stats = DownloadStats()
-        self.started = 0  # worker processes started (for the report and the tests)
 
     def run(self, blocks: Sequence[Block]) -> DownloadStats:
         """Download every block on the workers; raise the first failure after all of them ended."""
@@ -251,7 +250,6 @@ class WorkerDownloader:
         # a send or a receive that takes this long counts as the worker's end.
         ours.settimeout(SEND_TIMEOUT_SECONDS)
         worker = _Worker(index, proc, ours)
-        self.started += 1
         with contextlib.suppress(OSError):  # it died, or does not read: its end says so below
             send(ours, ("job", self._job(index, part, count)))
         return worker
