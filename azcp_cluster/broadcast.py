@@ -112,6 +112,7 @@ class Broadcaster:
         announce: Callable[[], None] = lambda: None,
         made_on_arrival: set[int] | None = None,
         disk: DiskWriter | None = None,
+        on_written: Callable[[int, int, int], None] | None = None,
     ) -> None:
         if pipeline < 1 or writers < 1:
             raise ValueError("pipeline and writers must be at least 1")
@@ -147,6 +148,8 @@ class Broadcaster:
         self.writer_count = writers  # writer jobs one transfer's extents are spread over
         # The node's disk writers (shared with the download when both run at once), else our own.
         self.disk = disk
+        # (file, offset, length) once written (not yet durable): the block journal's feed.
+        self.on_written = on_written if on_written is not None else (lambda file, offset, length: None)
         self._schedule: Sequence[Transfer] = ()
         # --verify stream: every file whose bytes pass this rank's slots in order is hashed
         # as it streams past (no second read of anything it wrote).
@@ -479,11 +482,13 @@ class Broadcaster:
             for folder, extents in self._by_directory(job.extents):
                 if folder is None:
                     write_extent(extents[0], buffer, None)
+                    self.on_written(extents[0].file, extents[0].offset, extents[0].length)
                     continue
                 try:
                     with self.tree.directory(folder) as dfd:
                         for extent in extents:
                             write_extent(extent, buffer, dfd)
+                            self.on_written(extent.file, extent.offset, extent.length)
                 except OSError as exc:
                     raise fs_error(exc, self.tree.shown("/".join(folder)), "write") from None
 

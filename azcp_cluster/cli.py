@@ -207,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="download everything, then fan it out (default: each part goes out as soon as it lands)",
     )
     p.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="copy every missing file whole, ignoring (and removing) the block journal a stopped run left "
+        "(default: keep the blocks it recorded and move only the rest)",
+    )
+    p.add_argument(
         "--download-ranks",
         type=_integer,
         metavar="K",
@@ -329,6 +335,7 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
         source_rank=args.source_rank,
         source_readers=args.source_readers,
         overlap=not args.no_overlap,
+        resume=not args.no_resume,
         download_ranks=args.download_ranks,
         download_workers=args.download_workers,
         max_bandwidth=args.max_bandwidth,

@@ -220,6 +220,9 @@ class Config:
     # Download and fan-out at once (each transfer sent as soon as its bytes land); False:
     # one after the other (--no-overlap, for comparison).
     overlap: bool = True
+    # Keep what a stopped run left durably in its temporary files (the block journal,
+    # journal.py) and move only the rest; False: --no-resume, every file moved whole.
+    resume: bool = True
     # How many ranks download (default all), chosen round-robin over the nodes.
     download_ranks: int | None = None
     # Processes under each downloading rank that make its ranged GETs (TLS on every core of a

@@ -17,7 +17,7 @@ import sys
 from azcp_cluster.config import Config
 from azcp_cluster.errors import ListError, SourceError, UsageError
 from azcp_cluster.model import FileEntry, Listing
-from azcp_cluster.naming import LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX, RawEntry, select
+from azcp_cluster.naming import JOURNAL_DIR, LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX, RawEntry, select
 
 
 def local_etag(st: os.stat_result) -> str:
@@ -73,7 +73,9 @@ def list_local(root: str, cfg: Config) -> Listing:
             except OSError as exc:
                 raise ListError(f"cannot stat a file of SOURCE: {exc.strerror}", path=child.path) from None
             if stat.S_ISDIR(st.st_mode):
-                if (st.st_dev, st.st_ino) not in seen:  # a symlink loop, or the same tree twice
+                if rel == JOURNAL_DIR:
+                    tools_own += 1  # an earlier DEST's block journal is not data either
+                elif (st.st_dev, st.st_ino) not in seen:  # a symlink loop, or the same tree twice
                     seen.add((st.st_dev, st.st_ino))
                     stack.append((rel + "/", child.path))
             elif rel in (MANIFEST_NAME, LOCK_NAME) or rel.endswith(TEMP_SUFFIX):

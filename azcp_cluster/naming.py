@@ -28,6 +28,8 @@ from azcp_cluster.model import FileEntry, Listing
 MANIFEST_NAME = ".azcp-manifest.json"
 # The per-DEST lock file that keeps two runs from writing the same DEST at once.
 LOCK_NAME = ".azcp-lock"
+# The directory at DEST's top where the ranks journal the blocks they wrote (journal.py).
+JOURNAL_DIR = ".azcp-journal"
 # Suffix of the temporary names files are written under (see localfs.temp_path).
 TEMP_SUFFIX = ".azcp-part"
 # Linux filesystems take names of at most 255 bytes per segment (NAME_MAX); the temporary
@@ -84,6 +86,8 @@ def check_relative_path(path: str, name: str) -> str:
             raise ListError(f"name {MANIFEST_NAME!r} is reserved for the tool's manifest in DEST", path=name)
         if segment == LOCK_NAME:
             raise ListError(f"name {LOCK_NAME!r} is reserved for the tool's lock file in DEST", path=name)
+        if segment == JOURNAL_DIR:
+            raise ListError(f"name {JOURNAL_DIR!r} is reserved for the tool's block journal in DEST", path=name)
         if len(segment.encode("utf-8", "surrogateescape")) > MAX_SEGMENT_BYTES:
             raise ListError(
                 f"a path segment of {len(segment.encode('utf-8', 'surrogateescape'))} bytes is too long for the "

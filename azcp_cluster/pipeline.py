@@ -84,6 +84,8 @@ def execute(ctx: RunContext) -> None:
         cfg.shard_size,
         owners=owners,
         copies=topo.groups,
+        partial=diff.partial,  # a resumed run: only the ranges some copy lacks
+        receivers=list(topo.leaders),
     )
     report = ctx.report
     report.plan_loads = plan.loads()

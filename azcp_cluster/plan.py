@@ -9,8 +9,8 @@ least-loaded rank (ties to the lowest rank): the classic LPT rule, within 4/3 of
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -38,6 +38,9 @@ class Plan:
 
     shards: tuple[Shard, ...]
     nranks: int
+    # A peer shard of a file that some nodes hold only in part (a resumed run): the ranks
+    # (leaders) that lack it, keyed by (file, offset). Every other shard goes to everyone.
+    receivers: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
 
     def loads(self) -> list[int]:
         """Bytes each rank downloads (peer shards cost no download)."""
@@ -101,10 +104,13 @@ def make_plan(
     nranks: int,
     shard_size: int,
     owners: Sequence[int] | None = None,
+    ranges: Sequence[tuple[int, int, int]] = (),
 ) -> Plan:
     """Assign every byte of ``files`` (indices into ``sizes``) to exactly one of ``owners``.
 
     ``owners`` defaults to every rank; it lets a later mode restrict downloads to a subset.
+    ``ranges``: more bytes to place, ``(file, offset, length)`` each (what a resumed run
+    still lacks of a file), split and placed like whole files; ``offset`` aligned.
     """
     if nranks <= 0:
         raise ValueError("nranks must be positive")
@@ -122,6 +128,9 @@ def make_plan(
         elif size > 0:
             for offset, length in split_ranges(size, shard_size):
                 append((-length, index, offset))
+    for index, start, size in ranges:
+        for offset, length in split_ranges(size, shard_size):
+            append((-length, index, start + offset))
     pieces.sort()
     heap = [(0, rank) for rank in candidates]
     heapq.heapify(heap)
@@ -144,22 +153,42 @@ def plan_transfers(
     shard_size: int,
     owners: Sequence[int] | None = None,
     copies: int | None = None,
+    partial: Mapping[int, Sequence[tuple[int, int, tuple[int, ...]]]] | None = None,
+    receivers: Sequence[int] | None = None,
 ) -> Plan:
     """Plan every file that some copy lacks; ``holders[i]`` lists the ranks that have file ``i``.
 
     Peers before Azure: a file some ranks already have is broadcast from its lowest-rank
     holder and never downloaded; files no rank has are spread over ``owners`` by LPT;
     files held by ``copies`` ranks (default every rank: one copy per rank) are left out.
+
+    ``partial`` (a resumed run): for a file some ranks hold only in part, its segments
+    ``(offset, length, holders)`` (resume.segments; ``holders[i]`` is then not read). A
+    segment nobody holds is placed by LPT with the whole files; one some hold is a peer
+    shard of its lowest holder, sent only to the ``receivers`` (default every rank) that
+    lack it; one every copy holds moves not at all.
     """
     needed = nranks if copies is None else copies
-    azure = [i for i, have in enumerate(holders) if not have]
-    plan = make_plan(sizes, azure, nranks, shard_size, owners)
+    partial = partial or {}
+    azure = [i for i, have in enumerate(holders) if not have and i not in partial]
+    missing = [(i, off, length) for i, segs in partial.items() for off, length, by in segs if not by]
+    plan = make_plan(sizes, azure, nranks, shard_size, owners, missing)
     peer = [
         Shard(file=i, offset=offset, length=length, owner=min(have), peer=True)
         for i, have in enumerate(holders)
-        if have and len(set(have)) < needed
+        if have and len(set(have)) < needed and i not in partial
         for offset, length in split_ranges(sizes[i], shard_size)
     ]
+    to: dict[tuple[int, int], tuple[int, ...]] = {}
+    everyone = tuple(range(nranks)) if receivers is None else tuple(sorted(receivers))
+    for i, segs in partial.items():
+        for start, size, by in segs:
+            if not by or len(set(by)) >= needed:
+                continue
+            lacking = tuple(r for r in everyone if r not in by)
+            for offset, length in split_ranges(size, shard_size):
+                peer.append(Shard(file=i, offset=start + offset, length=length, owner=min(by), peer=True))
+                to[(i, start + offset)] = lacking
     if not peer:  # a first copy: the plan's own shards, already in order
         return Plan(shards=plan.shards, nranks=nranks)
-    return Plan(shards=tuple(sorted((*plan.shards, *peer), key=_by_place)), nranks=nranks)
+    return Plan(shards=tuple(sorted((*plan.shards, *peer), key=_by_place)), nranks=nranks, receivers=to)

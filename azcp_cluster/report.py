@@ -70,6 +70,10 @@ class Report:
     filtered_out: int = 0
     transfer_files: int = 0
     peer_files: int = 0
+    # Files with blocks a stopped run left durably in some node's temporary file, and those
+    # bytes, summed over the nodes' copies: kept, not moved again (journal.py).
+    resumed_files: int = 0
+    resumed_bytes: int = 0
     azure_files: int = 0  # files read from SOURCE (Azure, or the local path)
     downloaded_bytes: int = 0
     broadcast_bytes: int = 0
@@ -148,7 +152,9 @@ def report_lines(report: Report) -> list[str]:
         f"[list] {report.files} files, {report.bytes} bytes T={st['list'].seconds:.3f}s",
         f"[diff] {report.transfer_files} to transfer ({report.peer_files} peer, {report.azure_files} "
         f"{'azure' if report.source_rank is None else 'source'}), "
-        f"{report.skipped_files} skipped T={st['diff'].seconds:.3f}s",
+        f"{report.skipped_files} skipped"
+        + (f", {report.resumed_files} resumed ({report.resumed_bytes} bytes kept)" if report.resumed_files else "")
+        + f" T={st['diff'].seconds:.3f}s",
     ]
     if not report.dry_run:
         lines += [

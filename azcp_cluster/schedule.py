@@ -95,7 +95,9 @@ def transfer_schedule(
     owner, or ``root_of[owner]`` when the broadcast runs on a smaller communicator than the
     plan (between node leaders: the owner's leader sends). ``receivers_of(file, root)``
     names the ranks that get a file; by default every rank but the root (a full copy on
-    every node). ``pack=False`` gives every piece its own transfer.
+    every node). A shard the plan names receivers for (``Plan.receivers``: a range some
+    copies kept from a stopped run) goes to those only. ``pack=False`` gives every piece
+    its own transfer.
     """
     if slot_size <= 0:
         raise ValueError("slot_size must be positive")
@@ -126,7 +128,10 @@ def transfer_schedule(
 
     for shard in plan.shards:
         root = shard.owner if root_of is None else root_of[shard.owner]
-        if receivers_of is None:
+        named = plan.receivers.get((shard.file, shard.offset)) if plan.receivers else None
+        if named is not None:  # a resumed run: only the copies that lack this range
+            to = tuple(sorted({r if root_of is None else root_of[r] for r in named} - {root}))
+        elif receivers_of is None:
             to = default(shard.file, root)  # sorted, without the root, one object per root
         else:
             to = tuple(sorted(set(receivers_of(shard.file, root)) - {root}))

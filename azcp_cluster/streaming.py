@@ -246,7 +246,7 @@ def lead(
             finally:
                 downloaded = since()
 
-        downloader.on_landed = lambda block: feed.local(index[(block.file, block.offset)])
+        downloader.on_landed = also(downloader.on_landed, lambda block: feed.local(index[(block.file, block.offset)]))
         thread = DownloadThread(fetch, rank)
         downloader.peer_failed = thread.stop.is_set  # its event loop makes no MPI call
         try:
@@ -292,7 +292,7 @@ def notify_while_downloading(
     downloaded = 0.0
     try:
         downloader = make_downloader()
-        downloader.on_landed = lambda block: notifier.landed(block.file, block.offset)
+        downloader.on_landed = also(downloader.on_landed, lambda block: notifier.landed(block.file, block.offset))
         dstats = downloader.run(blocks)
     finally:
         downloaded = since()
@@ -312,3 +312,13 @@ __all__ = [
     "node_blocks",
     "notify_while_downloading",
 ]
+
+
+def also(first: Callable[[Any], None], then: Callable[[Any], None]) -> Callable[[Any], None]:
+    """A landed-block callback that calls ``first`` (the block journal's), then ``then``."""
+
+    def both(block: Any) -> None:
+        first(block)
+        then(block)
+
+    return both

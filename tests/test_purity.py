@@ -29,6 +29,7 @@ PURE_MODULES = (
     "topology",
     "throttle",
     "proxies",
+    "resume",
 )
 FORBIDDEN = frozenset(
     {"azure", "aiohttp", "mpi4py", "os", "io", "shutil", "socket", "mmap", "pathlib", "asyncio", "importlib"}

@@ -8,9 +8,10 @@ file this node writes, the download's buffers and the fan-out's slots (a :class:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from azcp_cluster import journal
 from azcp_cluster.broadcast import Broadcaster
 from azcp_cluster.cluster import StageOutcome
 from azcp_cluster.localfs import check_space
@@ -64,11 +65,12 @@ def schedule_for(ctx: RunContext, place: Placement, plan: Plan, earlier: Schedul
 
 
 def writes_here(listing: Listing, diff: Diff, schedule: Schedule) -> tuple[int, ...]:
-    """The transferred files this node does not have yet and the schedule brings it (it writes
-    and renames these); empty files are made on every node."""
+    """The transferred files this node does not have yet and the schedule brings it, or it kept
+    from a stopped run (it writes and renames these); empty files are made on every node."""
     files = listing.files
     receives = schedule.receives
-    return tuple(i for i in diff.transfer if not diff.have[i] and (files[i].size == 0 or i in receives))
+    kept = diff.kept
+    return tuple(i for i in diff.transfer if not diff.have[i] and (files[i].size == 0 or i in receives or i in kept))
 
 
 def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan: Plan, schedule: Schedule) -> Prepared:
@@ -119,8 +121,9 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
             files = listed.listing.files
             # Checked before anything is written, where the sizes are known.
             ctx.bytes_to_write = sum(files[i].size for i in here)
-            later = made_on_arrival(ctx, place, listed.listing, plan, here)
-            prepare_files(ctx, listed.listing, here, later)
+            later = made_on_arrival(ctx, place, listed.listing, plan, here, diff.kept)
+            start_journal(ctx, listed.listing, diff)  # before any file is made anew
+            prepare_files(ctx, listed.listing, here, later, diff.kept)
             broadcaster = make_broadcaster(ctx, place, listed, diff, schedule, later)
     ctx.explain_space(outcome)  # the files' blocks are reserved here: a full disk shows here first
     cluster.conclude(cluster.clock(), outcome)
@@ -129,8 +132,26 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
         # Some node has downloaders besides its leader: they get the files' identities.
         made = ctx.group_comm.bcast(ctx.tree.made if place.leader and ctx.tree is not None else None, root=0)
         if mine and not place.leader:
-            ctx.dest_tree().adopt(made or {})  # DEST exists now: its leader made it
+            tree = ctx.dest_tree()
+            tree.adopt(made or {})  # DEST exists now: its leader made it
+            if cfg.resume:  # this rank writes into the node's files: its own journal
+                fd = journal.open_for(tree, ctx.group_comm.Get_rank())
+                if fd is not None:
+                    ctx.journal = journal.Journal(tree, fd, listed.listing.files, ctx.origin)
     return Prepared(broadcaster, here)
+
+
+def start_journal(ctx: RunContext, listing: Listing, diff: Diff) -> None:
+    """Leaders: the journal directory rewritten to hold what this run keeps, then this
+    leader's journal running (none with --no-resume: a stopped run's journal is removed,
+    since its files are made anew)."""
+    tree = ctx.dest_tree()
+    if not ctx.cfg.resume:
+        journal.remove(tree)
+        return
+    fd = journal.begin(tree, listing.files, diff.kept, ctx.origin)
+    if fd is not None:
+        ctx.journal = journal.Journal(tree, fd, listing.files, ctx.origin, first_id=len(diff.kept))
 
 
 def download_workers(ctx: RunContext, place: Placement, plan: Plan) -> int:
@@ -150,27 +171,46 @@ def download_workers(ctx: RunContext, place: Placement, plan: Plan) -> int:
     return min(workers_for(ctx.cfg.download_workers, cpus, sharing, share), ctx.cfg.concurrency)
 
 
-def prepare_files(ctx: RunContext, listing: Listing, indices: Sequence[int], later: Sequence[int] = ()) -> None:
+def prepare_files(
+    ctx: RunContext,
+    listing: Listing,
+    indices: Sequence[int],
+    later: Sequence[int] = (),
+    kept: Mapping[int, journal.Kept] | None = None,
+) -> None:
     """Leaders: check the space, then make the temporary files of ``indices`` anew at full size
-    (those in ``later`` are made by the broadcast's writers, see DestTree.prepare_all)."""
+    (those in ``later`` are made by the broadcast's writers, see DestTree.prepare_all), but
+    for those ``kept`` from a stopped run: their files stay, known by their identity."""
     tree = ctx.dest_tree()
+    kept = kept or {}
     entries = [(listing.files[i].path, listing.files[i].size) for i in indices]
-    check_space(ctx.dest, tree.space_needed(entries))
-    tree.prepare_all(entries, later=[listing.files[i].path for i in later])
+    check_space(ctx.dest, tree.space_needed(entries))  # a kept file's blocks count as its own
+    tree.prepare_all(
+        [e for i, e in zip(indices, entries, strict=True) if i not in kept],
+        later=[listing.files[i].path for i in later],
+    )
+    tree.adopt({listing.files[i].path: kept[i].identity for i in indices if i in kept})
 
 
 def made_on_arrival(
-    ctx: RunContext, place: Placement, listing: Listing, plan: Plan, missing: Sequence[int]
+    ctx: RunContext,
+    place: Placement,
+    listing: Listing,
+    plan: Plan,
+    missing: Sequence[int],
+    kept: Mapping[int, journal.Kept] | None = None,
 ) -> list[int]:
     """The small files this node only receives (no rank of the node downloads into them):
-    their writer creates them when their bytes arrive, one open each instead of two."""
+    their writer creates them when their bytes arrive, one open each instead of two (not
+    one kept from a stopped run: it stands there already)."""
     group_of = place.topo.group_of
     # A local SOURCE's plan names its readers as owners: they read it, nobody downloads.
     downloaded = (
         set() if ctx.local else {s.file for s in plan.shards if not s.peer and group_of[s.owner] == place.group}
     )
     files = listing.files
-    return [i for i in missing if 0 < files[i].size < DIRECT_MIN and i not in downloaded]
+    kept = kept or {}
+    return [i for i in missing if 0 < files[i].size < DIRECT_MIN and i not in downloaded and i not in kept]
 
 
 def make_broadcaster(
@@ -196,6 +236,7 @@ def make_broadcaster(
         stop_requested=ctx.cluster.interrupted,
         made_on_arrival=set(later),
         disk=ctx.disk,
+        on_written=ctx.journal.written if ctx.journal is not None else None,
     )
 
 

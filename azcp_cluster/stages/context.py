@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from azcp_cluster.destlock import DestLock
     from azcp_cluster.diskwriter import DiskWriter
     from azcp_cluster.download import WritePool
+    from azcp_cluster.journal import Journal
 
 
 class RunContext:
@@ -61,6 +62,9 @@ class RunContext:
         # A SOURCE without a scheme is a path: the readers read it, the others receive it.
         self.local = not is_url(cfg.source)
         self.source_root = os.path.abspath(cfg.source) if self.local else ""
+        # Where the files come from, as the block journal ties their blocks to it (never a
+        # SAS: the query is cut off).
+        self.origin = os.path.realpath(self.source_root) if self.local else cfg.source.split("?", 1)[0]
         self.bytes_to_write = 0  # of the files this node writes (allocate): for a full-disk message
         self._warned_direct = False
         # Handles, opened by the stages and closed by close().
@@ -70,6 +74,7 @@ class RunContext:
         self.dest_lock: DestLock | None = None  # leaders: held from setup to the end of the run
         self.write_pool: WritePool | None = None  # the download's buffers and writers (allocate)
         self.disk: DiskWriter | None = None  # streaming leaders that download: writers shared with the fan-out
+        self.journal: Journal | None = None  # ranks that write into the node's files: their block journal
         self.node_comm: Any = None  # the leaders' communicator, for the fan-out (setup)
         self.group_comm: Any = None  # this node's ranks, its leader as rank 0 (setup)
 
@@ -85,12 +90,19 @@ class RunContext:
             self.write_pool.close()
             self.write_pool = None
 
+    def close_journal(self) -> None:
+        """Record what was written since the journal's last append, and stop it."""
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+
     def close(self) -> None:
-        """Stop the writer threads; release DEST; free the communicators."""
+        """Stop the writer threads; journal what they wrote; release DEST; free the communicators."""
         self.close_write_pool()
         if self.disk is not None:
             self.disk.close()
             self.disk = None
+        self.close_journal()  # after the writers: every write they finished is recorded
         if self.dest_lock is not None:
             self.dest_lock.close()
             self.dest_lock = None

@@ -11,7 +11,7 @@ import dataclasses
 import resource
 from collections.abc import Mapping
 
-from azcp_cluster import manifest
+from azcp_cluster import journal, manifest
 from azcp_cluster.cluster import StageOutcome
 from azcp_cluster.digests import verdict
 from azcp_cluster.errors import VerifyError
@@ -29,6 +29,7 @@ def sync(ctx: RunContext, place: Placement, moved: Transferred) -> None:
     t0 = cluster.clock()
     outcome = StageOutcome()
     with cluster.stage(outcome):
+        ctx.close_journal()  # every byte is written: the journal's last append
         if place.leader and moved.here:
             files = moved.listed.listing.files
             ctx.dest_tree().sync_all([files[i].path for i in moved.here])
@@ -88,7 +89,12 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
                         path=tree.shown(files[i].path),
                     )
         outcome.stats = {"md5": digests}
-    result = cluster.conclude(t0, outcome)
+    try:
+        result = cluster.conclude(t0, outcome)
+    except VerifyError:
+        if place.leader:  # a copy that does not match is not resumed from: the rerun moves it all
+            journal.remove(ctx.dest_tree())
+        raise
     verified = verdict(files, [(rank, result.stats[rank]["md5"]) for rank in place.topo.leaders])
     ctx.report.verified_files = len(verified)
     ctx.report.stages["verify"] = StageFigures(result.seconds, ctx.report.bytes)
@@ -142,4 +148,5 @@ def record(ctx: RunContext, place: Placement, moved: Transferred, verified: Mapp
         if place.leader:
             tree = ctx.dest_tree()
             manifest.save(tree, known, manifest.load(tree))
+            journal.remove(tree)  # every file is under its final name: nothing to resume
     cluster.conclude(cluster.clock(), outcome)

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from azcp_cluster import manifest
+from azcp_cluster import journal, manifest
 from azcp_cluster.cluster import StageOutcome, error_from_payload, error_payload
 from azcp_cluster.localsource import list_local
-from azcp_cluster.model import Listing, decode_listing, encode_listing
+from azcp_cluster.model import FileEntry, Listing, decode_listing, encode_listing
 from azcp_cluster.report import StageFigures
+from azcp_cluster.resume import Segment, segments, total
 from azcp_cluster.source import parse_blob_url
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement
@@ -38,6 +40,11 @@ class Diff:
     transfer: tuple[int, ...]  # files some node lacks, ascending
     holders: tuple[tuple[int, ...], ...]  # per file: the leaders whose DEST already has it
     have: tuple[bool, ...]  # per file: this rank's node already has it
+    # A resumed run: per file some node kept blocks of, its segments and their holders
+    # (resume.segments; a whole copy holds every segment).
+    partial: Mapping[int, tuple[Segment, ...]] = field(default_factory=dict)
+    # What this rank's node kept (leaders; a file's temporary file is then kept, not made anew).
+    kept: Mapping[int, journal.Kept] = field(default_factory=dict)
 
     def without(self, changed: list[int]) -> Diff:
         """The same, with ``changed`` held by nobody (a local file that changed while it was read)."""
@@ -46,6 +53,8 @@ class Diff:
             self.transfer,
             tuple(() if i in gone else h for i, h in enumerate(self.holders)),
             tuple(False if i in gone else h for i, h in enumerate(self.have)),
+            {i: s for i, s in self.partial.items() if i not in gone},
+            {i: k for i, k in self.kept.items() if i not in gone},
         )
 
 
@@ -91,13 +100,18 @@ def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
     t0 = cluster.clock()
     outcome = StageOutcome()
     files = listed.listing.files
+    kept: dict[int, journal.Kept] = {}
     with cluster.stage(outcome):
         present = b""
         if place.leader:  # one check per copy: the other ranks of a node share the leader's
+            tree = ctx.dest_tree()
             with cluster.abandonable():  # hashing (--compare md5): a signal stops it at once
-                bits = np.array(manifest.present(ctx.dest_tree(), files, ctx.cfg.compare), dtype=bool)
+                bits = np.array(manifest.present(tree, files, ctx.cfg.compare), dtype=bool)
             present = np.packbits(bits).tobytes()
-        outcome.stats = {"present": present, "list_seconds": listed.seconds}
+            if ctx.cfg.resume and tree.exists:
+                kept = journal.load(tree, files, np.flatnonzero(~bits).tolist(), ctx.origin)
+        spans = {i: k.spans for i, k in kept.items()}
+        outcome.stats = {"present": present, "list_seconds": listed.seconds, "kept": spans}
     result = cluster.conclude(t0, outcome)
     leaders = place.topo.leaders
     matrix = np.stack(
@@ -109,7 +123,11 @@ def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
     everywhere = matrix.all(axis=0)
     transfer = tuple(int(i) for i in np.flatnonzero(~everywhere))
     holders = tuple(tuple(leaders[g] for g in np.flatnonzero(matrix[:, i])) for i in range(len(files)))
+    kept_by = [result.stats[leader]["kept"] for leader in leaders]  # per node: file -> spans kept
+    partial = resumed(files, holders, leaders, kept_by)
     report = ctx.report
+    report.resumed_files = len(partial)
+    report.resumed_bytes = sum(total(spans) for k in kept_by for spans in k.values())
     report.stages["list"].seconds = max(s["list_seconds"] for s in result.stats)
     report.skipped_files = len(files) - len(transfer)
     report.skipped_bytes = sum(files[i].size for i in np.flatnonzero(everywhere))
@@ -117,4 +135,23 @@ def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
     report.peer_files = sum(1 for i in transfer if holders[i])
     report.azure_files = report.transfer_files - report.peer_files
     report.stages["diff"] = StageFigures(result.seconds, 0)
-    return Diff(transfer, holders, tuple(matrix[place.group].tolist()))
+    return Diff(transfer, holders, tuple(matrix[place.group].tolist()), partial, kept)
+
+
+def resumed(
+    files: tuple[FileEntry, ...] | list[FileEntry],
+    holders: tuple[tuple[int, ...], ...],
+    leaders: list[int] | tuple[int, ...],
+    kept_by: list[Mapping[int, tuple[tuple[int, int], ...]]],
+) -> dict[int, tuple[Segment, ...]]:
+    """Per file some node kept blocks of: its segments, held by the leaders that kept them
+    and by those that have the whole file."""
+    partial: dict[int, tuple[Segment, ...]] = {}
+    for i in sorted({i for k in kept_by for i in k}):
+        size = files[i].size
+        holdings: dict[int, list[tuple[int, int]] | tuple[tuple[int, int], ...]] = {h: [(0, size)] for h in holders[i]}
+        for leader, k in zip(leaders, kept_by, strict=True):
+            if i in k:
+                holdings[leader] = k[i]
+        partial[i] = tuple(segments(size, holdings))
+    return partial

@@ -114,6 +114,12 @@ def downloader(
     workers = allocate.download_workers(ctx, place, plan)
     files = listed.listing.files
     tree = ctx.dest_tree()
+    journal = ctx.journal
+
+    def on_landed(block: Any) -> None:
+        if journal is not None:  # every block, once written, to this rank's journal
+            journal.written(block.file, block.offset, block.length)
+
     if workers > 1:
         return processes.WorkerDownloader(
             files,
@@ -125,6 +131,7 @@ def downloader(
             workers,
             peer_failed=ctx.cluster.peer_failed,
             on_bytes=on_bytes,
+            on_landed=on_landed,
             rate=rate,
             proxy=place.proxy,
         )
@@ -136,6 +143,7 @@ def downloader(
         cfg,
         peer_failed=ctx.cluster.peer_failed,
         on_bytes=on_bytes,
+        on_landed=on_landed,
         pacer=pacer,
         pool=ctx.write_pool,
         proxy=place.proxy,
@@ -333,6 +341,8 @@ def send_again(
     broadcaster: Broadcaster | None = None
     with cluster.stage(outcome):
         if place.leader:
+            if ctx.journal is not None:  # their blocks count no more, before the files are made anew
+                ctx.journal.drop([files[i].path for i in changed])
             allocate.prepare_files(ctx, listed.listing, changed)
             broadcaster = allocate.make_broadcaster(ctx, place, listed, diff, schedule)
     ctx.explain_space(outcome)
