@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from azcp_cluster.devtools import azurite
-from azcp_cluster.naming import MANIFEST_NAME
+from azcp_cluster.naming import JOURNAL_DIR, MANIFEST_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 MPI_TIMEOUT = 120
@@ -169,11 +169,16 @@ def emulator() -> Iterator[azurite.Emulator]:
 
 
 def tree_of(root: Path, manifest: bool = False) -> dict[str, bytes]:
-    """Every regular file below ``root``: relative path -> content (the tool's manifest only if asked)."""
+    """Every regular file below ``root``: relative path -> content (the tool's manifest, and a
+    stopped run's block journal, only if asked)."""
     return {
         p.relative_to(root).as_posix(): p.read_bytes()
         for p in sorted(root.rglob("*"))
-        if p.is_file() and (manifest or p.relative_to(root).as_posix() != MANIFEST_NAME)
+        if p.is_file()
+        and (
+            manifest
+            or (p.relative_to(root).as_posix() != MANIFEST_NAME and JOURNAL_DIR not in p.relative_to(root).parts)
+        )
     }
 
 

@@ -122,8 +122,9 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
             # Checked before anything is written, where the sizes are known.
             ctx.bytes_to_write = sum(files[i].size for i in here)
             later = made_on_arrival(ctx, place, listed.listing, plan, here, diff.kept)
+            check_files_space(ctx, listed.listing, here)  # before anything is written
             start_journal(ctx, listed.listing, diff)  # before any file is made anew
-            prepare_files(ctx, listed.listing, here, later, diff.kept)
+            prepare_files(ctx, listed.listing, here, later, diff.kept, checked=True)
             broadcaster = make_broadcaster(ctx, place, listed, diff, schedule, later)
     ctx.explain_space(outcome)  # the files' blocks are reserved here: a full disk shows here first
     cluster.conclude(cluster.clock(), outcome)
@@ -177,19 +178,29 @@ def prepare_files(
     indices: Sequence[int],
     later: Sequence[int] = (),
     kept: Mapping[int, journal.Kept] | None = None,
+    checked: bool = False,
 ) -> None:
-    """Leaders: check the space, then make the temporary files of ``indices`` anew at full size
-    (those in ``later`` are made by the broadcast's writers, see DestTree.prepare_all), but
-    for those ``kept`` from a stopped run: their files stay, known by their identity."""
+    """Leaders: check the space (unless ``checked`` already), then make the temporary files of
+    ``indices`` anew at full size (those in ``later`` are made by the broadcast's writers, see
+    DestTree.prepare_all), but for those ``kept`` from a stopped run: their files stay,
+    known by their identity."""
     tree = ctx.dest_tree()
     kept = kept or {}
     entries = [(listing.files[i].path, listing.files[i].size) for i in indices]
-    check_space(ctx.dest, tree.space_needed(entries))  # a kept file's blocks count as its own
+    if not checked:
+        check_files_space(ctx, listing, indices)
     tree.prepare_all(
         [e for i, e in zip(indices, entries, strict=True) if i not in kept],
         later=[listing.files[i].path for i in later],
     )
     tree.adopt({listing.files[i].path: kept[i].identity for i in indices if i in kept})
+
+
+def check_files_space(ctx: RunContext, listing: Listing, indices: Sequence[int]) -> None:
+    """Leaders: DEST has room for the files of ``indices`` (a leftover or kept temporary file's
+    blocks count as its own), or a LocalFSError naming what is needed and free."""
+    entries = [(listing.files[i].path, listing.files[i].size) for i in indices]
+    check_space(ctx.dest, ctx.dest_tree().space_needed(entries))
 
 
 def made_on_arrival(

@@ -1,0 +1,175 @@
+"""The block journal's I/O (journal.py) on a real directory: what it records, and what a later run believes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from azcp_cluster import journal, resume
+from azcp_cluster.desttree import DestTree
+from azcp_cluster.localfs import temp_name
+from azcp_cluster.model import FileEntry
+from azcp_cluster.naming import JOURNAL_DIR
+
+MiB = 1 << 20
+ORIGIN = "http://127.0.0.1:10000/devstoreaccount1/c"
+FILES = (
+    FileEntry(name="a.bin", path="a.bin", size=8 * MiB, etag='"0x1"'),
+    FileEntry(name="dir/b.bin", path="dir/b.bin", size=3 * MiB + 5, etag='"0x2"'),
+)
+
+
+@pytest.fixture()
+def dest(tmp_path: Path) -> Iterator[DestTree]:
+    os.mkdir(tmp_path / "dest")
+    tree = DestTree(str(tmp_path / "dest"), create=True)
+    tree.prepare_all([(f.path, f.size) for f in FILES])
+    yield tree
+    tree.close()
+
+
+def _write(tree: DestTree, rel: str, offset: int, data: bytes) -> None:
+    fd = tree.opener(rel, temp=True)(os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+def _running(tree: DestTree, kept: dict[int, journal.Kept] | None = None) -> journal.Journal:
+    fd = journal.begin(tree, FILES, kept or {}, ORIGIN)
+    assert fd is not None
+    return journal.Journal(tree, fd, FILES, ORIGIN, first_id=len(kept or {}), interval=3600)
+
+
+def _reopen(tree: DestTree) -> DestTree:
+    """A later run: a new handle on DEST, knowing none of the files it made."""
+    return DestTree(tree.path, create=True)
+
+
+def test_recorded_ranges_are_kept_by_the_next_run(dest: DestTree) -> None:
+    run = _running(dest)
+    _write(dest, "a.bin", 0, b"x" * 4 * MiB)
+    run.written(0, 0, 4 * MiB)
+    _write(dest, "dir/b.bin", MiB, b"y" * (2 * MiB + 5))
+    run.written(1, MiB, 2 * MiB + 5)
+    run.close()
+    later = _reopen(dest)
+    kept = journal.load(later, FILES, [0, 1], ORIGIN)
+    assert kept[0].spans == ((0, 4 * MiB),) and kept[0].identity == dest.made["a.bin"]
+    assert kept[1].spans == ((MiB, 3 * MiB + 5),)
+    assert journal.load(later, FILES, [1], ORIGIN).keys() == {1}  # only the files asked about
+    assert journal.load(later, FILES, [0, 1], ORIGIN + "x") == {}  # from another SOURCE
+
+
+def test_nothing_is_claimed_before_the_append(dest: DestTree) -> None:
+    run = _running(dest)
+    run.written(0, 0, MiB)
+    assert journal.load(_reopen(dest), FILES, [0], ORIGIN) == {}  # still pending: not claimed
+    run.flush()
+    assert journal.load(_reopen(dest), FILES, [0], ORIGIN)[0].spans == ((0, MiB),)
+    run.close()
+
+
+def test_a_temporary_file_made_anew_loses_its_ranges(dest: DestTree) -> None:
+    run = _running(dest)
+    run.written(0, 0, MiB)
+    run.close()
+    # Removed and made again (by hand, or by a run that did not resume it): the inode number
+    # may come back, by the same owner; its generation does not.
+    path = Path(dest.real) / temp_name("a.bin")
+    before = os.stat(path)
+    path.unlink()
+    with open(path, "wb") as fh:
+        fh.truncate(FILES[0].size)
+    same_number = os.stat(path).st_ino == before.st_ino
+    assert journal.load(_reopen(dest), FILES, [0], ORIGIN) == {}, f"inode number reused: {same_number}"
+
+
+def test_a_file_of_another_size_or_with_two_links_is_not_resumed(dest: DestTree) -> None:
+    run = _running(dest)
+    run.written(0, 0, MiB)
+    run.written(1, 0, MiB)
+    run.close()
+    os.truncate(Path(dest.real) / temp_name("a.bin"), 5)
+    os.link(Path(dest.real) / "dir" / temp_name("b.bin"), Path(dest.real) / "elsewhere")
+    assert journal.load(_reopen(dest), FILES, [0, 1], ORIGIN) == {}
+
+
+@pytest.mark.parametrize("spoil", ["group-writable", "hard-linked"])
+def test_a_journal_file_others_could_have_written_is_ignored_with_a_warning(
+    dest: DestTree, spoil: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _running(dest)
+    run.written(0, 0, MiB)
+    run.close()
+    journal_file = Path(dest.real) / JOURNAL_DIR / "rank-0"
+    if spoil == "group-writable":
+        os.chmod(journal_file, 0o620)
+    else:
+        os.link(journal_file, Path(dest.real) / "copy")
+    assert journal.load(_reopen(dest), FILES, [0], ORIGIN) == {}
+    assert "cannot be read" in capsys.readouterr().err
+
+
+def test_a_journal_directory_that_is_a_link_is_not_followed(dest: DestTree, tmp_path: Path) -> None:
+    # A directory elsewhere holding a journal that would claim all of a.bin, linked in at the name.
+    run = _running(dest)
+    run.written(0, 0, FILES[0].size)
+    run.close()
+    elsewhere = tmp_path / "elsewhere"
+    os.rename(Path(dest.real) / JOURNAL_DIR, elsewhere)
+    os.symlink(elsewhere, Path(dest.real) / JOURNAL_DIR)
+    later = _reopen(dest)
+    assert journal.load(later, FILES, [0], ORIGIN) == {}
+    fd = journal.begin(later, FILES, {}, ORIGIN)  # the link is replaced by a directory of our own
+    assert fd is not None
+    os.close(fd)
+    assert not (Path(dest.real) / JOURNAL_DIR).is_symlink()
+    assert sorted(os.listdir(elsewhere)) == ["rank-0"], "something was written through the link"
+
+
+def test_begin_keeps_what_is_kept_and_removes_every_other_journal(dest: DestTree) -> None:
+    run = _running(dest)
+    run.written(0, 0, 2 * MiB)
+    run.written(1, 0, MiB)
+    run.close()
+    other = journal.open_for(dest, 3)  # a node's other downloader
+    assert other is not None
+    second = journal.Journal(dest, other, FILES, ORIGIN, interval=3600)
+    second.written(0, 4 * MiB, MiB)
+    second.close()
+    later = _reopen(dest)
+    kept = journal.load(later, FILES, [0, 1], ORIGIN)
+    assert kept[0].spans == ((0, 2 * MiB), (4 * MiB, 5 * MiB))
+    only_a = {0: kept[0]}
+    fd = journal.begin(later, FILES, only_a, ORIGIN)  # b.bin is made anew by this run
+    assert fd is not None
+    os.close(fd)
+    assert os.listdir(Path(dest.real) / JOURNAL_DIR) == ["rank-0"]
+    assert journal.load(_reopen(dest), FILES, [0, 1], ORIGIN) == only_a
+
+
+def test_a_drop_makes_a_path_count_nothing_and_remove_leaves_no_journal(dest: DestTree) -> None:
+    run = _running(dest)
+    run.written(0, 0, MiB)
+    run.written(1, 0, MiB)
+    run.drop(["a.bin"])
+    run.close()
+    assert journal.load(_reopen(dest), FILES, [0, 1], ORIGIN).keys() == {1}
+    journal.remove(dest)
+    assert not (Path(dest.real) / JOURNAL_DIR).exists()
+    assert journal.load(_reopen(dest), FILES, [0, 1], ORIGIN) == {}
+
+
+def test_a_range_of_a_file_this_run_did_not_make_is_never_recorded(dest: DestTree) -> None:
+    run = _running(dest)
+    dest.made.pop("dir/b.bin")  # renamed already, or never ours
+    run.written(1, 0, MiB)
+    run.written(0, 0, MiB)
+    run.close()
+    records, readable = resume.decode((Path(dest.real) / JOURNAL_DIR / "rank-0").read_bytes())
+    assert readable and {r.path for r in records if isinstance(r, resume.Header)} == {"a.bin"}
