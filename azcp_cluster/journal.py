@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 from azcp_cluster import resume
 from azcp_cluster.desttree import DestTree, identity
-from azcp_cluster.errors import LocalFSError
+from azcp_cluster.errors import AzcpError, LocalFSError
 from azcp_cluster.interrupts import shield
-from azcp_cluster.localfs import temp_name
+from azcp_cluster.localfs import fs_error, temp_name
 from azcp_cluster.model import FileEntry
 from azcp_cluster.naming import JOURNAL_DIR
 
@@ -324,7 +324,8 @@ def remove(tree: DestTree) -> None:
         os.close(dfd)
     with contextlib.suppress(OSError):
         os.rmdir(JOURNAL_DIR, dir_fd=tree.fd)
-        os.fsync(tree.fd)
+    with contextlib.suppress(OSError):
+        os.fsync(tree.fd)  # the removals are durable before any file is made anew
 
 
 class Journal:
@@ -351,6 +352,9 @@ class Journal:
         self._lock = threading.Lock()  # the pending list
         self._append = threading.Lock()  # one append at a time (the thread, drop, close)
         self._broken = False  # an append failed: nothing more is claimed
+        # A sync that failed: the copy fails with it (close raises it). The kernel reports a
+        # write-back error to the first sync that looks, so the sync stage may not see it again.
+        self.error: AzcpError | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="azcp-journal", daemon=True)
         self._thread.start()
@@ -375,8 +379,12 @@ class Journal:
                 return
             try:
                 self._record(batch)
-            except (OSError, ValueError):
-                self._broken = True  # a disk that fails here fails the copy's own writes too
+            except AzcpError as exc:  # the files' sync (fs_error): a write-back error of the copy's own
+                self._broken = True
+                self.error = self.error or exc
+            except OSError as exc:  # the journal's own append
+                self._broken = True
+                self.error = self.error or fs_error(exc, self.tree.shown(JOURNAL_DIR), "write the block journal")
 
     def _record(self, batch: list[tuple[int, int, int]]) -> None:
         files = self.files
@@ -419,16 +427,20 @@ class Journal:
         """``paths`` are made anew: none of their ranges counts any more (durably, before they are)."""
         self.flush()
         with self._append:
-            if self._broken:
-                raise OSError(errno.EIO, "the block journal could not be written")
-            _write_all(self.fd, resume.encode(resume.Drop(p) for p in paths))
-            os.fdatasync(self.fd)
+            if self.error is not None:
+                raise self.error
+            try:
+                _write_all(self.fd, resume.encode(resume.Drop(p) for p in paths))
+                os.fdatasync(self.fd)
+            except OSError as exc:
+                raise fs_error(exc, self.tree.shown(JOURNAL_DIR), "write the block journal") from None
             # A later header for one of them is for the new file (and the drop still applies:
             # such ranges are under-claimed, never over-claimed).
             self._ids = {f: k for f, k in self._ids.items() if self.files[f].path not in set(paths)}
 
     def close(self) -> None:
-        """Stop the thread and record what was written since the last append."""
+        """Stop the thread and record what was written since the last append; raise the error
+        of a sync that failed (a LocalFSError: the copy's bytes may not be on the disk)."""
         self._stop.set()
         self._thread.join()
         self.flush()
@@ -436,3 +448,5 @@ class Journal:
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
+        if self.error is not None:
+            raise self.error

@@ -173,3 +173,23 @@ def test_a_range_of_a_file_this_run_did_not_make_is_never_recorded(dest: DestTre
     run.close()
     records, readable = resume.decode((Path(dest.real) / JOURNAL_DIR / "rank-0").read_bytes())
     assert readable and {r.path for r in records if isinstance(r, resume.Header)} == {"a.bin"}
+
+
+def test_a_sync_that_fails_fails_the_copy_and_claims_nothing(dest: DestTree, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel reports a write-back error to the first sync that looks: the journal's sync
+    # may be that one, so its failure must fail the copy, not just stop the journal.
+    from azcp_cluster.errors import LocalFSError
+
+    run = _running(dest)
+
+    def failing(rels: list[str]) -> None:
+        raise LocalFSError("sync file: Input/output error", path=dest.shown(rels[0]))
+
+    monkeypatch.setattr(dest, "sync_all", failing)
+    run.written(0, 0, MiB)
+    run.flush()  # on the thread, it would be: no traceback, the error kept
+    run.written(0, MiB, MiB)
+    with pytest.raises(LocalFSError, match="Input/output error"):
+        run.close()
+    monkeypatch.undo()
+    assert journal.load(_reopen(dest), FILES, [0], ORIGIN) == {}

@@ -301,3 +301,19 @@ def test_the_report_counts_the_kept_bytes_over_the_nodes(
     assert doc["resumed_files"] == len(set(claims[0]) | set(claims[1]))
     assert doc["downloaded_bytes"] <= 4 * SMALL_SIZE - max(sum(c.values()) for c in claims) + MiB
     _assert_copies(base, files)
+
+
+def test_a_copy_that_fails_verify_is_not_resumed_from_again(
+    emulator: azurite.Emulator, stopped: tuple[str, dict[str, bytes], Path]
+) -> None:
+    container, files, base = stopped
+    name = sorted(journal_claims(base / "1"))[0]  # a file node 1 kept: its copy is flipped before --verify
+    program = [str(Path(__file__).parent / "programs" / "corrupt_before_verify.py")]
+    env = {**emulator.key_env(), "AZCP_CORRUPT_RANK": "1", "AZCP_CORRUPT_FILE": name}
+    failed = run_cli([emulator.url(container), str(base / "{rank}"), "--no-progress", "--verify"], n=RANKS,
+                     env=env, program=program)  # fmt: skip
+    assert failed.returncode == 7, failed.output
+    assert not any((base / str(r) / JOURNAL_DIR).exists() for r in range(RANKS)), "the journal outlived a mismatch"
+    doc, _, _ = _rerun(emulator, container, base, "--verify")
+    assert doc["resumed_files"] == 0 and doc["downloaded_bytes"] == 4 * SMALL_SIZE
+    _assert_copies(base, files)

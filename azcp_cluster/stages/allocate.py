@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from azcp_cluster import journal
 from azcp_cluster.broadcast import Broadcaster
 from azcp_cluster.cluster import StageOutcome
-from azcp_cluster.localfs import check_space
+from azcp_cluster.localfs import check_space, fs_error
 from azcp_cluster.localsource import source_file
 from azcp_cluster.model import Listing
+from azcp_cluster.naming import JOURNAL_DIR
 from azcp_cluster.plan import Plan
 from azcp_cluster.schedule import DIRECT_MIN, Transfer, files_written, transfer_schedule
 from azcp_cluster.stages.context import RunContext
@@ -150,7 +151,10 @@ def start_journal(ctx: RunContext, listing: Listing, diff: Diff) -> None:
     if not ctx.cfg.resume:
         journal.remove(tree)
         return
-    fd = journal.begin(tree, listing.files, diff.kept, ctx.origin)
+    try:
+        fd = journal.begin(tree, listing.files, diff.kept, ctx.origin)
+    except OSError as exc:  # a full or failing disk: named like any other write to DEST
+        raise fs_error(exc, tree.shown(JOURNAL_DIR), "write the block journal") from None
     if fd is not None:
         ctx.journal = journal.Journal(tree, fd, listing.files, ctx.origin, first_id=len(diff.kept))
 

@@ -8,6 +8,7 @@ failed. Results move between stages as frozen values, not through this object.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from azcp_cluster.cluster import Cluster, StageOutcome
 from azcp_cluster.config import Config
 from azcp_cluster.desttree import DestTree
-from azcp_cluster.errors import LocalFSError
+from azcp_cluster.errors import AzcpError, LocalFSError
 from azcp_cluster.localfs import expand_dest, free_bytes
 from azcp_cluster.progress import wants_progress
 from azcp_cluster.report import Report
@@ -91,10 +92,11 @@ class RunContext:
             self.write_pool = None
 
     def close_journal(self) -> None:
-        """Record what was written since the journal's last append, and stop it."""
-        if self.journal is not None:
-            self.journal.close()
-            self.journal = None
+        """Record what was written since the journal's last append, and stop it; raise the
+        error of a sync it saw fail (the copy's bytes may not be on the disk)."""
+        journal, self.journal = self.journal, None
+        if journal is not None:
+            journal.close()
 
     def close(self) -> None:
         """Stop the writer threads; journal what they wrote; release DEST; free the communicators."""
@@ -102,7 +104,10 @@ class RunContext:
         if self.disk is not None:
             self.disk.close()
             self.disk = None
-        self.close_journal()  # after the writers: every write they finished is recorded
+        # After the writers: every write they finished is recorded. The run has failed already
+        # (or ends failing at its sync): its own error stands.
+        with contextlib.suppress(AzcpError):
+            self.close_journal()
         if self.dest_lock is not None:
             self.dest_lock.close()
             self.dest_lock = None

@@ -91,11 +91,11 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
         outcome.stats = {"md5": digests}
     try:
         result = cluster.conclude(t0, outcome)
+        verified = verdict(files, [(rank, result.stats[rank]["md5"]) for rank in place.topo.leaders])
     except VerifyError:
         if place.leader:  # a copy that does not match is not resumed from: the rerun moves it all
             journal.remove(ctx.dest_tree())
         raise
-    verified = verdict(files, [(rank, result.stats[rank]["md5"]) for rank in place.topo.leaders])
     ctx.report.verified_files = len(verified)
     ctx.report.stages["verify"] = StageFigures(result.seconds, ctx.report.bytes)
     return verified
