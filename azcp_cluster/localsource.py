@@ -9,7 +9,6 @@ of SOURCE give the same DEST layout. A local file has no ETag; its identity for
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import stat
 import sys
@@ -110,7 +109,7 @@ def restat(root: str, entry: FileEntry, single: bool) -> FileEntry:
         raise SourceError(f"cannot read the file: {exc.strerror}", path=path) from None
     if not stat.S_ISREG(st.st_mode):
         raise SourceError("the file was replaced by something that is not a regular file", path=path)
-    return dataclasses.replace(entry, size=st.st_size, etag=local_etag(st), last_modified=st.st_mtime)
+    return entry._replace(size=st.st_size, etag=local_etag(st), last_modified=st.st_mtime)
 
 
 def source_file(root: str, name: str, single: bool) -> str:

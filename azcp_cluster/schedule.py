@@ -23,9 +23,9 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from azcp_cluster.plan import SHARD_ALIGN, Plan, round_up
+from azcp_cluster.plan import SHARD_ALIGN, Plan
 
 # MPI counts are C ints; the reference tool splits each call at 1 GiB to stay well below.
 MAX_CALL_BYTES = 1 << 30
@@ -103,104 +103,87 @@ def transfer_schedule(
         raise ValueError("slot_size must be positive")
     everyone_but: dict[int, tuple[int, ...]] = {}
 
-    def default(file: int, root: int) -> tuple[int, ...]:
-        if root not in everyone_but:
-            everyone_but[root] = tuple(r for r in range(ranks) if r != root)
-        return everyone_but[root]
+    def default(root: int) -> tuple[int, ...]:
+        to = everyone_but.get(root)
+        if to is None:
+            to = everyone_but[root] = tuple(r for r in range(ranks) if r != root)
+        return to
 
-    # Per root: its open transfer and its closed ones, in plan order, with the root's bytes
-    # so far at each one's end (for the landing order).
-    open_: dict[int, _Building] = {}
-    closed: list[tuple[float, int, int, _Building]] = []  # (landing key, root, index, transfer)
+    shards = plan.shards
+    roots = [s.owner for s in shards] if root_of is None else [root_of[s.owner] for s in shards]
     loads: dict[int, int] = {}
-    for shard in plan.shards:
-        root = shard.owner if root_of is None else root_of[shard.owner]
+    for shard, root in zip(shards, roots, strict=True):
         loads[root] = loads.get(root, 0) + shard.length
+    named = plan.receivers
+    # Per root: its open transfer, [receivers, extents, bytes used, root's bytes so far at its
+    # end], and its closed ones with their landing keys. A root's pieces come in plan order,
+    # (file, offset), so a file's pieces from one root are consecutive: an extent stops being
+    # its file's last when the next piece of that file comes (made again, rarely: most files
+    # are one piece).
+    open_: dict[int, list[Any]] = {}
+    closed: list[tuple[float, int, int, list[Any]]] = []  # (landing key, root, index, transfer)
     done_bytes: dict[int, int] = dict.fromkeys(loads, 0)
     count: dict[int, int] = dict.fromkeys(loads, 0)
+    previous: dict[int, tuple[list[Extent], int]] = {}  # root -> where its last extent so far is
 
     def close(root: int) -> None:
         building = open_.pop(root, None)
         if building is not None:
-            key = building.end_bytes / loads[root] if loads[root] else 0.0
+            key = building[3] / loads[root] if loads[root] else 0.0
             closed.append((key, root, count[root], building))
             count[root] += 1
 
-    for shard in plan.shards:
-        root = shard.owner if root_of is None else root_of[shard.owner]
-        named = plan.receivers.get((shard.file, shard.offset)) if plan.receivers else None
-        if named is not None:  # a resumed run: only the copies that lack this range
-            to = tuple(sorted({r if root_of is None else root_of[r] for r in named} - {root}))
+    for shard, root in zip(shards, roots, strict=True):
+        file, offset, length_left = shard.file, shard.offset, shard.length
+        to = named.get((file, offset)) if named else None
+        if to is not None:  # a resumed run: only the copies that lack this range
+            to = tuple(sorted({r if root_of is None else root_of[r] for r in to} - {root}))
         elif receivers_of is None:
-            to = default(shard.file, root)  # sorted, without the root, one object per root
+            to = default(root)  # sorted, without the root, one object per root
         else:
-            to = tuple(sorted(set(receivers_of(shard.file, root)) - {root}))
-        offset, end = shard.offset, shard.offset + shard.length
+            to = tuple(sorted(set(receivers_of(file, root)) - {root}))
+        end = offset + length_left
+        last = previous.get(root)
+        if last is not None and last[0][last[1]].file == file:
+            last[0][last[1]] = last[0][last[1]]._replace(last_of_file=False)
         while offset < end:
             length = min(slot_size, end - offset)
             building = open_.get(root)
             at = 0
             if building is not None:
-                at = building.place(offset, length)
-                full = at + length > slot_size or len(building.pieces) >= MAX_EXTENTS
+                used = building[2]
+                # Aligned if it can be written with O_DIRECT, else packed tight.
+                at = -(-used // ALIGN) * ALIGN if length >= DIRECT_MIN and offset % ALIGN == 0 else used
                 # "is" first: a million shards to 1,023 receivers compared item by item took seconds.
-                same = building.receivers is to or building.receivers == to
-                if not pack or not same or full:
+                same = building[0] is to or building[0] == to
+                if not pack or not same or at + length > slot_size or len(building[1]) >= MAX_EXTENTS:
                     close(root)
                     building = None
                     at = 0
             if building is None:
-                building = open_[root] = _Building(to)
-            building.pieces.append((shard.file, offset, length, at))
-            building.used = at + length
+                building = open_[root] = [to, [], 0, 0]
+            extents = building[1]
+            # Not the last when more of this shard follows, in a later slot.
+            extents.append(Extent(file, offset, length, at, offset + length >= end))
+            building[2] = at + length
             done_bytes[root] += length
-            building.end_bytes = done_bytes[root]
+            building[3] = done_bytes[root]
             offset += length
+            previous[root] = (extents, len(extents) - 1)
     for root in list(open_):
         close(root)
     # Expected landing first; a root's transfers keep their order (their keys only grow).
     closed.sort(key=lambda item: (item[0], item[1], item[2]))
-    last_seq: dict[tuple[int, int], int] = {}  # (root, file) -> the seq of its last transfer
-    for seq, (_, root, _, building) in enumerate(closed):
-        for file, _, _, _ in building.pieces:
-            last_seq[(root, file)] = seq
-    transfers = []
-    for seq, (_, root, _, building) in enumerate(closed):
-        last_piece: dict[int, int] = {}
-        for i, (file, _, _, _) in enumerate(building.pieces):
-            last_piece[file] = i
-        extents = tuple(
-            Extent(file, offset, length, at, last_of_file=last_seq[(root, file)] == seq and last_piece[file] == i)
-            for i, (file, offset, length, at) in enumerate(building.pieces)
+    return [
+        Transfer(
+            seq=seq,
+            root=root,
+            receivers=building[0],
+            extents=tuple(building[1]),
+            everyone=len(building[0]) == ranks - 1,
         )
-        transfers.append(
-            Transfer(
-                seq=seq,
-                root=root,
-                receivers=building.receivers,
-                extents=extents,
-                everyone=len(building.receivers) == ranks - 1,
-            )
-        )
-    return transfers
-
-
-class _Building:
-    """A transfer being packed: its pieces ``(file, offset, length, at)`` and the bytes used."""
-
-    __slots__ = ("end_bytes", "pieces", "receivers", "used")
-
-    def __init__(self, receivers: tuple[int, ...]) -> None:
-        self.receivers = receivers
-        self.pieces: list[tuple[int, int, int, int]] = []
-        self.used = 0
-        self.end_bytes = 0
-
-    def place(self, offset: int, length: int) -> int:
-        """Where a piece would go in the slot: aligned if it can be written with O_DIRECT."""
-        if length >= DIRECT_MIN and offset % ALIGN == 0:
-            return round_up(self.used, ALIGN)
-        return self.used
+        for seq, (_, root, _, building) in enumerate(closed)
+    ]
 
 
 def files_written(schedule: Sequence[Transfer], rank: int) -> set[int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import zlib
 
@@ -99,7 +98,7 @@ entries = st.builds(
 def listings(draw: st.DrawFn) -> Listing:
     files = draw(st.lists(entries, max_size=20))
     # Most real paths equal their names (empty prefix): exercise the shortcut often.
-    files = [dataclasses.replace(f, path=f.name) if draw(st.booleans()) else f for f in files]
+    files = [f._replace(path=f.name) if draw(st.booleans()) else f for f in files]
     return Listing(
         files=tuple(files),
         markers_skipped=draw(st.integers(0, 10**6)),

@@ -121,8 +121,8 @@ def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
         ]
     )  # groups x files
     everywhere = matrix.all(axis=0)
-    transfer = tuple(int(i) for i in np.flatnonzero(~everywhere))
-    holders = tuple(tuple(leaders[g] for g in np.flatnonzero(matrix[:, i])) for i in range(len(files)))
+    transfer = tuple(np.flatnonzero(~everywhere).tolist())
+    holders = holders_of(matrix, leaders)
     kept_by = [result.stats[leader]["kept"] for leader in leaders]  # per node: file -> spans kept
     partial = resumed(files, holders, leaders, kept_by)
     report = ctx.report
@@ -136,6 +136,25 @@ def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
     report.azure_files = report.transfer_files - report.peer_files
     report.stages["diff"] = StageFigures(result.seconds, 0)
     return Diff(transfer, holders, tuple(matrix[place.group].tolist()), partial, kept)
+
+
+def holders_of(matrix: np.ndarray, leaders: list[int] | tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Per file (a column of ``matrix``, nodes x files), the leaders whose node has it.
+
+    Column-wise: a file nobody has and a file everybody has share one tuple each (a first
+    copy and a no-op rerun of a million files make no tuple per file); only the files some
+    nodes have are looked at one by one.
+    """
+    nobody: tuple[int, ...] = ()
+    everybody = tuple(leaders)
+    held = matrix.any(axis=0)
+    full = matrix.all(axis=0)
+    out = [nobody] * matrix.shape[1]
+    for i in np.flatnonzero(full).tolist():
+        out[i] = everybody
+    for i in np.flatnonzero(held & ~full).tolist():
+        out[i] = tuple(leaders[g] for g in np.flatnonzero(matrix[:, i]).tolist())
+    return tuple(out)
 
 
 def resumed(
