@@ -228,6 +228,8 @@ class Authorizer:
         self._clock = clock
         self._query = ""
         self._query_expires = 0.0
+        self._list_query = ""  # a shared key's listing SAS (read and list), minted on first use
+        self._list_expires = 0.0
         # Token credentials: one cache per rank, filled on first use (listing or download).
         self.tokens: TokenCache | None = None
         if credential.kind == "token":
@@ -261,6 +263,18 @@ class Authorizer:
             self._query_expires = now + MINTED_SAS_LIFETIME.total_seconds() / 2
         return self._query
 
+    def list_query(self) -> str:
+        """Query string (without ``?``) that authorizes List Blobs on the container: the SAS
+        given, or one minted from the account key with the list permission as well."""
+        cred = self.credential
+        if cred.kind != "shared_key":
+            return self.query()
+        now = self._clock()
+        if now >= self._list_expires:
+            self._list_query = self._mint_sas(now, listing=True)
+            self._list_expires = now + MINTED_SAS_LIFETIME.total_seconds() / 2
+        return self._list_query
+
     def headers(self) -> dict[str, str]:
         """Headers that authorize a request: ``Authorization: Bearer`` for token credentials.
 
@@ -278,9 +292,9 @@ class Authorizer:
         query = self.query()
         return f"{url}?{query}" if query else url
 
-    def _mint_sas(self, now: float) -> str:
-        # A read-only, container-scoped SAS computed locally from the key: one HMAC per
-        # run instead of a Shared Key signature per request.
+    def _mint_sas(self, now: float, listing: bool = False) -> str:
+        # A read-only (and, for the listing, list), container-scoped SAS computed locally
+        # from the key: one HMAC per run instead of a Shared Key signature per request.
         from azure.storage.blob import ContainerSasPermissions, generate_container_sas
 
         start = _dt.datetime.fromtimestamp(now, tz=_dt.timezone.utc) - _dt.timedelta(minutes=15)
@@ -290,7 +304,7 @@ class Authorizer:
                     account_name=self.credential.account,
                     container_name=self.source.container,
                     account_key=self.credential.account_key,
-                    permission=ContainerSasPermissions(read=True),
+                    permission=ContainerSasPermissions(read=True, list=listing),
                     start=start,
                     expiry=start + MINTED_SAS_LIFETIME,
                 )

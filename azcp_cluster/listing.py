@@ -91,8 +91,18 @@ def list_source(source: BlobSource, auth: Authorizer, cfg: Config, proxy: Proxy 
 
     ``proxy``: the one the ranged GETs use (proxies.py), passed to the SDK explicitly and its
     own reading of the environment turned off, so that the listing and the GETs never take
-    different ways (NO_PROXY read twice, two ways).
+    different ways (NO_PROXY read twice, two ways). Without one, the lean listing
+    (bloblist.py: the same REST calls, several at once, no model objects).
     """
+    if proxy is None:
+        from azcp_cluster.bloblist import list_blobs
+
+        return list_blobs(source, auth, cfg)
+    return list_with_sdk(source, auth, cfg, proxy)
+
+
+def list_with_sdk(source: BlobSource, auth: Authorizer, cfg: Config, proxy: Proxy | None = None) -> Listing:
+    """:func:`list_source` through azure-storage-blob (one page at a time, a model object per blob)."""
     from azure.core.exceptions import AzureError, ResourceNotFoundError
     from azure.storage.blob import ContainerClient
 
