@@ -18,10 +18,10 @@ import asyncio
 import random
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from email.utils import parsedate_to_datetime
 from itertools import chain
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
 from azcp_cluster.config import Config
@@ -94,40 +94,78 @@ def _entry(item: ET.Element) -> RawEntry:
 
 def list_blobs(source: BlobSource, auth: Authorizer, cfg: Config) -> Listing:
     """Return the files under ``source`` after the prefix, marker, filter and safety rules."""
+    done, here, folders = list_top(source, auth, cfg)
+    if done is not None:
+        return done
+    return finish(source, cfg, here, [list_folders(source, auth, cfg, folders)])
+
+
+def list_top(
+    source: BlobSource, auth: Authorizer, cfg: Config
+) -> tuple[Listing | None, list[RawEntry], list[str]]:
+    """The listing's first step, on one rank: the blob the prefix names exactly (then the whole
+    listing, done), else the blobs at the prefix's top and its virtual directories."""
+
+    async def top(lister: _Lister) -> tuple[Listing | None, list[RawEntry], list[str]]:
+        prefix = source.prefix
+        if prefix and not prefix.endswith("/"):
+            exact = await lister.properties(prefix)
+            if exact is not None and not exact.is_folder:
+                return select(prefix, exact, (), cfg.include, cfg.exclude), [], []
+        here, folders = await lister.everything(directory_prefix(prefix), delimiter="/")
+        return None, here, folders
+
+    return _run(source, auth, cfg, top)
+
+
+def list_folders(source: BlobSource, auth: Authorizer, cfg: Config, folders: Sequence[str]) -> list[RawEntry]:
+    """Every blob below ``folders`` (virtual directories), listed flat, :data:`IN_FLIGHT` at once
+    (the ranks share the folders out: each calls this with its own)."""
+
+    async def below(lister: _Lister) -> list[RawEntry]:
+        gate = asyncio.Semaphore(IN_FLIGHT)
+
+        async def one(folder: str) -> list[RawEntry]:
+            async with gate:
+                return (await lister.everything(folder))[0]
+
+        return list(chain.from_iterable(await asyncio.gather(*(one(f) for f in folders))))
+
+    return _run(source, auth, cfg, below) if folders else []
+
+
+def finish(source: BlobSource, cfg: Config, here: Iterable[RawEntry], parts: Iterable[Iterable[RawEntry]]) -> Listing:
+    """The listing from its pieces, after the prefix, marker, filter and safety rules (in name order)."""
+    return select(source.prefix, None, chain(here, *parts), cfg.include, cfg.exclude)
+
+
+T = TypeVar("T")
+
+
+def _run(source: BlobSource, auth: Authorizer, cfg: Config, work: Callable[[_Lister], Awaitable[T]]) -> T:
+    """``work`` on a session of its own; failures as one ListError line (never a URL's query)."""
     ssl = ssl_context() if source.endpoint.lower().startswith("https:") else None
-    return asyncio.run(_list(source, auth, cfg, ssl))
-
-
-async def _list(source: BlobSource, auth: Authorizer, cfg: Config, ssl: Any) -> Listing:
-    import aiohttp
-
-    timeout = aiohttp.ClientTimeout(sock_connect=cfg.connect_timeout, sock_read=cfg.read_timeout)
-    connector = aiohttp.TCPConnector(limit=IN_FLIGHT, ssl=ssl if ssl is not None else True)
-    lister = _Lister(source, auth, cfg)
     try:
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=False) as session:
-            lister.session = session
-            prefix = source.prefix
-            if prefix and not prefix.endswith("/"):
-                exact = await lister.properties(prefix)
-                if exact is not None and not exact.is_folder:
-                    return select(prefix, exact, (), cfg.include, cfg.exclude)
-            top = directory_prefix(prefix)
-            here, folders = await lister.everything(top, delimiter="/")
-            gate = asyncio.Semaphore(IN_FLIGHT)
-
-            async def below(folder: str) -> list[RawEntry]:
-                async with gate:
-                    return (await lister.everything(folder))[0]
-
-            deeper = await asyncio.gather(*(below(folder) for folder in folders))
-            return select(prefix, None, chain(here, *deeper), cfg.include, cfg.exclude)
+        return asyncio.run(_session(source, auth, cfg, ssl, work))
     except _Refused as exc:
         raise _explain(exc.status, exc.code, source, auth.credential.origin) from None
     except _Unreachable as exc:
         raise ListError(f"cannot reach {source.endpoint}: {exc}") from None
     except (ET.ParseError, ValueError) as exc:
         raise ListError(f"{source.redacted()}: the listing's answer cannot be read ({type(exc).__name__})") from None
+
+
+async def _session(
+    source: BlobSource, auth: Authorizer, cfg: Config, ssl: Any, work: Callable[[_Lister], Awaitable[T]]
+) -> T:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(sock_connect=cfg.connect_timeout, sock_read=cfg.read_timeout)
+    connector = aiohttp.TCPConnector(limit=IN_FLIGHT, ssl=ssl if ssl is not None else True)
+    lister = _Lister(source, auth, cfg)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=False) as session:
+        lister.session = session
+        return await work(lister)
 
 
 def _explain(status: int, code: str, source: BlobSource, origin: str) -> ListError:

@@ -5,7 +5,9 @@
 Uploads ``--blobs`` tiny blobs once into ``--dirs`` virtual directories of one container of
 an in-memory Azurite (threads: the upload takes a minute or two), then lists the container
 ``--repeats`` times each way, alternating, and checks that the two listings are identical
-(names, sizes, ETags, MD5s, times). Then the no-op rerun the tool promises for every job
+(names, sizes, ETags, MD5s, times); and the tool's own list stage with 4 ranks (a
+``--dry-run`` under ``mpiexec -n 4``: its ``[list]`` line), also alternating. Then the no-op
+rerun the tool promises for every job
 script: 1,000 blobs copied once by 4 ranks, then the same command again, its ``[list]`` and
 ``[total]`` lines read, ``--repeats`` times.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -65,13 +68,26 @@ def _time_listings(emulator: azurite.Emulator, container: str, repeats: int) -> 
     }
 
 
+def _ranks_listing(emulator: azurite.Emulator, container: str, repeats: int, ranks: int = 4) -> list[float]:
+    """The ``[list]`` time of a dry run of the whole container with ``ranks`` ranks."""
+    seconds = []
+    env = {**os.environ, **emulator.key_env()}
+    with tempfile.TemporaryDirectory() as scratch:
+        cmd = ["mpiexec", "-n", str(ranks), sys.executable, "-m", "azcp_cluster", emulator.url(container),
+               f"{scratch}/d/{{rank}}", "--no-progress", "--dry-run"]  # fmt: skip
+        for _ in range(repeats):
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+            seconds.append(float(re.search(r"\[list\] .* T=([\d.]+)s", out).group(1)))  # type: ignore[union-attr]
+    return seconds
+
+
 def _noop_rerun(emulator: azurite.Emulator, repeats: int) -> dict[str, Any]:
     container = "rerun" + uuid.uuid4().hex[:10]
     _upload(emulator, container, 1000, 10)
     with tempfile.TemporaryDirectory() as scratch:
         cmd = ["mpiexec", "-n", "4", sys.executable, "-m", "azcp_cluster", emulator.url(container),
                f"{scratch}/d/{{rank}}", "--no-progress"]  # fmt: skip
-        env = {**__import__("os").environ, **emulator.key_env()}
+        env = {**os.environ, **emulator.key_env()}
         subprocess.run(cmd, check=True, capture_output=True, env=env)
         totals, lists, walls = [], [], []
         for _ in range(repeats):
@@ -99,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         _upload(emulator, container, args.blobs, args.dirs)
         figures["upload_s"] = round(time.perf_counter() - started, 1)
         figures["listing"] = _time_listings(emulator, container, args.repeats)
+        four = _ranks_listing(emulator, container, args.repeats)
+        sdk = statistics.median(figures["listing"]["sdk_s"])
+        figures["listing"]["four_ranks_list_s"] = four
+        figures["listing"]["four_ranks_over_sdk"] = round(statistics.median(four) / sdk, 3)
         figures["noop_rerun"] = _noop_rerun(emulator, args.repeats)
     print(json.dumps(figures, indent=2))
     if args.json:

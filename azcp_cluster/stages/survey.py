@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 
@@ -59,9 +60,13 @@ class Diff:
 
 
 def list_source(ctx: RunContext, place: Placement) -> Listed:
-    """The lister (rank 0, or the reader of a local SOURCE) lists; everyone gets the list."""
+    """The lister (rank 0, or the reader of a local SOURCE) lists, with the downloaders' help
+    for a blob SOURCE (:func:`list_in_parallel`); everyone gets the list."""
     cluster = ctx.cluster
     t0 = cluster.clock()
+    if not ctx.local and place.proxy is None and len(place.topo.downloaders) > 1:
+        listing = list_in_parallel(ctx, place)
+        return _listed(ctx, listing, False, cluster.clock() - t0)
     payload: bytes | None = None
     outcome = StageOutcome()
     if ctx.rank == place.reader:
@@ -79,8 +84,64 @@ def list_source(ctx: RunContext, place: Placement) -> Listed:
     payload, failure, single = cluster.bcast_object(message, root=place.reader)
     if failure is not None:
         raise error_from_payload(failure)
-    listing = decode_listing(payload)
-    seconds = cluster.clock() - t0
+    return _listed(ctx, decode_listing(payload), bool(single), cluster.clock() - t0)
+
+
+def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
+    """A blob SOURCE listed by several ranks (bloblist.py), the same listing on every rank.
+
+    The lister lists the prefix's top with the ``/`` delimiter; its virtual directories go
+    round-robin to the downloaders (they have the credential, and fetch a token anyway), each
+    listing its own flat, several at once; the lister gathers their entries, applies the
+    rules once (naming.select: name order, so the result does not depend on who listed
+    what) and broadcasts the listing as the single lister does. Each step is an agreement: a
+    failure on any rank is every rank's, with its one line.
+    """
+    from azcp_cluster import bloblist
+
+    cluster = ctx.cluster
+    cfg = ctx.cfg
+    lister = place.reader
+    source = parse_blob_url(cfg.source)
+    assert place.auth is not None
+    outcome = StageOutcome()
+    top: tuple[Listing | None, list[Any], list[str]] = (None, [], [])
+    if ctx.rank == lister:
+        with cluster.stage(outcome), cluster.abandonable():
+            top = bloblist.list_top(source, place.auth, cfg)
+    done, here, folders = top
+    # The top's own entries stay with the lister: only the folders travel.
+    message = (done, folders, error_payload(outcome.error) if outcome.error else None)
+    done, folders, failure = cluster.bcast_object(message, root=lister)
+    if failure is not None:
+        raise error_from_payload(failure)
+    if done is not None:
+        return cast(Listing, done)  # the prefix named one blob
+    helpers = list(place.topo.downloaders)
+    mine = folders[helpers.index(ctx.rank) :: len(helpers)] if ctx.rank in helpers else []
+    outcome = StageOutcome()
+    entries: list[Any] = []
+    with cluster.stage(outcome), cluster.abandonable():
+        entries = bloblist.list_folders(source, place.auth, cfg, mine)
+    cluster.settle()  # the ranks done first wait without spinning a core
+    gathered = cluster.comm.gather((entries, error_payload(outcome.error) if outcome.error else None), root=lister)
+    payload: bytes | None = None
+    failure = None
+    if ctx.rank == lister:
+        failure = next((err for _, err in gathered if err is not None), None)
+        if failure is None:
+            outcome = StageOutcome()
+            with cluster.stage(outcome):  # an unsafe or colliding name: one line, as ever
+                payload = encode_listing(bloblist.finish(source, cfg, here, (part for part, _ in gathered)))
+            failure = error_payload(outcome.error) if outcome.error else None
+    payload, failure = cluster.bcast_object((payload, failure), root=lister)
+    if failure is not None:
+        raise error_from_payload(failure)
+    return decode_listing(cast(bytes, payload))
+
+
+def _listed(ctx: RunContext, listing: Listing, single: bool, seconds: float) -> Listed:
+    """The listing's figures in the report (and the warning for an empty one)."""
     report = ctx.report
     report.files = len(listing.files)
     report.bytes = listing.total_bytes
@@ -91,7 +152,7 @@ def list_source(ctx: RunContext, place: Placement) -> Listed:
         # Not an error (an empty prefix is a valid, finished copy), but rarely intended.
         what = "filters left no file" if listing.filtered_out else "SOURCE matched no files"
         print(f"azcp-cluster: warning: {what}; nothing to copy", file=sys.stderr, flush=True)
-    return Listed(listing, bool(single), seconds)
+    return Listed(listing, single, seconds)
 
 
 def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
