@@ -100,9 +100,7 @@ def list_blobs(source: BlobSource, auth: Authorizer, cfg: Config) -> Listing:
     return finish(source, cfg, here, [list_folders(source, auth, cfg, folders)])
 
 
-def list_top(
-    source: BlobSource, auth: Authorizer, cfg: Config
-) -> tuple[Listing | None, list[RawEntry], list[str]]:
+def list_top(source: BlobSource, auth: Authorizer, cfg: Config) -> tuple[Listing | None, list[RawEntry], list[str]]:
     """The listing's first step, on one rank: the blob the prefix names exactly (then the whole
     listing, done), else the blobs at the prefix's top and its virtual directories."""
 
@@ -231,9 +229,7 @@ class _Lister:
             if not marker:
                 return entries, folders
 
-    async def _call(
-        self, method: str, url: str, ok: Iterable[int], listing: bool = False
-    ) -> tuple[int, Any, bytes]:
+    async def _call(self, method: str, url: str, ok: Iterable[int], listing: bool = False) -> tuple[int, Any, bytes]:
         import aiohttp
 
         auth = self.auth.list_query() if listing else self.auth.query()
@@ -252,7 +248,7 @@ class _Lister:
                     if response.status not in RETRYABLE_STATUS or attempt >= self.cfg.max_retries:
                         raise _Refused(response.status, code)
                     retry_after = parse_retry_after(response.headers.get("Retry-After"), time.time())
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # connections, bodies, malformed answers
                 if attempt >= self.cfg.max_retries:
                     raise _Unreachable(type(exc).__name__) from None
             await asyncio.sleep(backoff_delay(attempt, retry_after, self.rng))

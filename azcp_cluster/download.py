@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import random
 import ssl
 import threading
@@ -23,6 +22,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from azcp_cluster import collector
 from azcp_cluster.config import Config, MiB
 from azcp_cluster.credentials import Authorizer
 from azcp_cluster.desttree import DestTree
@@ -159,12 +159,12 @@ class Downloader:
         # large dataset) is moved out of the cyclic collector's way for the transfer; its
         # full collections, triggered by the event loop's allocations, walked all of it
         # (about 4% of the client's CPU here). Undone afterwards.
-        gc.freeze()
+        collector.hold()
         try:
             if blocks:
                 asyncio.run(self._run(blocks))
         finally:
-            gc.unfreeze()
+            collector.release()  # (what the pipeline froze stays frozen: collector.py counts)
             if self._own_pool:
                 self._writes.close()
         return self.stats

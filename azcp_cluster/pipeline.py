@@ -65,9 +65,11 @@ def run(
         report.stages["total"].seconds = clock() - started
         raise _attach(exc, report) from None
     finally:
-        ctx.close()
-        cluster.close()
-        collector.thaw()
+        try:
+            ctx.close()
+            cluster.close()
+        finally:
+            ctx.heap.end()  # what the run froze goes back to the collector
     return report
 
 
@@ -76,7 +78,7 @@ def execute(ctx: RunContext) -> None:
     cfg = ctx.cfg
     place = setup.setup(ctx)
     # The listing, the plan and the schedule: up to millions of objects kept for the run.
-    with collector.paused():
+    with collector.paused() as ctx.heap:
         listed = survey.list_source(ctx, place)
         diff = survey.diff(ctx, place, listed)
         topo = place.topo

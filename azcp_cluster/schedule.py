@@ -135,6 +135,8 @@ def transfer_schedule(
 
     for shard, root in zip(shards, roots, strict=True):
         file, offset, length_left = shard.file, shard.offset, shard.length
+        if length_left <= 0:
+            continue  # no bytes, no extent (and the file's last extent stays its last)
         to = named.get((file, offset)) if named else None
         if to is not None:  # a resumed run: only the copies that lack this range
             to = tuple(sorted({r if root_of is None else root_of[r] for r in to} - {root}))

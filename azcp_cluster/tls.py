@@ -1,8 +1,9 @@
 """Which certificate authorities the HTTPS connections trust.
 
-By default, the system's (OpenSSL's default paths) for the ranged GETs and certifi's for
-the listing (requests). ``REQUESTS_CA_BUNDLE`` or ``SSL_CERT_FILE`` (the first one set)
-names a PEM bundle that then replaces both, so a private CA (a TLS-inspecting proxy, a
+By default, the system's (OpenSSL's default paths) for the ranged GETs and the listing
+(bloblist.py), and certifi's for the SDK's listing through a proxy (requests).
+``REQUESTS_CA_BUNDLE`` or ``SSL_CERT_FILE`` (the first one set) names a PEM bundle that then
+replaces both, so a private CA (a TLS-inspecting proxy, a
 private endpoint with its own certificate, the emulator over HTTPS) is configured once.
 """
 

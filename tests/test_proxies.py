@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,7 +27,7 @@ from azcp_cluster.devtools.forwardproxy import ForwardProxy, Seen
 from azcp_cluster.errors import UsageError
 from azcp_cluster.http1 import ConnectFailed, Connection, TunnelRefused, connect_bytes, request_bytes
 from azcp_cluster.proxies import Proxy, bypassed, parse_proxy, proxy_for
-from tests.conftest import assert_copies, run_cli
+from tests.conftest import assert_copies, clean_env, mpiexec_path, run_cli
 
 # -- pure -------------------------------------------------------------------------------------
 
@@ -277,3 +279,17 @@ def test_the_ranged_gets_read_a_refusal_with_a_body() -> None:
         with pytest.raises(TunnelRefused) as info:
             asyncio.run(attempt())
     assert info.value.status == 407 and "HTTP 407 Proxy Authentication Required" in str(info.value)
+
+
+def test_ranks_that_disagree_about_the_proxy_still_list_one_way(
+    emulator: azurite.Emulator, container: str, tmp_path: Path
+) -> None:
+    # Only rank 1 has the proxy in its environment (an `mpirun -x` forgotten on some hosts):
+    # the listing must take one path on every rank (the SDK's, on rank 0), never two.
+    with ForwardProxy() as proxy:
+        program = [sys.executable, "-m", "azcp_cluster", emulator.url(container, "d"), str(tmp_path / "{rank}"), *ARGS]
+        cmd = [mpiexec_path(), "-n", "1", *program, ":", "-n", "1", "-env", "HTTP_PROXY", proxy.url, *program]
+        done = subprocess.run(cmd, env=clean_env(emulator.key_env()), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert_copies(tmp_path, EXPECTED, ranks=2)
+        assert proxy.seen and all(seen.range for seen in proxy.seen), "rank 1's GETs only: rank 0 listed"

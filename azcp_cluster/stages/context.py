@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
+from azcp_cluster import collector
 from azcp_cluster.cluster import Cluster, StageOutcome
 from azcp_cluster.config import Config
 from azcp_cluster.desttree import DestTree
@@ -76,6 +77,7 @@ class RunContext:
         self.write_pool: WritePool | None = None  # the download's buffers and writers (allocate)
         self.disk: DiskWriter | None = None  # streaming leaders that download: writers shared with the fan-out
         self.journal: Journal | None = None  # ranks that write into the node's files: their block journal
+        self.heap = collector.Hold()  # the listing, plan and schedule, frozen (collector.py) until the end
         self.node_comm: Any = None  # the leaders' communicator, for the fan-out (setup)
         self.group_comm: Any = None  # this node's ranks, its leader as rank 0 (setup)
 

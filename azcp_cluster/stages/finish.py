@@ -138,9 +138,7 @@ def record(ctx: RunContext, place: Placement, moved: Transferred, verified: Mapp
     # A file without a Content-MD5 (a local SOURCE, a blob uploaded without one) is
     # recorded with the MD5 --verify found on every copy: --compare md5 can use it next time.
     known = [
-        files[i]._replace(content_md5=verified[i])
-        if not files[i].content_md5 and i in verified
-        else files[i]
+        files[i]._replace(content_md5=verified[i]) if not files[i].content_md5 and i in verified else files[i]
         for i in indices
     ]
     with cluster.stage(outcome):

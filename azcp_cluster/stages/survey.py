@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import os
+import pickle
 import sys
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -64,7 +66,9 @@ def list_source(ctx: RunContext, place: Placement) -> Listed:
     for a blob SOURCE (:func:`list_in_parallel`); everyone gets the list."""
     cluster = ctx.cluster
     t0 = cluster.clock()
-    if not ctx.local and place.proxy is None and len(place.topo.downloaders) > 1:
+    # Every rank's environment has its say: one with a proxy makes it the SDK's way on rank 0
+    # (a rank must never take the other path's collectives).
+    if not ctx.local and len(place.topo.downloaders) > 1 and all(cluster.allgather(place.proxy is None)):
         listing = list_in_parallel(ctx, place)
         return _listed(ctx, listing, False, cluster.clock() - t0)
     payload: bytes | None = None
@@ -123,8 +127,11 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
     entries: list[Any] = []
     with cluster.stage(outcome), cluster.abandonable():
         entries = bloblist.list_folders(source, place.auth, cfg, mine)
+    # Compressed: names share their prefixes (a tenth of the pickle), and a gather's total
+    # stays far below MPI's 2 GiB count for tens of millions of blobs.
+    packed = zlib.compress(pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL), 1)
     cluster.settle()  # the ranks done first wait without spinning a core
-    gathered = cluster.comm.gather((entries, error_payload(outcome.error) if outcome.error else None), root=lister)
+    gathered = cluster.comm.gather((packed, error_payload(outcome.error) if outcome.error else None), root=lister)
     payload: bytes | None = None
     failure = None
     if ctx.rank == lister:
@@ -132,7 +139,8 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
         if failure is None:
             outcome = StageOutcome()
             with cluster.stage(outcome):  # an unsafe or colliding name: one line, as ever
-                payload = encode_listing(bloblist.finish(source, cfg, here, (part for part, _ in gathered)))
+                parts = (pickle.loads(zlib.decompress(part)) for part, _ in gathered)
+                payload = encode_listing(bloblist.finish(source, cfg, here, parts))
             failure = error_payload(outcome.error) if outcome.error else None
     payload, failure = cluster.bcast_object((payload, failure), root=lister)
     if failure is not None:
