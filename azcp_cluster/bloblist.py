@@ -26,12 +26,11 @@ from urllib.parse import quote, unquote
 
 from azcp_cluster.config import Config
 from azcp_cluster.credentials import Authorizer
-from azcp_cluster.download import API_VERSION
 from azcp_cluster.errors import ListError
 from azcp_cluster.model import Listing
 from azcp_cluster.naming import RawEntry, directory_prefix, select
 from azcp_cluster.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
-from azcp_cluster.source import BlobSource
+from azcp_cluster.source import API_VERSION, BlobSource
 from azcp_cluster.tls import ssl_context
 
 PAGE = 5000  # the most List Blobs returns at once

@@ -35,10 +35,10 @@ from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import Shard, round_up
 from azcp_cluster.proxies import Proxy
 from azcp_cluster.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
+from azcp_cluster.source import API_VERSION
 from azcp_cluster.throttle import Pacer
 from azcp_cluster.tls import ssl_context
 
-API_VERSION = "2023-11-03"
 # One pool buffer: the body is received into it, and it is written with one O_DIRECT call
 # when full. O_DIRECT costs CPU per call (0.19 CPU-s/GiB at 1 MiB, 0.09 at 4 MiB here), and
 # the disk keeps pace better with fewer, larger writes; 2 MiB keeps the pool's memory at

@@ -21,6 +21,9 @@ from azcp_cluster.errors import UsageError
 
 # Container names: 3-63 chars, lowercase letters, digits and single hyphens (Azure's rule),
 # plus "$root"/"$web" style system containers.
+# The Blob service REST version every request of the tool names (x-ms-version): the listing's
+# and the ranged GETs'.
+API_VERSION = "2023-11-03"
 _CONTAINER_RE = re.compile(r"^(\$[a-z]+|[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62})$")
 _ACCOUNT_RE = re.compile(r"^[a-z0-9]{3,24}$")
 # ACCOUNT[-secondary][.zNN|.privatelink].blob.SUFFIX: every cloud's suffix, the read-access
