@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import pairwise
 from typing import NamedTuple
 
@@ -265,14 +265,3 @@ def segments(size: int, holdings: Mapping[int, Sequence[tuple[int, int]]]) -> li
 def _covers(spans: Sequence[tuple[int, int]], start: int, end: int) -> bool:
     # Spans are disjoint and the piece lies between two cuts: inside one span, or outside all.
     return any(s <= start and end <= e for s, e in spans)
-
-
-def missing(size: int, spans: Sequence[tuple[int, int]]) -> Iterator[tuple[int, int]]:
-    """The ``(start, end)`` spans of ``[0, size)`` not in the disjoint sorted ``spans``."""
-    at = 0
-    for start, end in spans:
-        if start > at:
-            yield at, start
-        at = max(at, end)
-    if at < size:
-        yield at, size

@@ -124,8 +124,6 @@ def test_trim_and_merge() -> None:
         (6 * A, 6 * A + 7),
     ]
     assert resume.trim([(1, A - 1)], 10 * A) == []
-    assert list(resume.missing(10, [(2, 4), (6, 10)])) == [(0, 2), (4, 6)]
-    assert list(resume.missing(10, [])) == [(0, 10)]
 
 
 @settings(max_examples=150, deadline=None)
