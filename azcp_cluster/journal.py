@@ -311,19 +311,9 @@ def open_for(tree: DestTree, index: int) -> int | None:
 
 
 def remove(tree: DestTree) -> None:
-    """Leaders, once every file is under its final name (or failed to verify): no journal left."""
-    try:
-        dfd = _dir(tree, create=False)
-    except OSError:
-        return
-    try:
-        for name in os.listdir(dfd):
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=dfd)
-    finally:
-        os.close(dfd)
-    with contextlib.suppress(OSError):
-        os.rmdir(JOURNAL_DIR, dir_fd=tree.fd)
+    """Leaders, once every file is under its final name (or failed to verify): no journal left
+    (whoever's it is: nothing in it is believed), and the removal durable."""
+    _clear(tree)
     with contextlib.suppress(OSError):
         os.fsync(tree.fd)  # the removals are durable before any file is made anew
 
