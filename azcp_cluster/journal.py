@@ -37,7 +37,7 @@ from azcp_cluster.model import FileEntry
 from azcp_cluster.naming import JOURNAL_DIR
 
 # Seconds between two appends of a running journal: what a SIGKILL can lose at most.
-INTERVAL = 0.25
+INTERVAL = 1.0
 # A journal larger than this is not read (a million small files journal some 60 MB).
 READ_LIMIT = 1 << 30
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
