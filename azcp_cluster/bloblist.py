@@ -3,7 +3,9 @@
 azure-storage-blob builds model objects for every blob and lists one page at a time: some
 0.4 ms of rank-0 CPU per blob, minutes for a million. Here the same REST calls are made
 directly: one listing with the ``/`` delimiter for the top of the prefix (the blobs there and
-its virtual directories), then every directory listed flat, :data:`IN_FLIGHT` at once, each
+its virtual directories); while there are too few directories to keep several listings in
+flight (a prefix holding ``train/`` alone), they are listed a level down with the delimiter
+too (:func:`descend`); then every directory is listed flat, :data:`IN_FLIGHT` at once, each
 page of up to 5,000 blobs parsed by ``xml.etree.ElementTree`` (expat, in C). The rules (the
 prefix as a directory, markers, filters, unsafe or colliding names) are naming.select's, as
 for the SDK's listing; only where the entries come from differs.
@@ -19,6 +21,7 @@ import random
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from itertools import chain
 from typing import Any, TypeVar
@@ -35,6 +38,10 @@ from azcp_cluster.tls import ssl_context
 
 PAGE = 5000  # the most List Blobs returns at once
 IN_FLIGHT = 8  # directories listed at once
+MAX_DESCENT = 4  # levels below the top listed with the delimiter to find more directories
+# Blobs in the flat page that tells a small directory (done with it) from one worth a level
+# down: a small listing ends in a few calls, and a large one loses a page per directory.
+PROBE = 2000
 
 
 class _Refused(Exception):
@@ -93,42 +100,132 @@ def _entry(item: ET.Element) -> RawEntry:
 
 def list_blobs(source: BlobSource, auth: Authorizer, cfg: Config) -> Listing:
     """Return the files under ``source`` after the prefix, marker, filter and safety rules."""
-    done, here, folders = list_top(source, auth, cfg)
-    if done is not None:
-        return done
-    return finish(source, cfg, here, [list_folders(source, auth, cfg, folders)])
+    start = list_start(source, auth, cfg, IN_FLIGHT)
+    if start.done is not None:
+        return start.done
+    parts = [start.entries]
+    folders, depth = start.folders, start.depth
+    if start.continuing:  # directories of the last level down with more than a page
+        found, more = list_levels(source, auth, cfg, start.continuing)
+        parts.append(found)
+        folders = unique(folders + more)
+    while descend(len(folders), IN_FLIGHT, depth):
+        found, folders = list_levels(source, auth, cfg, [(folder, "") for folder in folders])
+        parts.append(found)
+        depth += 1
+    parts.append(list_folders(source, auth, cfg, folders))
+    return finish(source, cfg, (), parts)
 
 
-def list_top(source: BlobSource, auth: Authorizer, cfg: Config) -> tuple[Listing | None, list[RawEntry], list[str]]:
-    """The listing's first step, on one rank: the blob the prefix names exactly (then the whole
-    listing, done), else the blobs at the prefix's top and its virtual directories."""
+def unique(folders: Iterable[str]) -> list[str]:
+    """Directories in name order, each once (a delimiter listing may name one on two pages)."""
+    return sorted(set(folders))
 
-    async def top(lister: _Lister) -> tuple[Listing | None, list[RawEntry], list[str]]:
+
+def descend(folders: int, parallel: int, depth: int) -> bool:
+    """Whether to list the known virtual directories one level down (with the delimiter)
+    before listing them flat: while there are fewer than ``parallel`` listings to run at
+    once (``train/`` alone would be one listing, page after page), to :data:`MAX_DESCENT`
+    levels below the top. A level down lists what the flat listing would, no more: each
+    directory's own blobs, and its directories for the next step."""
+    return 0 < folders < parallel and depth < MAX_DESCENT
+
+
+@dataclass(frozen=True)
+class Start:
+    """What the lister found alone (:func:`list_start`), and where the others take over."""
+
+    done: Listing | None  # the prefix named one blob: the whole listing
+    entries: list[RawEntry]  # the blobs found so far
+    folders: list[str]  # the directories of level ``depth`` known to be listed next
+    # Directories of level ``depth - 1`` with more than a page: (directory, marker of its
+    # next page), their delimiter listings to be continued (their directories join ``folders``).
+    continuing: list[tuple[str, str]]
+    depth: int  # levels below the top listed (or being continued)
+
+
+def list_start(source: BlobSource, auth: Authorizer, cfg: Config, parallel: int) -> Start:
+    """The listing's first steps, on one rank: the blob the prefix names exactly (then the
+    whole listing, done), else the prefix's top with the delimiter; then, while
+    :func:`descend` says so, a level down, each directory's first page only. A small listing
+    ends here, on one rank (no rounds between ranks for a thousand blobs); a directory with
+    more than a page stops it, and the rest is shared out."""
+
+    async def start(lister: _Lister) -> Start:
         prefix = source.prefix
         if prefix and not prefix.endswith("/"):
             exact = await lister.properties(prefix)
             if exact is not None and not exact.is_folder:
-                return select(prefix, exact, (), cfg.include, cfg.exclude), [], []
-        here, folders = await lister.everything(directory_prefix(prefix), delimiter="/")
-        return None, here, folders
+                return Start(select(prefix, exact, (), cfg.include, cfg.exclude), [], [], [], 0)
+        entries, top, _ = await lister.everything(directory_prefix(prefix), delimiter="/")
+        folders = unique(top)
+        depth = 0
+        while descend(len(folders), parallel, depth):
+            # First a flat page of each, PROBE blobs: a small directory is done with it, and a
+            # small listing ends in a few calls.
+            probes = await _each(lister, [(folder, "") for folder in folders], "", pages=1, size=PROBE)
+            big = []
+            for folder, (found, _, marker) in zip(folders, probes, strict=True):
+                if marker:
+                    big.append(folder)  # its probe is dropped: listed again, a level down
+                else:
+                    entries += found
+            # The others a level down: each one's first page (its blobs, its directories).
+            pages = await _each(lister, [(folder, "") for folder in big], "/", pages=1)
+            below: list[str] = []
+            continuing = []
+            for folder, (found, more, marker) in zip(big, pages, strict=True):
+                entries += found
+                below += more
+                if marker:
+                    continuing.append((folder, marker))
+            folders, depth = unique(below), depth + 1
+            if continuing:
+                return Start(None, entries, folders, continuing, depth)
+        return Start(None, entries, folders, [], depth)
 
-    return _run(source, auth, cfg, top)
+    return _run(source, auth, cfg, start)
 
 
 def list_folders(source: BlobSource, auth: Authorizer, cfg: Config, folders: Sequence[str]) -> list[RawEntry]:
     """Every blob below ``folders`` (virtual directories), listed flat, :data:`IN_FLIGHT` at once
     (the ranks share the folders out: each calls this with its own)."""
+    if not folders:
+        return []
 
-    async def below(lister: _Lister) -> list[RawEntry]:
-        gate = asyncio.Semaphore(IN_FLIGHT)
+    async def flat(lister: _Lister) -> list[RawEntry]:
+        return list(chain.from_iterable(e for e, _, _ in await _each(lister, [(f, "") for f in folders], "")))
 
-        async def one(folder: str) -> list[RawEntry]:
-            async with gate:
-                return (await lister.everything(folder))[0]
+    return _run(source, auth, cfg, flat)
 
-        return list(chain.from_iterable(await asyncio.gather(*(one(f) for f in folders))))
 
-    return _run(source, auth, cfg, below) if folders else []
+def list_levels(
+    source: BlobSource, auth: Authorizer, cfg: Config, folders: Sequence[tuple[str, str]]
+) -> tuple[list[RawEntry], list[str]]:
+    """The blobs directly in ``folders`` and the virtual directories in them (in name order),
+    each (directory, marker: "" from its start) listed with the ``/`` delimiter to its end,
+    :data:`IN_FLIGHT` at once."""
+    if not folders:
+        return [], []
+
+    async def level(lister: _Lister) -> tuple[list[RawEntry], list[str]]:
+        listed = await _each(lister, folders, "/")
+        return list(chain.from_iterable(e for e, _, _ in listed)), unique(chain.from_iterable(d for _, d, _ in listed))
+
+    return _run(source, auth, cfg, level)
+
+
+async def _each(
+    lister: _Lister, folders: Sequence[tuple[str, str]], delimiter: str, pages: int = 0, size: int = 0
+) -> list[tuple[list[RawEntry], list[str], str]]:
+    """Each (directory, marker) listed, :data:`IN_FLIGHT` at once: see :meth:`_Lister.everything`."""
+    gate = asyncio.Semaphore(IN_FLIGHT)
+
+    async def one(folder: str, marker: str) -> tuple[list[RawEntry], list[str], str]:
+        async with gate:
+            return await lister.everything(folder, delimiter=delimiter, marker=marker, pages=pages, size=size)
+
+    return list(await asyncio.gather(*(one(f, m) for f, m in folders)))
 
 
 def finish(source: BlobSource, cfg: Config, here: Iterable[RawEntry], parts: Iterable[Iterable[RawEntry]]) -> Listing:
@@ -207,13 +304,23 @@ class _Lister:
             is_folder=headers.get("x-ms-meta-hdi_isfolder", "").lower() == "true",
         )
 
-    async def everything(self, prefix: str, delimiter: str = "") -> tuple[list[RawEntry], list[str]]:
-        """Every page under ``prefix``: its blobs and (with ``delimiter``) its virtual directories."""
+    async def everything(
+        self, prefix: str, delimiter: str = "", marker: str = "", pages: int = 0, size: int = 0
+    ) -> tuple[list[RawEntry], list[str], str]:
+        """The pages under ``prefix`` from ``marker`` ("": the first): its blobs, (with
+        ``delimiter``) its virtual directories, and the marker of the page after the last one
+        read ("" at the end). ``pages`` > 0 reads that many at most; 0, to the end. Pages of
+        ``size`` items (0: :data:`PAGE`)."""
         entries: list[RawEntry] = []
         folders: list[str] = []
-        marker = ""
+        read = 0
         while True:
-            query = [("restype", "container"), ("comp", "list"), ("include", "metadata"), ("maxresults", str(PAGE))]
+            query = [
+                ("restype", "container"),
+                ("comp", "list"),
+                ("include", "metadata"),
+                ("maxresults", str(min(size, PAGE) if size else PAGE)),
+            ]
             if prefix:
                 query.append(("prefix", prefix))
             if delimiter:
@@ -225,8 +332,9 @@ class _Lister:
             page, more, marker = parse_page(body)
             entries += page
             folders += more
-            if not marker:
-                return entries, folders
+            read += 1
+            if not marker or read == pages:
+                return entries, folders, marker
 
     async def _call(self, method: str, url: str, ok: Iterable[int], listing: bool = False) -> tuple[int, Any, bytes]:
         import aiohttp

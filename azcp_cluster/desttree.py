@@ -35,6 +35,7 @@ from azcp_cluster.directio import Opener
 from azcp_cluster.errors import DiffError, LocalFSError
 from azcp_cluster.interrupts import shield
 from azcp_cluster.localfs import fs_error, preallocate, syncfs, temp_name, write_synced
+from azcp_cluster.syscalls import CallPool
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # No file the tool opens may block the open (a FIFO) or be followed (a link).
@@ -50,6 +51,8 @@ BULK_SYNC = 16
 # ftruncate that gives it its size (20,000 files of 0 to 16 KiB: about 0.35 s of a rank's
 # CPU). The space check covers both.
 PREALLOCATE_MIN = 1 << 20
+# Names stat'ed per batch of the compare (one directory's: one directory opened per batch).
+STAT_BATCH = 1024
 
 
 def split(rel: str) -> tuple[list[str], str]:
@@ -169,20 +172,29 @@ class DestTree:
             return None
 
     def lstat_all(self, rels: Iterable[str]) -> list[os.stat_result | None]:
-        """:meth:`lstat` of every name, each directory walked once (a million files, a few
-        directories: a few million system calls fewer). Errors other than "not there" raise
-        ``OSError``, with ``filename`` set to the name looked at."""
+        """:meth:`lstat` of every name, each directory walked once per batch (a million files,
+        a few directories: a few million system calls fewer), the batches on threads where the
+        calls are slow (a shared filesystem: azcp_cluster/syscalls.py). Errors other than "not
+        there" raise ``OSError``, with ``filename`` set to the name looked at: that of the
+        first failing batch, whatever the threads did."""
         names = list(rels)
         found: list[os.stat_result | None] = [None] * len(names)
         by_dir: dict[tuple[str, ...], list[tuple[int, str]]] = defaultdict(list)
         for index, rel in enumerate(names):
             parts, base = split(rel)
             by_dir[tuple(parts)].append((index, base))
-        for folder, entries in by_dir.items():
+        batches = [
+            (folder, entries[at : at + STAT_BATCH])
+            for folder, entries in by_dir.items()
+            for at in range(0, len(entries), STAT_BATCH)
+        ]
+
+        def stat_batch(batch: tuple[tuple[str, ...], list[tuple[int, str]]]) -> int:
+            folder, entries = batch
             try:
                 dfd = self._open_dir(list(folder), create=False)
             except (FileNotFoundError, NotADirectoryError, LocalFSError):
-                continue  # missing, a link or not a directory: nothing of ours below it
+                return 1  # missing, a link or not a directory: nothing of ours below it
             try:
                 for index, base in entries:
                     try:
@@ -194,6 +206,10 @@ class DestTree:
                         raise
             finally:
                 os.close(dfd)
+            return 1 + len(entries)  # the system calls made
+
+        with CallPool() as calls:
+            calls.map(stat_batch, batches, calls=int)
         return found
 
     def present_all(self, files: Iterable[tuple[str, int]]) -> list[bool]:

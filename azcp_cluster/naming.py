@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from itertools import chain
+from typing import NamedTuple
 
 from azcp_cluster.errors import ListError
 from azcp_cluster.model import FileEntry, Listing
@@ -137,6 +139,21 @@ def select(
         entry = _to_file(exact, check_relative_path(base, exact.name))
         keep = matches_filters(entry.path, include, exclude)
         return Listing(files=(entry,) if keep else (), filtered_out=0 if keep else 1)
+    return merge([prefilter(prefix, children, include, exclude)])
+
+
+class Selected(NamedTuple):
+    """Part of a listing through the rules (:func:`prefilter`), to be merged with the others."""
+
+    files: list[FileEntry]  # in name order
+    markers: int
+    filtered: int
+
+
+def prefilter(prefix: str, children: Iterable[RawEntry], include: Sequence[str], exclude: Sequence[str]) -> Selected:
+    """The rules that look at one object at a time (markers, filters, name safety), on any
+    part of the objects listed under :func:`directory_prefix`; :func:`merge` does the rest.
+    The ranks that list a SOURCE together each run this on their own part."""
     dir_prefix = directory_prefix(prefix)
     files: list[FileEntry] = []
     markers = 0
@@ -153,8 +170,19 @@ def select(
             continue
         files.append(_to_file(raw, rel))
     files.sort(key=lambda f: f.name)
+    return Selected(files, markers, filtered)
+
+
+def merge(parts: Sequence[Selected]) -> Listing:
+    """The listing from its :func:`prefilter`-ed parts: in name order (the same whichever part
+    held which object), with no file that is another's directory."""
+    files = sorted(chain.from_iterable(part.files for part in parts), key=lambda f: f.name)
     check_collisions(files)
-    return Listing(files=tuple(files), markers_skipped=markers, filtered_out=filtered)
+    return Listing(
+        files=tuple(files),
+        markers_skipped=sum(part.markers for part in parts),
+        filtered_out=sum(part.filtered for part in parts),
+    )
 
 
 def _to_file(raw: RawEntry, path: str) -> FileEntry:

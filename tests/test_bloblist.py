@@ -73,6 +73,40 @@ def test_a_listing_of_more_pages_than_one(emulator: azurite.Emulator, monkeypatc
     assert lean == sdk and len(lean.files) == 46  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("levels", [0, 1, 10])
+def test_the_listing_is_the_same_however_deep_it_descends(
+    emulator: azurite.Emulator, container: str, monkeypatch: pytest.MonkeyPatch, levels: int
+) -> None:
+    # Down to every leaf directory with the delimiter, one level, or none (all flat from the
+    # top's directories): the same listing, the SDK's; pages of two blobs, so the probes
+    # find big directories, and their delimiter listings are continued from their markers.
+    from azcp_cluster import bloblist
+
+    monkeypatch.setattr(bloblist, "MAX_DESCENT", levels)
+    monkeypatch.setattr(bloblist, "PAGE", 2)
+    calls: list[str] = []
+    original = bloblist._Lister.everything
+
+    async def counted(self: bloblist._Lister, prefix: str, delimiter: str = "", **more: int | str) -> tuple:  # type: ignore[type-arg]
+        calls.append(delimiter)
+        return await original(self, prefix, delimiter, **more)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bloblist._Lister, "everything", counted)
+    lean, sdk = _both(emulator, emulator.url(container))
+    assert lean == sdk and len(lean.files) == len(NAMES)  # type: ignore[attr-defined]
+    # The top's listing with the delimiter, then (levels > 0) levels down with it too.
+    assert (calls.count("/") == 1) == (levels == 0)
+
+
+def test_descend_while_the_directories_are_too_few_to_keep_the_listings_busy() -> None:
+    from azcp_cluster.bloblist import MAX_DESCENT, descend
+
+    assert descend(1, 32, 0) and descend(31, 32, MAX_DESCENT - 1)
+    assert not descend(32, 32, 0)  # enough to list flat, all at once
+    assert not descend(0, 32, 0)  # nothing below
+    assert not descend(1, 32, MAX_DESCENT)  # deep enough: a deep narrow tree is listed flat
+
+
 def test_a_missing_container_and_a_wrong_key_are_named(emulator: azurite.Emulator) -> None:
     url = emulator.url("absent" + uuid.uuid4().hex[:8])
     source = parse_blob_url(url)

@@ -415,3 +415,50 @@ def test_auth_option_everywhere() -> None:
         Config(source="s", dest="d", auth="msi").validate()
     with pytest.raises(UsageError, match="option auth cannot be 1"):
         make_config("s", "d", {"auth": 1})
+
+
+# ---------------------------------------------------------------------------------------
+# The SASs minted from a key
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    account=st.from_regex(r"[a-z0-9]{3,24}", fullmatch=True),
+    container=st.from_regex(r"[a-z0-9](?:[a-z0-9-]{1,61}[a-z0-9])", fullmatch=True),
+    key=st.binary(min_size=16, max_size=64),
+    permissions=st.sampled_from(["r", "rl"]),
+    seconds=st.integers(0, 2**31),
+)
+def test_a_minted_sas_is_the_sdks_to_the_byte(
+    account: str, container: str, key: bytes, permissions: str, seconds: int
+) -> None:
+    import base64
+    import datetime as dt
+
+    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+    from azure.storage.blob._shared.constants import X_MS_VERSION
+
+    from azcp_cluster.credentials import container_sas
+
+    start = dt.datetime.fromtimestamp(seconds, tz=dt.timezone.utc)
+    expiry = start + dt.timedelta(hours=12)
+    key64 = base64.b64encode(key).decode()
+    sdk = generate_container_sas(
+        account_name=account,
+        container_name=container,
+        account_key=key64,
+        permission=ContainerSasPermissions(read=True, list=permissions == "rl"),
+        start=start,
+        expiry=expiry,
+    )
+    assert container_sas(account, container, key64, permissions, start, expiry, X_MS_VERSION) == sdk
+
+
+def test_a_key_that_is_not_base64_is_a_usage_error() -> None:
+    source = parse_blob_url("https://acct.blob.core.windows.net/data")
+    env = {"AZURE_STORAGE_ACCOUNT": "acct", "AZURE_STORAGE_KEY": "not base64!"}
+    auth = Authorizer(source, resolve_credential(source, env), clock)
+    with pytest.raises(
+        UsageError, match="cannot use the account key from AZURE_STORAGE_ACCOUNT/AZURE_STORAGE_KEY: it is not base64"
+    ):
+        auth.query()

@@ -301,6 +301,42 @@ def test_is_present_reports_an_unreadable_directory_as_an_error(dest: Path) -> N
         DestTree(str(dest)).is_present("x" * 300, 1)  # ENAMETOOLONG: neither absent nor present
 
 
+def test_the_threaded_compare_matches_file_by_file_and_names_the_first_failing_batch(
+    dest: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import azcp_cluster.desttree as desttree
+    from azcp_cluster import syscalls
+
+    monkeypatch.setattr(desttree, "STAT_BATCH", 3)  # many batches, some directories split
+    monkeypatch.setattr(syscalls, "SLOW_CALL", 0.0)  # every call "slow": all on threads
+    monkeypatch.setattr(syscalls, "CALIBRATE", 0)
+    tree = DestTree(str(dest))
+    assert tree.present_all([]) == []
+    rng = random.Random(5)
+    wanted = []
+    for i in range(60):
+        rel = f"d{i % 4}/f{i}" if i % 5 else f"top{i}"
+        size = rng.randrange(3)
+        if rng.random() < 0.6:
+            (dest / rel).parent.mkdir(exist_ok=True)
+            (dest / rel).write_bytes(b"z" * rng.randrange(3))
+        wanted.append((rel, size))
+    (dest / "d1").mkdir(exist_ok=True)
+    (dest / "d1" / "f1").unlink(missing_ok=True)
+    (dest / "d1" / "f1").mkdir()  # not a file: absent
+    expected = [
+        (dest / rel).is_file() and not (dest / rel).is_symlink() and (dest / rel).stat().st_size == size
+        for rel, size in wanted
+    ]
+    assert tree.present_all(wanted) == expected and any(expected) and not all(expected)
+    # Two unreadable names (too long): the error names the first, whichever thread saw it first.
+    bad = [("d2/" + "x" * 300, 1), *wanted, ("d3/" + "y" * 300, 1)]
+    for _ in range(5):
+        with pytest.raises(DiffError, match="cannot inspect") as err:
+            tree.present_all(bad)
+        assert err.value.path is not None and "x" * 300 in err.value.path
+
+
 # ---------------------------------------------------------------------------------------
 # the lock
 

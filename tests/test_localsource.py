@@ -67,6 +67,60 @@ def test_symlinks_are_followed_and_loops_walked_once(tmp_path: Path) -> None:
     assert paths == ["dir/f", "link-to-file"]
 
 
+def test_a_tree_reached_twice_is_named_by_its_shallowest_then_first_sorting_path(tmp_path: Path) -> None:
+    # Which name a doubly reached directory gets must not depend on the walk's threads or the
+    # filesystem's directory order: the shallowest path wins, then the first in name order.
+    root = tmp_path / "root"
+    (root / "m-real").mkdir(parents=True)
+    (root / "m-real" / "f").write_bytes(b"x")
+    (root / "z-link").symlink_to(root / "m-real")
+    (root / "b-link").symlink_to(root / "m-real")
+    (root / "a").mkdir()
+    (root / "a" / "deep-link").symlink_to(root / "m-real")  # deeper: never the name used
+    assert [f.path for f in list_local(str(root), _cfg()).files] == ["b-link/f"]
+
+
+def test_the_threaded_walk_lists_what_a_plain_walk_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import azcp_cluster.localsource as localsource
+    from azcp_cluster import syscalls
+
+    # Small batches and few threads: directories split over several tasks, tasks queued.
+    monkeypatch.setattr(localsource, "STAT_BATCH", 7)
+    monkeypatch.setattr(syscalls, "SLOW_CALL", 0.0)  # every call "slow": all on threads
+    monkeypatch.setattr(syscalls, "CALIBRATE", 0)
+    expected = {}
+    for d in range(9):
+        folder = tmp_path / f"d{d}" / ("sub" if d % 2 else "")
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(d * 5):
+            rel = (folder / f"f{i}").relative_to(tmp_path).as_posix()
+            (tmp_path / rel).write_bytes(b"y" * i)
+            expected[rel] = i
+    (tmp_path / "top").write_bytes(b"zz")
+    expected["top"] = 2
+    listing = list_local(str(tmp_path), _cfg())
+    assert [(f.path, f.size) for f in listing.files] == sorted(expected.items())
+
+
+def test_a_stat_error_in_one_batch_names_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import azcp_cluster.localsource as localsource
+
+    monkeypatch.setattr(localsource, "STAT_BATCH", 2)
+    for i in range(10):
+        (tmp_path / f"f{i}").write_bytes(b"x")
+    real_stat = os.DirEntry.stat
+
+    def failing(self: os.DirEntry[str], *, follow_symlinks: bool = True) -> os.stat_result:
+        if self.name == "f3":
+            raise PermissionError(13, "Permission denied")
+        return real_stat(self, follow_symlinks=follow_symlinks)
+
+    monkeypatch.setattr(localsource, "_stat_entry", failing)
+    with pytest.raises(ListError, match="cannot stat a file of SOURCE: Permission denied") as err:
+        list_local(str(tmp_path), _cfg())
+    assert err.value.path == str(tmp_path / "f3")
+
+
 def test_special_files_and_the_tools_own_files_are_left_out(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / MANIFEST_NAME).write_text("{}")

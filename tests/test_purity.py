@@ -30,6 +30,7 @@ PURE_MODULES = (
     "throttle",
     "proxies",
     "resume",
+    "keyspace",
 )
 FORBIDDEN = frozenset(
     {"azure", "aiohttp", "mpi4py", "os", "io", "shutil", "socket", "mmap", "pathlib", "asyncio", "importlib"}

@@ -94,8 +94,12 @@ def running(
     cert: str | None = None,
     key: str | None = None,
     oauth: str | None = None,
+    location: str | None = None,
 ) -> Iterator[Emulator]:
     """Run an in-memory emulator for the duration of the block; stop it by PID afterwards.
+
+    ``location`` (a directory) keeps the emulator's database and blobs there instead of in
+    memory, so a later emulator on the same directory serves them again.
 
     ``cpus`` pins the emulator (and every thread it starts) to those CPUs, so a benchmark can
     keep the server off the cores it measures the client on. ``cert`` and ``key`` (PEM
@@ -112,7 +116,7 @@ def running(
     args = [
         *pin,
         find_binary(),
-        "--inMemoryPersistence",
+        *(("--location", location) if location else ("--inMemoryPersistence",)),
         "--blobHost",
         host,
         "--blobPort",

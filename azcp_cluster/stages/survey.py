@@ -12,7 +12,8 @@ import sys
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from itertools import chain
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -20,11 +21,14 @@ from azcp_cluster import journal, manifest
 from azcp_cluster.cluster import StageOutcome, error_from_payload, error_payload
 from azcp_cluster.localsource import list_local
 from azcp_cluster.model import FileEntry, Listing, decode_listing, encode_listing
+from azcp_cluster.naming import Selected, merge, prefilter
 from azcp_cluster.report import StageFigures
 from azcp_cluster.resume import Segment, segments, total
 from azcp_cluster.source import parse_blob_url
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -94,12 +98,16 @@ def list_source(ctx: RunContext, place: Placement) -> Listed:
 def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
     """A blob SOURCE listed by several ranks (bloblist.py), the same listing on every rank.
 
-    The lister lists the prefix's top with the ``/`` delimiter; its virtual directories go
-    round-robin to the downloaders (they have the credential, and fetch a token anyway), each
-    listing its own flat, several at once; the lister gathers their entries, applies the
-    rules once (naming.select: name order, so the result does not depend on who listed
-    what) and broadcasts the listing as the single lister does. Each step is an agreement: a
-    failure on any rank is every rank's, with its one line.
+    The lister lists the prefix's top with the ``/`` delimiter, and levels below it while
+    there are too few directories to keep every helper busy, each directory's first page
+    (bloblist.list_start: a small listing ends there, on one rank); the rest goes round-robin
+    to the downloaders (they have the credential, and fetch a token anyway): the directories
+    with more pages, the levels below while still too few, then every directory left, each
+    listed flat, several at once by each rank. Each rank puts its part through the rules that
+    look at one blob at a time (naming.prefilter), and every rank merges all the parts
+    (naming.merge: name order, so the result does not depend on who listed what): the same
+    listing everywhere, without a broadcast. Each step is an agreement: a failure on any
+    rank is every rank's, with its one line.
     """
     from azcp_cluster import bloblist
 
@@ -109,43 +117,69 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
     source = parse_blob_url(cfg.source)
     assert place.auth is not None
     outcome = StageOutcome()
-    top: tuple[Listing | None, list[Any], list[str]] = (None, [], [])
+    helpers = list(place.topo.downloaders)
+    parallel = len(helpers) * bloblist.IN_FLIGHT
+    start = bloblist.Start(None, [], [], [], 0)
     if ctx.rank == lister:
         with cluster.stage(outcome), cluster.abandonable():
-            top = bloblist.list_top(source, place.auth, cfg)
-    done, here, folders = top
-    # The top's own entries stay with the lister: only the folders travel.
-    message = (done, folders, error_payload(outcome.error) if outcome.error else None)
-    done, folders, failure = cluster.bcast_object(message, root=lister)
+            start = bloblist.list_start(source, place.auth, cfg, parallel)
+    # What the lister found stays with it: only the directories left to list travel.
+    here = start.entries
+    message = (
+        start.done,
+        start.folders,
+        start.continuing,
+        start.depth,
+        error_payload(outcome.error) if outcome.error else None,
+    )
+    done, folders, continuing, depth, failure = cluster.bcast_object(message, root=lister)
     if failure is not None:
         raise error_from_payload(failure)
     if done is not None:
         return cast(Listing, done)  # the prefix named one blob
-    helpers = list(place.topo.downloaders)
-    mine = folders[helpers.index(ctx.rank) :: len(helpers)] if ctx.rank in helpers else []
+
+    def mine(items: list[T]) -> list[T]:
+        return items[helpers.index(ctx.rank) :: len(helpers)] if ctx.rank in helpers else []
+
+    entries: list[Any] = []  # this rank's, from every level
+    # The directories with more than a page that stopped the lister, then each level down
+    # while there are too few directories to keep every helper's listings busy: shared out
+    # round-robin, and the next level's directories agreed by all.
+    levels: list[tuple[str, str]] = list(continuing)  # directories of level depth - 1 to finish
+    while True:
+        if not levels:
+            if not bloblist.descend(len(folders), parallel, depth):
+                break
+            levels, folders, depth = [(folder, "") for folder in folders], [], depth + 1
+        outcome = StageOutcome()
+        below: list[str] = []
+        with cluster.stage(outcome), cluster.abandonable():
+            found, below = bloblist.list_levels(source, place.auth, cfg, mine(levels))
+            entries += found
+        cluster.settle()
+        gathered_levels = cluster.allgather((below, error_payload(outcome.error) if outcome.error else None))
+        failure = next((err for _, err in gathered_levels if err is not None), None)
+        if failure is not None:
+            raise error_from_payload(failure)
+        folders = bloblist.unique(chain(folders, chain.from_iterable(level for level, _ in gathered_levels)))
+        levels = []
     outcome = StageOutcome()
-    entries: list[Any] = []
+    part = Selected([], 0, 0)
     with cluster.stage(outcome), cluster.abandonable():
-        entries = bloblist.list_folders(source, place.auth, cfg, mine)
-    # Compressed: names share their prefixes (a tenth of the pickle), and a gather's total
+        entries += bloblist.list_folders(source, place.auth, cfg, mine(folders))
+        # The rules that look at one blob at a time, on each rank's own part while the others
+        # still list; every rank then merges the same parts into the same listing.
+        part = prefilter(source.prefix, chain(here, entries), cfg.include, cfg.exclude)
+    # Compressed: names share their prefixes (a tenth of the pickle), and the parts' total
     # stays far below MPI's 2 GiB count for tens of millions of blobs.
-    packed = zlib.compress(pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL), 1)
+    packed = zlib.compress(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL), 1)
     cluster.settle()  # the ranks done first wait without spinning a core
-    gathered = cluster.comm.gather((packed, error_payload(outcome.error) if outcome.error else None), root=lister)
-    payload: bytes | None = None
-    failure = None
-    if ctx.rank == lister:
-        failure = next((err for _, err in gathered if err is not None), None)
-        if failure is None:
-            outcome = StageOutcome()
-            with cluster.stage(outcome):  # an unsafe or colliding name: one line, as ever
-                parts = (pickle.loads(zlib.decompress(part)) for part, _ in gathered)
-                payload = encode_listing(bloblist.finish(source, cfg, here, parts))
-            failure = error_payload(outcome.error) if outcome.error else None
-    payload, failure = cluster.bcast_object((payload, failure), root=lister)
+    parts = cluster.allgather((packed, error_payload(outcome.error) if outcome.error else None))
+    failure = next((err for _, err in parts if err is not None), None)
     if failure is not None:
         raise error_from_payload(failure)
-    return decode_listing(cast(bytes, payload))
+    # An unsafe or colliding name: the same one line on every rank, as ever.
+    return merge([pickle.loads(zlib.decompress(packed)) for packed, _ in parts])
 
 
 def _listed(ctx: RunContext, listing: Listing, single: bool, seconds: float) -> Listed:

@@ -1,0 +1,82 @@
+"""Many small system calls (stat, scandir) in threads, but only where each one waits.
+
+A stat on a shared filesystem (NFS, Lustre, a FUSE mount) is a round trip to its servers,
+tens to hundreds of microseconds: a million of them one after another is minutes, and
+threads, which the GIL lets wait in the kernel together, divide that by their number. On a
+warm local disk the same stat is 2 to 3 µs, mostly the interpreter's, and threads only add
+their hand-offs: a 100,000-file walk took 1.7 s with 16 threads against 1.0 s in one (this
+machine, 2 cores). So :class:`CallPool` runs the batches in the calling thread and times
+them; once the calls it has made average :data:`SLOW_CALL` or more, it starts its threads
+for the rest of its life. The results come back in the batches' order, and an error is that
+of the first failing batch in that order, whatever the threads' timing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+THREADS = 16
+# Mean seconds per call from which the calls go to threads: between a warm local stat
+# (2-3 µs here) and a network filesystem's round trip (50 µs and more).
+SLOW_CALL = 20e-6
+# Calls timed before the mean is trusted.
+CALIBRATE = 256
+
+
+class CallPool:
+    """Runs batches of system calls inline while they are fast, on threads once they are slow."""
+
+    def __init__(self, threads: int = THREADS, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._threads = threads
+        self._clock = clock
+        self._pool: ThreadPoolExecutor | None = None
+        self._calls = 0
+        self._seconds = 0.0
+
+    @property
+    def threaded(self) -> bool:
+        """Whether the calls have been found slow (and go to threads from now on)."""
+        return self._pool is not None
+
+    def map(self, fn: Callable[[T], R], batches: Sequence[T], calls: Callable[[R], int]) -> list[R]:
+        """``fn`` of each batch, in order; ``calls`` says how many system calls a result took."""
+        results: list[R] = []
+        at = 0
+        while at < len(batches) and self._pool is None:
+            started = self._clock()
+            result = fn(batches[at])
+            self._seconds += self._clock() - started
+            self._calls += calls(result)
+            results.append(result)
+            at += 1
+            if self._calls >= CALIBRATE and self._seconds >= SLOW_CALL * self._calls:
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="azcp-syscalls")
+        if at < len(batches):
+            assert self._pool is not None
+            futures = [self._pool.submit(fn, batch) for batch in batches[at:]]
+            try:
+                results.extend(future.result() for future in futures)
+            finally:
+                for future in futures:  # after an error: what has not started never starts
+                    future.cancel()
+        return results
+
+    def close(self) -> None:
+        """Stop the threads (waiting for the calls under way)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> CallPool:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
