@@ -21,15 +21,16 @@ import random
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from itertools import chain
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import quote, unquote
 
 from azcp_cluster.config import Config
 from azcp_cluster.credentials import Authorizer
 from azcp_cluster.errors import ListError
+from azcp_cluster.keyspace import cut_points, in_piece
 from azcp_cluster.model import Listing
 from azcp_cluster.naming import RawEntry, directory_prefix, select
 from azcp_cluster.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
@@ -42,6 +43,11 @@ MAX_DESCENT = 4  # levels below the top listed with the delimiter to find more d
 # Blobs in the flat page that tells a small directory (done with it) from one worth a level
 # down: a small listing ends in a few calls, and a large one loses a page per directory.
 PROBE = 2000
+# Key ranges (keyspace.py): the service version that takes startFrom, the cuts made at once,
+# and how many times a range is cut again.
+START_FROM_VERSION = "2026-02-06"
+SPLIT = 16
+MAX_SPLIT = 3
 
 
 class _Refused(Exception):
@@ -113,7 +119,7 @@ def list_blobs(source: BlobSource, auth: Authorizer, cfg: Config) -> Listing:
         found, folders = list_levels(source, auth, cfg, [(folder, "") for folder in folders])
         parts.append(found)
         depth += 1
-    parts.append(list_folders(source, auth, cfg, folders))
+    parts.append(list_folders(source, auth, cfg, unique(folders + start.flat)))
     return finish(source, cfg, (), parts)
 
 
@@ -142,6 +148,9 @@ class Start:
     # next page), their delimiter listings to be continued (their directories join ``folders``).
     continuing: list[tuple[str, str]]
     depth: int  # levels below the top listed (or being continued)
+    # Directories of more than a page whose first showed no directory in them: listed flat
+    # (in key ranges where the service can), however deep the others go.
+    flat: list[str] = field(default_factory=list)
 
 
 def list_start(source: BlobSource, auth: Authorizer, cfg: Config, parallel: int) -> Start:
@@ -157,8 +166,16 @@ def list_start(source: BlobSource, auth: Authorizer, cfg: Config, parallel: int)
             exact = await lister.properties(prefix)
             if exact is not None and not exact.is_folder:
                 return Start(select(prefix, exact, (), cfg.include, cfg.exclude), [], [], [], 0)
-        entries, top, _ = await lister.everything(directory_prefix(prefix), delimiter="/")
+        top_prefix = directory_prefix(prefix)
+        entries, top, marker = await lister.everything(top_prefix, delimiter="/", pages=1)
+        if marker and not top:  # one huge directory, it seems: flat, in key ranges
+            return Start(None, [], [], [], 0, [top_prefix])
+        if marker:
+            more_entries, more_top, _ = await lister.everything(top_prefix, delimiter="/", marker=marker)
+            entries += more_entries
+            top += more_top
         folders = unique(top)
+        flat: list[str] = []
         depth = 0
         while descend(len(folders), parallel, depth):
             # First a flat page of each, PROBE blobs: a small directory is done with it, and a
@@ -175,14 +192,17 @@ def list_start(source: BlobSource, auth: Authorizer, cfg: Config, parallel: int)
             below: list[str] = []
             continuing = []
             for folder, (found, more, marker) in zip(big, pages, strict=True):
+                if marker and not more:
+                    flat.append(folder)  # blobs only, so far: the whole of it flat (this page again)
+                    continue
                 entries += found
                 below += more
                 if marker:
                     continuing.append((folder, marker))
             folders, depth = unique(below), depth + 1
             if continuing:
-                return Start(None, entries, folders, continuing, depth)
-        return Start(None, entries, folders, [], depth)
+                return Start(None, entries, folders, continuing, depth, flat)
+        return Start(None, entries, folders, [], depth, flat)
 
     return _run(source, auth, cfg, start)
 
@@ -223,6 +243,8 @@ async def _each(
 
     async def one(folder: str, marker: str) -> tuple[list[RawEntry], list[str], str]:
         async with gate:
+            if not delimiter and not marker and not pages:  # a whole directory, flat
+                return await lister.flat(folder), [], ""
             return await lister.everything(folder, delimiter=delimiter, marker=marker, pages=pages, size=size)
 
     return list(await asyncio.gather(*(one(f, m) for f, m in folders)))
@@ -284,6 +306,7 @@ class _Lister:
         self.cfg = cfg
         self.session: Any = None
         self.rng = random.Random()
+        self.start_from: bool | None = None  # whether the service takes startFrom (None: not asked)
 
     async def properties(self, name: str) -> RawEntry | None:
         """The blob named ``name`` (a HEAD), or None if there is none; a missing container raises."""
@@ -305,12 +328,13 @@ class _Lister:
         )
 
     async def everything(
-        self, prefix: str, delimiter: str = "", marker: str = "", pages: int = 0, size: int = 0
+        self, prefix: str, delimiter: str = "", marker: str = "", pages: int = 0, size: int = 0, start_from: str = ""
     ) -> tuple[list[RawEntry], list[str], str]:
         """The pages under ``prefix`` from ``marker`` ("": the first): its blobs, (with
         ``delimiter``) its virtual directories, and the marker of the page after the last one
         read ("" at the end). ``pages`` > 0 reads that many at most; 0, to the end. Pages of
-        ``size`` items (0: :data:`PAGE`)."""
+        ``size`` items (0: :data:`PAGE`). ``start_from``: the first page from that name on
+        (``startFrom``; the service may ignore it: see :meth:`flat`)."""
         entries: list[RawEntry] = []
         folders: list[str] = []
         read = 0
@@ -327,8 +351,11 @@ class _Lister:
                 query.append(("delimiter", delimiter))
             if marker:
                 query.append(("marker", marker))
+            elif start_from:  # the first page only: the others follow their marker
+                query.append(("startFrom", start_from))
             url = f"{self.source.container_url}?" + "&".join(f"{k}={quote(v, safe='')}" for k, v in query)
-            _, _, body = await self._call("GET", url, ok=(200,), listing=True)
+            version = START_FROM_VERSION if start_from else API_VERSION
+            _, _, body = await self._call("GET", url, ok=(200,), listing=True, version=version)
             page, more, marker = parse_page(body)
             entries += page
             folders += more
@@ -336,7 +363,74 @@ class _Lister:
             if not marker or read == pages:
                 return entries, folders, marker
 
-    async def _call(self, method: str, url: str, ok: Iterable[int], listing: bool = False) -> tuple[int, Any, bytes]:
+    async def flat(self, prefix: str) -> list[RawEntry]:
+        """Every blob under ``prefix``, listed flat. One of more than a page is cut into key
+        ranges listed at once (keyspace.py), where the service takes ``startFrom`` (found
+        out once per listing, :meth:`takes_start_from`); elsewhere, page after page."""
+        entries, _, marker = await self.everything(prefix, pages=1)
+        if not marker:
+            return entries
+        if not entries or not await self.takes_start_from(prefix, entries[-1].name):
+            rest, _, _ = await self.everything(prefix, marker=marker)
+            return entries + rest
+        names = [entry.name for entry in entries]
+        return entries + await self._piece(prefix, names, entries[-1].name, None, marker, 1)
+
+    async def _piece(
+        self, prefix: str, names: list[str], lo: str, hi: str | None, marker: str, depth: int
+    ) -> list[RawEntry]:
+        """The blobs of the range after ``lo`` up to ``hi`` (keyspace.in_piece), its first page
+        from ``marker`` or else from ``lo`` (``startFrom``); cut again, at once, while a page
+        ends before ``hi`` (``names``: the page before, whose names the cuts are guessed
+        from), down to :data:`MAX_SPLIT` levels."""
+        cuts = cut_points(prefix, names, hi, SPLIT) if depth <= MAX_SPLIT else []
+        if cuts:
+            bounds: list[str | None] = [lo, *cuts, hi]
+            pieces = await asyncio.gather(
+                self._piece(prefix, [], lo, cuts[0], marker, MAX_SPLIT + 1),  # from its marker, uncut
+                *(self._range(prefix, cast(str, bounds[i]), bounds[i + 1], depth) for i in range(1, len(bounds) - 1)),
+            )
+            return list(chain.from_iterable(pieces))
+        out: list[RawEntry] = []
+        last = lo
+        while marker:
+            page, _, marker = await self.everything(prefix, marker=marker, pages=1)
+            out += [entry for entry in page if in_piece(entry.name, lo, hi)]
+            if page and page[0].name <= last:
+                raise ValueError("a listing page went back")  # never a loop, whatever the service does
+            if page:
+                last = page[-1].name
+                if hi is not None and last > hi:
+                    break
+        return out
+
+    async def _range(self, prefix: str, lo: str, hi: str | None, depth: int) -> list[RawEntry]:
+        """A key range's first page from ``lo`` (``startFrom``), then :meth:`_piece` for the rest."""
+        page, _, marker = await self.everything(prefix, pages=1, start_from=lo)
+        out = [entry for entry in page if in_piece(entry.name, lo, hi)]
+        if not marker or (page and hi is not None and page[-1].name > hi):
+            return out
+        last = page[-1].name if page else lo
+        names = [entry.name for entry in page]
+        return out + await self._piece(prefix, names, max(last, lo), hi, marker, depth + 1)
+
+    async def takes_start_from(self, prefix: str, name: str) -> bool:
+        """Whether the service lists from a given name (``startFrom``, service version
+        2026-02-06 on): one call for one blob from ``name``, remembered for the listing. One
+        that ignores it answers with the directory's first blob, before ``name``; one that
+        refuses the version or the parameter answers 400."""
+        if self.start_from is None:
+            query = [("restype", "container"), ("comp", "list"), ("maxresults", "1"), ("prefix", prefix),
+                     ("startFrom", name)]  # fmt: skip
+            url = f"{self.source.container_url}?" + "&".join(f"{k}={quote(v, safe='')}" for k, v in query)
+            status, _, body = await self._call("GET", url, ok=(200, 400), listing=True, version=START_FROM_VERSION)
+            page = parse_page(body)[0] if status == 200 else None
+            self.start_from = page is not None and (not page or page[0].name >= name)
+        return self.start_from
+
+    async def _call(
+        self, method: str, url: str, ok: Iterable[int], listing: bool = False, version: str = API_VERSION
+    ) -> tuple[int, Any, bytes]:
         import aiohttp
 
         auth = self.auth.list_query() if listing else self.auth.query()
@@ -344,7 +438,7 @@ class _Lister:
             url += ("&" if "?" in url else "?") + auth
         attempt = 0
         while True:
-            headers = {"x-ms-version": API_VERSION, **self.auth.headers()}
+            headers = {"x-ms-version": version, **self.auth.headers()}
             retry_after = None
             try:
                 async with self.session.request(method, url, headers=headers) as response:

@@ -41,9 +41,10 @@ WRAPPER = textwrap.dedent(
 def test_a_listing_shared_out_over_four_ranks_copies_every_blob(emulator: azurite.Emulator, tmp_path: Path) -> None:
     container = "share" + uuid.uuid4().hex[:12]
     files: dict[str, bytes] = {f"top-{i}.bin": b"t" * i for i in range(4)}
-    for w in range(4):  # four directories of more than a page, with directories below
+    for w in range(4):  # four directories of more than a page, directories on their first
         files.update({f"wide{w}/f{i:02d}": f"{w}-{i}".encode() for i in range(7)})
-        files.update({f"wide{w}/sub{s}/g{i}": f"{w}{s}{i}".encode() for s in range(2) for i in range(4)})
+        files.update({f"wide{w}/a-sub{s}/g{i}": f"{w}{s}{i}".encode() for s in range(2) for i in range(4)})
+    files.update({f"leaf/x{i:02d}": b"l" for i in range(8)})  # more than a page, no directory: flat
     files["deep/a/b/c/d/e/leaf.txt"] = b"deep"  # below the descent's last level: listed flat
     files["odd names/ä ö+%#&=.txt"] = b"odd"
     azurite.upload(emulator, container, files)

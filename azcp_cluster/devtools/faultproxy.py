@@ -12,6 +12,10 @@ through untouched.
         run_the_tool(proxy.url("container", "data"))
     assert proxy.injected == 1
 
+With ``start_from=True`` it also serves List Blobs' ``startFrom`` (service version
+2026-02-06), which the emulator lacks, by asking the emulator for the names after it (its
+marker): the key-range listing is then tested against the real server's pages.
+
 The proxy runs its own event loop on a thread and listens on a free port of 127.0.0.1.
 Request bodies are read whole (Content-Length only: no chunked uploads through it).
 """
@@ -27,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from types import TracebackType
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, parse_qsl, quote, unquote, urlencode, urlsplit
 
 from azcp_cluster.devtools.azurite import ACCOUNT, Emulator
 
@@ -110,10 +114,15 @@ class _Request:
 class FaultProxy:
     """The proxy: a context manager that starts it on entry and stops it on exit."""
 
-    def __init__(self, emulator: Emulator, rules: list[Rule], account: str = ACCOUNT) -> None:
+    def __init__(self, emulator: Emulator, rules: list[Rule], account: str = ACCOUNT, start_from: bool = False) -> None:
         self.upstream = (emulator.host, emulator.port)
         self.rules = rules
         self.account = account
+        # List Blobs' startFrom (service version 2026-02-06), which the emulator ignores: with
+        # ``start_from``, served as the emulator's marker (the name to list after: the same
+        # pieces for a client that, as ours, counts a name equal to a cut in the piece before).
+        self.start_from = start_from
+        self.started_from: list[str] = []  # the startFrom of every listing that had one, served or not
         self.port = 0
         self.log: list[Seen] = []  # every request, in the order they were answered
         self.errors: list[str] = []  # unexpected failures inside the proxy (tests assert none)
@@ -179,6 +188,7 @@ class FaultProxy:
                 request = await _read_request(reader)
                 if request is None:
                     return
+                request = self._rewrite_start_from(request)
                 rule, seen = self._pick(request)
                 if rule is not None and rule.fault in _ERRORS:
                     self.log.append(seen)
@@ -204,6 +214,25 @@ class FaultProxy:
             if upstream is not None:
                 upstream[1].close()
             writer.close()
+
+    def _rewrite_start_from(self, request: _Request) -> _Request:
+        """Note a listing's startFrom; with :attr:`start_from`, serve it as a marker."""
+        line_end = request.raw.index(b"\r\n")
+        method, target, version = request.raw[:line_end].decode("latin-1").split(" ", 2)
+        parts = urlsplit(target)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        start = [value for name, value in query if name == "startFrom"]
+        if not start:
+            return request
+        self.started_from.append(start[0])
+        if not self.start_from:
+            return request
+        has_marker = any(name == "marker" for name, _ in query)
+        kept = [(name, value) for name, value in query if name != "startFrom"]
+        if not has_marker:
+            kept.append(("marker", start[0]))
+        line = f"{method} {parts.path}?{urlencode(kept, quote_via=quote)} {version}".encode("latin-1")
+        return replace(request, raw=line + request.raw[line_end:])
 
     def _pick(self, request: _Request) -> tuple[Rule | None, Seen]:
         """The rule whose fault this request gets (None: none), and its log entry."""

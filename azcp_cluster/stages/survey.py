@@ -130,9 +130,10 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
         start.folders,
         start.continuing,
         start.depth,
+        start.flat,
         error_payload(outcome.error) if outcome.error else None,
     )
-    done, folders, continuing, depth, failure = cluster.bcast_object(message, root=lister)
+    done, folders, continuing, depth, flat, failure = cluster.bcast_object(message, root=lister)
     if failure is not None:
         raise error_from_payload(failure)
     if done is not None:
@@ -166,7 +167,7 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
     outcome = StageOutcome()
     part = Selected([], 0, 0)
     with cluster.stage(outcome), cluster.abandonable():
-        entries += bloblist.list_folders(source, place.auth, cfg, mine(folders))
+        entries += bloblist.list_folders(source, place.auth, cfg, mine(bloblist.unique(folders + flat)))
         # The rules that look at one blob at a time, on each rank's own part while the others
         # still list; every rank then merges the same parts into the same listing.
         part = prefilter(source.prefix, chain(here, entries), cfg.include, cfg.exclude)

@@ -1,0 +1,78 @@
+"""A huge directory listed in key ranges (bloblist.py, keyspace.py), against the real emulator.
+
+The emulator ignores List Blobs' ``startFrom``; the fault proxy serves it in front of it
+(``start_from=True``), so the ranges are cut, listed at once and cut again on the emulator's
+own pages. Without the proxy's help the listing must notice and list page after page.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from azcp_cluster import bloblist
+from azcp_cluster.config import Config
+from azcp_cluster.credentials import Authorizer, resolve_credential
+from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.faultproxy import FaultProxy
+from azcp_cluster.listing import list_with_sdk
+from azcp_cluster.source import parse_blob_url
+
+NAMES = (
+    [f"flat/sample-{i:05d}.bin" for i in range(0, 2400, 7)]  # numbered
+    + [f"flat/{uuid.UUID(int=(i * 0x9E3779B97F4A7C15_F39CC0605CEDC834) % 2**128).hex}" for i in range(120)]  # hex
+    + ["flat/Zeta", "flat/a b", "flat/é.txt", "flat/~tilde", "flat/sub/deeper/x", "flat/sample-00001.bin.old"]
+)
+
+
+@pytest.fixture(scope="module")
+def container(emulator: azurite.Emulator) -> str:
+    name = "ranges" + uuid.uuid4().hex[:12]
+    azurite.upload(emulator, name, {n: n.encode()[: i % 9] for i, n in enumerate(NAMES)})
+    return name
+
+
+def _lean(url: str, key_env: dict[str, str]) -> object:
+    source = parse_blob_url(url)
+    auth = Authorizer(source, resolve_credential(source, key_env, "auto"), time.time)
+    return bloblist.list_blobs(source, auth, Config(source=url, dest="/tmp/unused"))
+
+
+def _sdk(emulator: azurite.Emulator, url: str) -> object:
+    source = parse_blob_url(url)
+    auth = Authorizer(source, resolve_credential(source, emulator.key_env(), "auto"), time.time)
+    return list_with_sdk(source, auth, Config(source=url, dest="/tmp/unused"))
+
+
+@pytest.mark.parametrize("prefix", ["", "flat", "flat/"])
+def test_a_huge_directory_in_key_ranges_is_the_sdks_listing(
+    emulator: azurite.Emulator, container: str, monkeypatch: pytest.MonkeyPatch, prefix: str
+) -> None:
+    monkeypatch.setattr(bloblist, "PAGE", 20)  # 480 blobs: 24 pages in one go, many ranges here
+    monkeypatch.setattr(bloblist, "SPLIT", 6)
+    with FaultProxy(emulator, [], start_from=True) as proxy:
+        lean = _lean(proxy.url(container, prefix), emulator.key_env())
+    assert lean == _sdk(emulator, emulator.url(container, prefix))
+    assert len(lean.files) == len(NAMES)  # type: ignore[attr-defined]
+    # The probe, then ranges; ranges cut again (more than one split's worth).
+    assert len(proxy.started_from) > 6 + 1 and proxy.errors == []
+
+
+def test_a_service_that_ignores_start_from_is_listed_page_after_page(
+    emulator: azurite.Emulator, container: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bloblist, "PAGE", 20)
+    with FaultProxy(emulator, []) as proxy:  # startFrom reaches the emulator, which ignores it
+        lean = _lean(proxy.url(container, "flat/"), emulator.key_env())
+    assert lean == _sdk(emulator, emulator.url(container, "flat/"))
+    assert len(proxy.started_from) == 1  # the probe only
+
+
+def test_a_directory_of_one_page_is_never_cut(
+    emulator: azurite.Emulator, container: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with FaultProxy(emulator, [], start_from=True) as proxy:
+        lean = _lean(proxy.url(container, "flat/"), emulator.key_env())
+    assert len(lean.files) == len(NAMES) and proxy.started_from == []  # type: ignore[attr-defined]
