@@ -9,7 +9,8 @@ an Azurite, then lists the container
 ``--dry-run`` under ``mpiexec -n 4``: its ``[list]`` line), also alternating. Then the no-op
 rerun the tool promises for every job
 script: 1,000 blobs copied once by 4 ranks, then the same command again, its ``[list]`` and
-``[total]`` lines read, ``--repeats`` times.
+``[total]`` lines read, ``--repeats`` times; and the same for ``--local-files`` small files
+of a local SOURCE, 2 ranks.
 
 How the blobs get there: the emulator's Put Blob scans its whole blob collection (LokiJS
 ``findOne`` on four fields, whose first index, the account, matches every blob), so uploads
@@ -159,6 +160,29 @@ def _noop_rerun(emulator: azurite.Emulator, repeats: int) -> dict[str, Any]:
     return {"blobs": 1000, "ranks": 4, "total_s": totals, "list_s": lists, "wall_s": [round(w, 2) for w in walls]}
 
 
+def _local_noop(files: int, dirs: int, repeats: int) -> dict[str, Any]:
+    """A no-op rerun of a local SOURCE of ``files`` small files, 2 ranks (two DESTs)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        source = Path(scratch) / "src"
+        for d in range(dirs):
+            (source / f"d{d:03d}").mkdir(parents=True)
+        for i in range(files):
+            (source / f"d{i % dirs:03d}" / f"f{i:06d}").write_bytes(b"x" * (i % 7))
+        cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "azcp_cluster", str(source), f"{scratch}/d/{{rank}}",
+               "--no-progress"]  # fmt: skip
+        started = time.perf_counter()
+        first = subprocess.run(cmd, capture_output=True, text=True)
+        assert first.returncode == 0, first.stdout + first.stderr
+        copy_s = time.perf_counter() - started
+        totals, lists = [], []
+        for _ in range(repeats):
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            assert "0 to transfer" in out, out
+            totals.append(float(re.search(r"\[total\] T=([\d.]+)s", out).group(1)))  # type: ignore[union-attr]
+            lists.append(float(re.search(r"\[list\] .* T=([\d.]+)s", out).group(1)))  # type: ignore[union-attr]
+    return {"files": files, "ranks": 2, "first_copy_s": round(copy_s, 1), "total_s": totals, "list_s": lists}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print (and with --json write) its figures."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dirs", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--upload", action="store_true", help="upload every blob (slow: see above)")
+    parser.add_argument("--local-files", type=int, default=100_000, help="the local no-op rerun's files (0: none)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     figures: dict[str, Any] = {"blobs": args.blobs, "dirs": args.dirs}
@@ -191,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     # A fresh emulator: the rerun's 1,000 blobs should not pay for scans of the 100,000 above.
     with azurite.running() as emulator:
         figures["noop_rerun"] = _noop_rerun(emulator, args.repeats)
+    if args.local_files:
+        figures["local_noop_rerun"] = _local_noop(args.local_files, 100, args.repeats)
     print(json.dumps(figures, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
