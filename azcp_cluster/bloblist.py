@@ -30,7 +30,7 @@ from urllib.parse import quote, unquote
 from azcp_cluster.config import Config
 from azcp_cluster.credentials import Authorizer
 from azcp_cluster.errors import ListError
-from azcp_cluster.keyspace import cut_points, in_piece
+from azcp_cluster.keyspace import ascending, cut_points, in_piece, order
 from azcp_cluster.model import Listing
 from azcp_cluster.naming import RawEntry, directory_prefix, select
 from azcp_cluster.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
@@ -57,6 +57,10 @@ class _Refused(Exception):
         super().__init__(status, code)
         self.status = status
         self.code = code
+
+
+class _OutOfOrder(Exception):
+    """A page of a key-range listing not in keyspace.order: list the directory page after page."""
 
 
 class _Unreachable(Exception):
@@ -177,7 +181,8 @@ def list_start(source: BlobSource, auth: Authorizer, cfg: Config, parallel: int)
         folders = unique(top)
         flat: list[str] = []
         depth = 0
-        while descend(len(folders), parallel, depth):
+        # Alone while the directories are few enough to list at once here (more are shared out).
+        while descend(len(folders), parallel, depth) and len(folders) <= IN_FLIGHT:
             # First a flat page of each, PROBE blobs: a small directory is done with it, and a
             # small listing ends in a few calls.
             probes = await _each(lister, [(folder, "") for folder in folders], "", pages=1, size=PROBE)
@@ -245,6 +250,8 @@ async def _each(
         async with gate:
             if not delimiter and not marker and not pages:  # a whole directory, flat
                 return await lister.flat(folder), [], ""
+            if delimiter and not marker and not pages:  # a whole level
+                return await lister.level(folder)
             return await lister.everything(folder, delimiter=delimiter, marker=marker, pages=pages, size=size)
 
     return list(await asyncio.gather(*(one(f, m) for f, m in folders)))
@@ -307,6 +314,7 @@ class _Lister:
         self.session: Any = None
         self.rng = random.Random()
         self.start_from: bool | None = None  # whether the service takes startFrom (None: not asked)
+        self.probe = asyncio.Lock()  # one probe, whichever directory asks first
 
     async def properties(self, name: str) -> RawEntry | None:
         """The blob named ``name`` (a HEAD), or None if there is none; a missing container raises."""
@@ -363,27 +371,47 @@ class _Lister:
             if not marker or read == pages:
                 return entries, folders, marker
 
+    async def level(self, prefix: str) -> tuple[list[RawEntry], list[str], str]:
+        """The blobs and directories directly under ``prefix`` (the ``/`` delimiter); one whose
+        first page holds blobs only, with more pages to come, is listed flat instead
+        (:meth:`flat`: in key ranges where it can), which holds no directory to list."""
+        entries, folders, marker = await self.everything(prefix, delimiter="/", pages=1)
+        if marker and not folders:
+            return await self.flat(prefix), [], ""
+        if marker:
+            more, below, _ = await self.everything(prefix, delimiter="/", marker=marker)
+            entries += more
+            folders += below
+        return entries, folders, ""
+
     async def flat(self, prefix: str) -> list[RawEntry]:
         """Every blob under ``prefix``, listed flat. One of more than a page is cut into key
         ranges listed at once (keyspace.py), where the service takes ``startFrom`` (found
-        out once per listing, :meth:`takes_start_from`); elsewhere, page after page."""
+        out once per listing, :meth:`takes_start_from`) and orders names as keyspace.order
+        does: a page out of that order, or a range that starts before its cut, and the
+        directory is listed again page after page. Elsewhere, page after page."""
         entries, _, marker = await self.everything(prefix, pages=1)
         if not marker:
             return entries
-        if not entries or not await self.takes_start_from(prefix, entries[-1].name):
-            rest, _, _ = await self.everything(prefix, marker=marker)
-            return entries + rest
         names = [entry.name for entry in entries]
-        return entries + await self._piece(prefix, names, entries[-1].name, None, marker, 1)
+        if names and ascending(names) and await self.takes_start_from(prefix, names[-1]):
+            try:
+                return entries + await self._piece(prefix, names, names[-1], None, marker, 1)
+            except _OutOfOrder:
+                self.start_from = False  # for the rest of this listing too
+                return (await self.everything(prefix))[0]
+        rest, _, _ = await self.everything(prefix, marker=marker)
+        return entries + rest
 
     async def _piece(
         self, prefix: str, names: list[str], lo: str, hi: str | None, marker: str, depth: int
     ) -> list[RawEntry]:
-        """The blobs of the range after ``lo`` up to ``hi`` (keyspace.in_piece), its first page
-        from ``marker`` or else from ``lo`` (``startFrom``); cut again, at once, while a page
-        ends before ``hi`` (``names``: the page before, whose names the cuts are guessed
-        from), down to :data:`MAX_SPLIT` levels."""
-        cuts = cut_points(prefix, names, hi, SPLIT) if depth <= MAX_SPLIT else []
+        """The blobs of the range after ``lo`` up to ``hi`` (keyspace.in_piece), from
+        ``marker``; cut again, at once, while a page ends before ``hi`` (``names``: the page
+        before, whose names the cuts are guessed from), down to :data:`MAX_SPLIT` levels.
+        Raises :class:`_OutOfOrder` where the service's order is not keyspace.order's."""
+        low = order(lo)
+        cuts = [c for c in cut_points(prefix, names, hi, SPLIT) if order(c) > low] if depth <= MAX_SPLIT else []
         if cuts:
             bounds: list[str | None] = [lo, *cuts, hi]
             pieces = await asyncio.gather(
@@ -392,40 +420,46 @@ class _Lister:
             )
             return list(chain.from_iterable(pieces))
         out: list[RawEntry] = []
-        last = lo
+        last = low
+        high = None if hi is None else order(hi)
         while marker:
             page, _, marker = await self.everything(prefix, marker=marker, pages=1)
+            keys = [order(entry.name) for entry in page]
+            if keys and (keys[0] <= last or not ascending([entry.name for entry in page])):
+                raise _OutOfOrder  # a page that goes back: not our order (or never a loop)
             out += [entry for entry in page if in_piece(entry.name, lo, hi)]
-            if page and page[0].name <= last:
-                raise ValueError("a listing page went back")  # never a loop, whatever the service does
-            if page:
-                last = page[-1].name
-                if hi is not None and last > hi:
+            if keys:
+                last = keys[-1]
+                if high is not None and last > high:
                     break
         return out
 
     async def _range(self, prefix: str, lo: str, hi: str | None, depth: int) -> list[RawEntry]:
         """A key range's first page from ``lo`` (``startFrom``), then :meth:`_piece` for the rest."""
         page, _, marker = await self.everything(prefix, pages=1, start_from=lo)
-        out = [entry for entry in page if in_piece(entry.name, lo, hi)]
-        if not marker or (page and hi is not None and page[-1].name > hi):
-            return out
-        last = page[-1].name if page else lo
         names = [entry.name for entry in page]
-        return out + await self._piece(prefix, names, max(last, lo), hi, marker, depth + 1)
+        if names and (order(names[0]) < order(lo) or not ascending(names)):
+            raise _OutOfOrder  # startFrom ignored here, or another order
+        out = [entry for entry in page if in_piece(entry.name, lo, hi)]
+        if not marker or (names and hi is not None and order(names[-1]) > order(hi)):
+            return out
+        after = names[-1] if names and order(names[-1]) > order(lo) else lo
+        return out + await self._piece(prefix, names, after, hi, marker, depth + 1)
 
     async def takes_start_from(self, prefix: str, name: str) -> bool:
         """Whether the service lists from a given name (``startFrom``, service version
         2026-02-06 on): one call for one blob from ``name``, remembered for the listing. One
         that ignores it answers with the directory's first blob, before ``name``; one that
-        refuses the version or the parameter answers 400."""
-        if self.start_from is None:
-            query = [("restype", "container"), ("comp", "list"), ("maxresults", "1"), ("prefix", prefix),
-                     ("startFrom", name)]  # fmt: skip
-            url = f"{self.source.container_url}?" + "&".join(f"{k}={quote(v, safe='')}" for k, v in query)
-            status, _, body = await self._call("GET", url, ok=(200, 400), listing=True, version=START_FROM_VERSION)
-            page = parse_page(body)[0] if status == 200 else None
-            self.start_from = page is not None and (not page or page[0].name >= name)
+        refuses the version or the parameter answers 400; an empty answer tells nothing, and
+        counts as no."""
+        async with self.probe:
+            if self.start_from is None:
+                query = [("restype", "container"), ("comp", "list"), ("maxresults", "1"), ("prefix", prefix),
+                         ("startFrom", name)]  # fmt: skip
+                url = f"{self.source.container_url}?" + "&".join(f"{k}={quote(v, safe='')}" for k, v in query)
+                status, _, body = await self._call("GET", url, ok=(200, 400), listing=True, version=START_FROM_VERSION)
+                page = parse_page(body)[0] if status == 200 else []
+                self.start_from = bool(page) and order(page[0].name) >= order(name)
         return self.start_from
 
     async def _call(

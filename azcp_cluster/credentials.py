@@ -311,7 +311,7 @@ class Authorizer:
                 start,
                 start + MINTED_SAS_LIFETIME,
             )
-        except binascii.Error:
+        except (binascii.Error, ValueError):  # not base64, or not even ASCII
             raise UsageError(f"cannot use the account key from {self.credential.origin}: it is not base64") from None
 
 

@@ -206,7 +206,7 @@ class DestTree:
                         raise
             finally:
                 os.close(dfd)
-            return 1 + len(entries)  # the system calls made
+            return len(folder) + 1 + len(entries)  # the system calls made: the opens, the stats
 
         with CallPool() as calls:
             calls.map(stat_batch, batches, calls=int)

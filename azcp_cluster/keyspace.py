@@ -13,17 +13,32 @@ prefix, the characters after the page's last one in the alphabet the page shows 
 so on: pieces that are empty cost a call each, pieces still too large are cut again (the
 listing does that, with its next page). Whatever the guesses, the pieces together are the
 whole range, each name in exactly one (:func:`in_piece`), so the listing is complete and
-the same as a listing in one go.
+the same as a listing in one go, as long as the service orders names as :func:`order`
+does: the listing checks every page against it (:func:`ascending`) and lists the directory
+page after page if one is not (a hierarchical-namespace account lists in tree order).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 DIGITS = "0123456789"
 LOWER = "abcdefghijklmnopqrstuvwxyz"
 UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 PRINTABLE = "".join(chr(c) for c in range(0x21, 0x7F))
+
+
+def order(name: str) -> bytes:
+    """The sort key of a name as the service sorts them: by UTF-16 code unit (as JavaScript,
+    and Azure Storage, compare strings), which differs from code point order for characters
+    from U+10000 on against those from U+E000 to U+FFFF."""
+    return name.encode("utf-16-be", "surrogatepass")
+
+
+def ascending(names: Sequence[str]) -> bool:
+    """Whether ``names`` are strictly ascending in :func:`order` (a page as we expect it)."""
+    return all(a < b for a, b in pairwise(order(name) for name in names))
 
 
 def _common(a: str, b: str) -> int:
@@ -68,8 +83,8 @@ def cut_points(prefix: str, names: Sequence[str], hi: str | None, most: int) -> 
     ascending, at which to start listings of the rest of a range whose page held ``names``
     (ascending).
 
-    Names order as the service orders them, by code point (Python's ``str`` order); the cuts
-    all begin with ``prefix`` (the directory's), so no piece reaches outside it. At each
+    Names compare as the service orders them (:func:`order`); the cuts all begin with
+    ``prefix`` (the directory's), so no piece reaches outside it. At each
     position the cut characters are those after the last name's in the alphabet the page's
     names show there (:func:`alphabet_of`); a position whose character belongs to the
     alphabet of the position after it (the same token: ``0fffe1`` is hex to its start) takes
@@ -78,6 +93,7 @@ def cut_points(prefix: str, names: Sequence[str], hi: str | None, most: int) -> 
     if most <= 0 or not names or not names[-1].startswith(prefix):
         return []
     last = names[-1]
+    last_key, hi_key = order(last), None if hi is None else order(hi)
     differ = _common(names[0], last)
     sample = names[:: max(1, len(names) // SAMPLE)]
     cuts: list[str] = []
@@ -90,14 +106,16 @@ def cut_points(prefix: str, names: Sequence[str], hi: str | None, most: int) -> 
         head = last[:at]
         for char in alphabet[alphabet.index(last[at]) + 1 :] if last[at] in alphabet else ():
             cut = head + char
-            if cut > last and (hi is None or cut < hi) and len(cuts) < most:
+            key = order(cut)
+            if key > last_key and (hi_key is None or key < hi_key) and len(cuts) < most:
                 cuts.append(cut)
-    return sorted(set(cuts))
+    return sorted(set(cuts), key=order)
 
 
 def in_piece(name: str, lo: str | None, hi: str | None) -> bool:
     """Whether ``name`` belongs to the piece after cut ``lo`` up to cut ``hi`` (both None at
-    the ends): ``lo < name <= hi``. A name equal to a cut is the piece's before it, which
-    reads on past the cut, so a service that starts at the cut itself or just after it gives
-    the same pieces."""
-    return (lo is None or name > lo) and (hi is None or name <= hi)
+    the ends): ``lo < name <= hi`` in :func:`order`. A name equal to a cut is the piece's
+    before it, which reads on past the cut, so a service that starts at the cut itself or
+    just after it gives the same pieces."""
+    key = order(name)
+    return (lo is None or key > order(lo)) and (hi is None or key <= order(hi))

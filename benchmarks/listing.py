@@ -90,7 +90,7 @@ def _clone(location: str, container: str, blobs: int, dirs: int) -> None:
     # write each one: the documents' positions ordered by the field (JavaScript compares
     # strings by UTF-16 code unit, hence the key; ties in any order, as binary search allows).
     for field, index in coll["binaryIndices"].items():
-        key = [str(doc.get(field, "")).encode("utf-16-be") for doc in coll["data"]]
+        key = [("" if doc.get(field) is None else str(doc[field])).encode("utf-16-be") for doc in coll["data"]]
         index["dirty"], index["values"] = False, sorted(range(len(key)), key=key.__getitem__)
     tmp = db_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(db))

@@ -40,6 +40,19 @@ def _lean(url: str, key_env: dict[str, str]) -> object:
     return bloblist.list_blobs(source, auth, Config(source=url, dest="/tmp/unused"))
 
 
+def _count_fallbacks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record each time a key-range listing gives up for page after page (_OutOfOrder)."""
+    seen: list[int] = []
+
+    class Counted(bloblist._OutOfOrder):
+        def __init__(self) -> None:
+            seen.append(1)
+            super().__init__()
+
+    monkeypatch.setattr(bloblist, "_OutOfOrder", Counted)
+    return seen
+
+
 def _sdk(emulator: azurite.Emulator, url: str) -> object:
     source = parse_blob_url(url)
     auth = Authorizer(source, resolve_credential(source, emulator.key_env(), "auto"), time.time)
@@ -52,9 +65,10 @@ def test_a_huge_directory_in_key_ranges_is_the_sdks_listing(
 ) -> None:
     monkeypatch.setattr(bloblist, "PAGE", 20)  # 480 blobs: 24 pages in one go, many ranges here
     monkeypatch.setattr(bloblist, "SPLIT", 6)
+    fallbacks = _count_fallbacks(monkeypatch)
     with FaultProxy(emulator, [], start_from=True) as proxy:
         lean = _lean(proxy.url(container, prefix), emulator.key_env())
-    assert lean == _sdk(emulator, emulator.url(container, prefix))
+    assert lean == _sdk(emulator, emulator.url(container, prefix)) and fallbacks == []
     assert len(lean.files) == len(NAMES)  # type: ignore[attr-defined]
     # The probe, then ranges; ranges cut again (more than one split's worth).
     assert len(proxy.started_from) > 6 + 1 and proxy.errors == []
@@ -76,3 +90,33 @@ def test_a_directory_of_one_page_is_never_cut(
     with FaultProxy(emulator, [], start_from=True) as proxy:
         lean = _lean(proxy.url(container, "flat/"), emulator.key_env())
     assert len(lean.files) == len(NAMES) and proxy.started_from == []  # type: ignore[attr-defined]
+
+
+def test_names_the_service_orders_by_utf16_code_unit_are_all_listed(
+    emulator: azurite.Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # U+FF01 sorts after U+1F600 by UTF-16 code unit (the emulator's order, and Azure's), but
+    # before it by code point: pieces compared in Python's order would drop one or the other.
+    container = "utf16" + uuid.uuid4().hex[:12]
+    names = [f"d/\U0001f600{i:04d}" for i in range(90)] + [f"d/\uff01{i}" for i in range(10)] + ["d/\uffee"]
+    azurite.upload(emulator, container, {n: b"u" for n in names})
+    monkeypatch.setattr(bloblist, "PAGE", 10)
+    monkeypatch.setattr(bloblist, "SPLIT", 4)
+    fallbacks = _count_fallbacks(monkeypatch)
+    with FaultProxy(emulator, [], start_from=True) as proxy:
+        lean = _lean(proxy.url(container, "d/"), emulator.key_env())
+    assert lean == _sdk(emulator, emulator.url(container, "d/")) and len(lean.files) == len(names)  # type: ignore[attr-defined]
+    # In key ranges all the way: the pages were in the order the pieces assume.
+    assert len(proxy.started_from) > 1 and fallbacks == []
+
+
+def test_a_service_that_stops_taking_start_from_is_listed_again_page_after_page(
+    emulator: azurite.Emulator, container: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bloblist, "PAGE", 20)
+    monkeypatch.setattr(bloblist, "SPLIT", 6)
+    fallbacks = _count_fallbacks(monkeypatch)
+    with FaultProxy(emulator, [], start_from=True, start_from_served=3) as proxy:  # the probe and two ranges
+        lean = _lean(proxy.url(container, "flat/"), emulator.key_env())
+    assert lean == _sdk(emulator, emulator.url(container, "flat/"))
+    assert len(proxy.started_from) > 3 and proxy.errors == [] and fallbacks

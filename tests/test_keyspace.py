@@ -91,3 +91,13 @@ def test_the_pieces_are_the_rest_of_the_range_each_name_once(
     for i, piece in enumerate(pieces):
         if piece and i:
             assert bisect_right(rest, cuts[i - 1]) == rest.index(piece[0])
+
+
+def test_names_order_by_utf16_code_unit_as_the_service_orders_them() -> None:
+    from azcp_cluster.keyspace import ascending, order
+
+    assert order("\uff01") > order("\U0001f600")  # a code point order says the opposite
+    assert "\uff01" < "\U0001f600"
+    assert ascending(["d/a", "d/\U0001f600", "d/\uff01"]) and not ascending(["d/a", "d/\uff01", "d/\U0001f600"])
+    assert not ascending(["d/a", "d/a"])  # strictly
+    assert in_piece("d/\uff01", "d/\U0001f600", None) and not in_piece("d/\U0001f600", "d/\uff01", None)

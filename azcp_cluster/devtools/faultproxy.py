@@ -114,7 +114,14 @@ class _Request:
 class FaultProxy:
     """The proxy: a context manager that starts it on entry and stops it on exit."""
 
-    def __init__(self, emulator: Emulator, rules: list[Rule], account: str = ACCOUNT, start_from: bool = False) -> None:
+    def __init__(
+        self,
+        emulator: Emulator,
+        rules: list[Rule],
+        account: str = ACCOUNT,
+        start_from: bool = False,
+        start_from_served: int | None = None,
+    ) -> None:
         self.upstream = (emulator.host, emulator.port)
         self.rules = rules
         self.account = account
@@ -122,6 +129,9 @@ class FaultProxy:
         # ``start_from``, served as the emulator's marker (the name to list after: the same
         # pieces for a client that, as ours, counts a name equal to a cut in the piece before).
         self.start_from = start_from
+        # A fault: only the first ``start_from_served`` startFroms served, the later ones
+        # passed on to the emulator, which ignores them (a service that takes it, then not).
+        self.start_from_served = start_from_served
         self.started_from: list[str] = []  # the startFrom of every listing that had one, served or not
         self.port = 0
         self.log: list[Seen] = []  # every request, in the order they were answered
@@ -225,7 +235,8 @@ class FaultProxy:
         if not start:
             return request
         self.started_from.append(start[0])
-        if not self.start_from:
+        served = self.start_from_served
+        if not self.start_from or (served is not None and len(self.started_from) > served):
             return request
         has_marker = any(name == "marker" for name, _ in query)
         kept = [(name, value) for name, value in query if name != "startFrom"]

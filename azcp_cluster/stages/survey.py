@@ -165,22 +165,27 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
         folders = bloblist.unique(chain(folders, chain.from_iterable(level for level, _ in gathered_levels)))
         levels = []
     outcome = StageOutcome()
-    part = Selected([], 0, 0)
     with cluster.stage(outcome), cluster.abandonable():
         entries += bloblist.list_folders(source, place.auth, cfg, mine(bloblist.unique(folders + flat)))
-        # The rules that look at one blob at a time, on each rank's own part while the others
-        # still list; every rank then merges the same parts into the same listing.
-        part = prefilter(source.prefix, chain(here, entries), cfg.include, cfg.exclude)
+    # The rules that look at one blob at a time, on each rank's own part (while the others
+    # still list); every rank then merges the same parts into the same listing. A listing
+    # that failed somewhere is reported before any name a rank found unsafe.
+    named = StageOutcome()
+    part = Selected([], 0, 0)
+    if outcome.error is None:
+        with cluster.stage(named):
+            part = prefilter(source.prefix, chain(here, entries), cfg.include, cfg.exclude)
     # Compressed: names share their prefixes (a tenth of the pickle), and the parts' total
     # stays far below MPI's 2 GiB count for tens of millions of blobs.
     packed = zlib.compress(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL), 1)
     cluster.settle()  # the ranks done first wait without spinning a core
-    parts = cluster.allgather((packed, error_payload(outcome.error) if outcome.error else None))
-    failure = next((err for _, err in parts if err is not None), None)
+    parts = cluster.allgather((packed, *(error_payload(o.error) if o.error else None for o in (outcome, named))))
+    failure = next((err for _, err, _ in parts if err is not None), None)
+    failure = failure or next((err for _, _, err in parts if err is not None), None)
     if failure is not None:
         raise error_from_payload(failure)
-    # An unsafe or colliding name: the same one line on every rank, as ever.
-    return merge([pickle.loads(zlib.decompress(packed)) for packed, _ in parts])
+    # A colliding name: the same one line on every rank, as ever.
+    return merge([pickle.loads(zlib.decompress(packed)) for packed, _, _ in parts])
 
 
 def _listed(ctx: RunContext, listing: Listing, single: bool, seconds: float) -> Listed:
