@@ -37,6 +37,8 @@ from azcp_cluster.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_afte
 from azcp_cluster.source import API_VERSION, BlobSource
 from azcp_cluster.tls import ssl_context
 
+T = TypeVar("T")
+
 PAGE = 5000  # the most List Blobs returns at once
 IN_FLIGHT = 8  # directories listed at once
 MAX_DESCENT = 4  # levels below the top listed with the delimiter to find more directories
@@ -172,7 +174,7 @@ def list_start(source: BlobSource, auth: Authorizer, cfg: Config, parallel: int)
                 return Start(select(prefix, exact, (), cfg.include, cfg.exclude), [], [], [], 0)
         top_prefix = directory_prefix(prefix)
         entries, top, marker = await lister.everything(top_prefix, delimiter="/", pages=1)
-        if marker and not top:  # one huge directory, it seems: flat, in key ranges
+        if marker and not top and entries:  # one huge directory, it seems: flat, in key ranges
             return Start(None, [], [], [], 0, [top_prefix])
         if marker:
             more_entries, more_top, _ = await lister.everything(top_prefix, delimiter="/", marker=marker)
@@ -197,7 +199,7 @@ def list_start(source: BlobSource, auth: Authorizer, cfg: Config, parallel: int)
             below: list[str] = []
             continuing = []
             for folder, (found, more, marker) in zip(big, pages, strict=True):
-                if marker and not more:
+                if marker and not more and found:
                     flat.append(folder)  # blobs only, so far: the whole of it flat (this page again)
                     continue
                 entries += found
@@ -254,15 +256,36 @@ async def _each(
                 return await lister.level(folder)
             return await lister.everything(folder, delimiter=delimiter, marker=marker, pages=pages, size=size)
 
-    return list(await asyncio.gather(*(one(f, m) for f, m in folders)))
+    return await _all(*(one(f, m) for f, m in folders))
+
+
+async def _all(*awaitables: Awaitable[T]) -> list[T]:
+    """``asyncio.gather``, but one failure cancels the others: no request of a listing that
+    has failed, or fallen back, goes on using the connections."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _keep(page: list[RawEntry], lo: str, hi: str | None, dropped: list[str]) -> list[RawEntry]:
+    """The blobs of ``page`` in the piece (lo, hi]; the names of the others go to ``dropped``."""
+    kept = []
+    for entry in page:
+        if in_piece(entry.name, lo, hi):
+            kept.append(entry)
+        else:
+            dropped.append(entry.name)
+    return kept
 
 
 def finish(source: BlobSource, cfg: Config, here: Iterable[RawEntry], parts: Iterable[Iterable[RawEntry]]) -> Listing:
     """The listing from its pieces, after the prefix, marker, filter and safety rules (in name order)."""
     return select(source.prefix, None, chain(here, *parts), cfg.include, cfg.exclude)
-
-
-T = TypeVar("T")
 
 
 def _run(source: BlobSource, auth: Authorizer, cfg: Config, work: Callable[[_Lister], Awaitable[T]]) -> T:
@@ -376,7 +399,7 @@ class _Lister:
         first page holds blobs only, with more pages to come, is listed flat instead
         (:meth:`flat`: in key ranges where it can), which holds no directory to list."""
         entries, folders, marker = await self.everything(prefix, delimiter="/", pages=1)
-        if marker and not folders:
+        if marker and not folders and entries:
             return await self.flat(prefix), [], ""
         if marker:
             more, below, _ = await self.everything(prefix, delimiter="/", marker=marker)
@@ -395,28 +418,38 @@ class _Lister:
             return entries
         names = [entry.name for entry in entries]
         if names and ascending(names) and await self.takes_start_from(prefix, names[-1]):
+            dropped: list[str] = []  # names a piece read but left to another
             try:
-                return entries + await self._piece(prefix, names, names[-1], None, marker, 1)
+                found = entries + await self._piece(prefix, names, names[-1], None, marker, 1, dropped)
+                kept = {entry.name for entry in found}
+                if all(name in kept for name in dropped):
+                    return found
+                # A name no piece kept: the service's order is not ours across a cut (a
+                # tree-ordered account puts "a/x" before "a-b"). Nothing may be lost.
             except _OutOfOrder:
-                self.start_from = False  # for the rest of this listing too
-                return (await self.everything(prefix))[0]
+                pass
+            self.start_from = False  # for the rest of this listing too
         rest, _, _ = await self.everything(prefix, marker=marker)
         return entries + rest
 
     async def _piece(
-        self, prefix: str, names: list[str], lo: str, hi: str | None, marker: str, depth: int
+        self, prefix: str, names: list[str], lo: str, hi: str | None, marker: str, depth: int, dropped: list[str]
     ) -> list[RawEntry]:
         """The blobs of the range after ``lo`` up to ``hi`` (keyspace.in_piece), from
         ``marker``; cut again, at once, while a page ends before ``hi`` (``names``: the page
         before, whose names the cuts are guessed from), down to :data:`MAX_SPLIT` levels.
-        Raises :class:`_OutOfOrder` where the service's order is not keyspace.order's."""
+        Raises :class:`_OutOfOrder` where the service's order is not keyspace.order's; adds
+        to ``dropped`` the names it read that are another piece's."""
         low = order(lo)
         cuts = [c for c in cut_points(prefix, names, hi, SPLIT) if order(c) > low] if depth <= MAX_SPLIT else []
         if cuts:
             bounds: list[str | None] = [lo, *cuts, hi]
-            pieces = await asyncio.gather(
-                self._piece(prefix, [], lo, cuts[0], marker, MAX_SPLIT + 1),  # from its marker, uncut
-                *(self._range(prefix, cast(str, bounds[i]), bounds[i + 1], depth) for i in range(1, len(bounds) - 1)),
+            pieces = await _all(
+                self._piece(prefix, [], lo, cuts[0], marker, MAX_SPLIT + 1, dropped),  # from its marker, uncut
+                *(
+                    self._range(prefix, cast(str, bounds[i]), bounds[i + 1], depth, dropped)
+                    for i in range(1, len(bounds) - 1)
+                ),
             )
             return list(chain.from_iterable(pieces))
         out: list[RawEntry] = []
@@ -427,24 +460,29 @@ class _Lister:
             keys = [order(entry.name) for entry in page]
             if keys and (keys[0] <= last or not ascending([entry.name for entry in page])):
                 raise _OutOfOrder  # a page that goes back: not our order (or never a loop)
-            out += [entry for entry in page if in_piece(entry.name, lo, hi)]
+            out += _keep(page, lo, hi, dropped)
             if keys:
                 last = keys[-1]
                 if high is not None and last > high:
                     break
         return out
 
-    async def _range(self, prefix: str, lo: str, hi: str | None, depth: int) -> list[RawEntry]:
+    async def _range(self, prefix: str, lo: str, hi: str | None, depth: int, dropped: list[str]) -> list[RawEntry]:
         """A key range's first page from ``lo`` (``startFrom``), then :meth:`_piece` for the rest."""
-        page, _, marker = await self.everything(prefix, pages=1, start_from=lo)
+        try:
+            page, _, marker = await self.everything(prefix, pages=1, start_from=lo)
+        except _Refused as exc:
+            if exc.status == 400:  # took the probe, refuses this one: page after page
+                raise _OutOfOrder from None
+            raise
         names = [entry.name for entry in page]
         if names and (order(names[0]) < order(lo) or not ascending(names)):
             raise _OutOfOrder  # startFrom ignored here, or another order
-        out = [entry for entry in page if in_piece(entry.name, lo, hi)]
+        out = _keep(page, lo, hi, dropped)
         if not marker or (names and hi is not None and order(names[-1]) > order(hi)):
             return out
         after = names[-1] if names and order(names[-1]) > order(lo) else lo
-        return out + await self._piece(prefix, names, after, hi, marker, depth + 1)
+        return out + await self._piece(prefix, names, after, hi, marker, depth + 1, dropped)
 
     async def takes_start_from(self, prefix: str, name: str) -> bool:
         """Whether the service lists from a given name (``startFrom``, service version

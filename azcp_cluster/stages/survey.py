@@ -173,7 +173,7 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
     named = StageOutcome()
     part = Selected([], 0, 0)
     if outcome.error is None:
-        with cluster.stage(named):
+        with cluster.stage(named), cluster.abandonable():
             part = prefilter(source.prefix, chain(here, entries), cfg.include, cfg.exclude)
     # Compressed: names share their prefixes (a tenth of the pickle), and the parts' total
     # stays far below MPI's 2 GiB count for tens of millions of blobs.
