@@ -23,6 +23,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
+from functools import lru_cache
 from itertools import chain
 from typing import Any, TypeVar, cast
 from urllib.parse import quote, unquote
@@ -105,9 +106,16 @@ def _entry(item: ET.Element) -> RawEntry:
         size=int(props.findtext("Content-Length") or 0),
         etag=props.findtext("Etag") or "",  # as the SDK's listing gives it (no quotes)
         content_md5=props.findtext("Content-MD5") or "",
-        last_modified=parsedate_to_datetime(modified).timestamp() if modified else 0.0,
+        last_modified=_timestamp(modified) if modified else 0.0,
         is_folder=folder,
     )
+
+
+@lru_cache(maxsize=4096)
+def _timestamp(http_date: str) -> float:
+    """An HTTP date as seconds; cached, since the blobs of a page share their few dates (a
+    third of the parse's time per blob, uncached)."""
+    return parsedate_to_datetime(http_date).timestamp()
 
 
 def list_blobs(source: BlobSource, auth: Authorizer, cfg: Config) -> Listing:
