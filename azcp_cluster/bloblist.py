@@ -6,7 +6,9 @@ directly: one listing with the ``/`` delimiter for the top of the prefix (the bl
 its virtual directories); while there are too few directories to keep several listings in
 flight (a prefix holding ``train/`` alone), they are listed a level down with the delimiter
 too (:func:`descend`); then every directory is listed flat, :data:`IN_FLIGHT` at once, each
-page of up to 5,000 blobs parsed by ``xml.etree.ElementTree`` (expat, in C). The rules (the
+page of up to 5,000 blobs parsed by ``xml.etree.ElementTree`` (expat, in C). One huge
+directory is listed in key ranges at once where the service takes ``startFrom``
+(keyspace.py), and page after page where it does not. The rules (the
 prefix as a directory, markers, filters, unsafe or colliding names) are naming.select's, as
 for the SDK's listing; only where the entries come from differs.
 
@@ -172,7 +174,9 @@ def list_start(source: BlobSource, auth: Authorizer, cfg: Config, parallel: int)
     whole listing, done), else the prefix's top with the delimiter; then, while
     :func:`descend` says so, a level down, each directory's first page only. A small listing
     ends here, on one rank (no rounds between ranks for a thousand blobs); a directory with
-    more than a page stops it, and the rest is shared out."""
+    more than a page stops it, and the rest is shared out. A directory of more than a page
+    whose first shows blobs only (or a prefix that is one) goes to ``flat``: listed flat, in
+    key ranges where the service can (:meth:`_Lister.flat`)."""
 
     async def start(lister: _Lister) -> Start:
         prefix = source.prefix
