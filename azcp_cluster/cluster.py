@@ -136,8 +136,14 @@ class Cluster:
         if outcome.error is None:
             outcome.error = self.interrupted()
 
-    def conclude(self, started: float, outcome: StageOutcome) -> StageResult:
-        """End a stage on every rank: raise the agreed error, or return times and counters."""
+    def conclude(
+        self, started: float, outcome: StageOutcome, record: Callable[[StageResult], None] | None = None
+    ) -> StageResult:
+        """End a stage on every rank: raise the agreed error, or return times and counters.
+
+        ``record`` takes the gathered times and counters before either: a failed stage's
+        figures so far (bytes, retries) still reach the report.
+        """
         elapsed = self.clock() - started
 
         def interrupted_while_waiting() -> None:
@@ -153,10 +159,13 @@ class Cluster:
         payload = error_payload(outcome.error) if outcome.error is not None else None
         gathered = self.comm.allgather((elapsed, payload, outcome.stats, outcome.notified))
         self._drain_signals([g[3] for g in gathered])
+        result = StageResult(seconds=max(g[0] for g in gathered), stats=[g[2] for g in gathered])
+        if record is not None:
+            record(result)
         errors = [g[1] for g in gathered if g[1] is not None]
         if errors:
             raise error_from_payload(errors[0])
-        return StageResult(seconds=max(g[0] for g in gathered), stats=[g[2] for g in gathered])
+        return result
 
     def settle(self, between: Callable[[], None] | None = None) -> None:
         """Wait until every rank has arrived, napping instead of spinning a core.

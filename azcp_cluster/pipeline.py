@@ -8,6 +8,7 @@ order and the two printed outputs (the dry run's plan and the report).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -58,11 +59,15 @@ def run(
     cluster = Cluster(comm, clock, interrupts)  # interrupts: the CLI's SIGINT/SIGTERM recorder
     report = Report(ranks=cluster.size, dry_run=cfg.dry_run)
     started = clock()
+    if interrupts is not None and cluster.rank == 0 and cfg.json_path:
+        interrupts.on_first = _report_at_signal(report, cfg.json_path, clock, started)
     ctx = RunContext(cfg, cluster, report, env, wall, out, host or socket.gethostname(), started, credential)
     try:
         execute(ctx)
     except AzcpError as exc:
         report.stages["total"].seconds = clock() - started
+        if cluster.rank == 0:  # the lines of the stages it reached, then the error line (the CLI's)
+            _print_lines(report_lines(report, failed=True), out)
         raise _attach(exc, report) from None
     finally:
         try:
@@ -71,6 +76,29 @@ def run(
         finally:
             ctx.heap.end()  # what the run froze goes back to the collector
     return report
+
+
+def _report_at_signal(report: Report, path: str, clock: Callable[[], float], started: float) -> Callable[[int], None]:
+    """What rank 0 does at its first SIGINT or SIGTERM: write the JSON report as it stands, with the signal's code.
+
+    The ranks then agree to stop and rank 0 writes the report again, but a launcher may kill
+    every rank first (MPICH's mpiexec at a second Ctrl-C, Open MPI's 0.25 s after its SIGTERM);
+    the report on disk then still says how the run ended. Runs in the signal handler.
+    """
+    import copy
+
+    from azcp_cluster import localfs  # noqa: F401  (imported now, never first inside a signal handler)
+    from azcp_cluster.interrupts import signal_error
+
+    def write(signum: int) -> None:
+        error = signal_error(signum, 0)
+        snapshot = copy.deepcopy(report)
+        snapshot.exit_code, snapshot.error = error.exit_code, error.one_line()
+        snapshot.stages["total"].seconds = clock() - started
+        with contextlib.suppress(OSError):
+            snapshot.write_json(path)
+
+    return write
 
 
 def execute(ctx: RunContext) -> None:
@@ -110,6 +138,7 @@ def execute(ctx: RunContext) -> None:
     # Before the rename: a mismatch leaves no final name.
     verified = finish.verify(ctx, place, moved) if cfg.verify else {}
     finish.rename(ctx, place, moved)
+    ctx.cluster.interrupts.seal()  # every file is in place: a signal from now on does not undo the copy
     finish.record(ctx, place, moved, verified)
     print_report(ctx)
 
@@ -138,8 +167,16 @@ def print_plan(ctx: RunContext, transfer: list[int], plan: Plan) -> None:
 def print_report(ctx: RunContext) -> None:
     """The report's lines, on rank 0 (after the total time is set on every rank)."""
     ctx.report.stages["total"].seconds = ctx.cluster.clock() - ctx.started
-    if ctx.rank != 0:
-        return
-    for line in report_lines(ctx.report):
-        print(line, file=ctx.out)
-    ctx.out.flush()
+    if ctx.rank == 0:
+        _print_lines(report_lines(ctx.report), ctx.out)
+
+
+def _print_lines(lines: list[str], out: TextIO) -> None:
+    """The report's lines on ``out``; a reader that went away (``| head``, a dead ``tee``) loses them, nothing more.
+
+    A closed pipe must not turn a finished copy into a failure.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        for line in lines:
+            print(line, file=out)
+        out.flush()

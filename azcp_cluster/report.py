@@ -136,8 +136,27 @@ def _s(count: int) -> str:
     return "" if count == 1 else "s"
 
 
-def report_lines(report: Report) -> list[str]:
-    """The stable report lines (a contract: scripts parse them)."""
+def report_lines(report: Report, failed: bool = False) -> list[str]:
+    """The stable report lines (a contract: scripts parse them).
+
+    ``failed``: the run stopped early; only the lines of the stages it reached (their figures
+    so far), the retries and ``[total]``.
+    """
+    lines = _lines(report)
+    if not failed:
+        return lines
+    st = report.stages
+    reached = {
+        "[cluster] ": report.nodes > 0,
+        "[list] ": st["list"].seconds > 0,
+        "[diff] ": st["diff"].seconds > 0,
+        "[download] ": st["download"].seconds > 0 or report.downloaded_bytes > 0,
+        "[bcast] ": st["bcast"].seconds > 0 or report.broadcast_bytes > 0,
+    }
+    return [line for line in lines if reached.get(line[: line.index(" ") + 1], True)]
+
+
+def _lines(report: Report) -> list[str]:
     st = report.stages
     lines = [
         f"[cluster] {report.nodes} node{_s(report.nodes)}, {report.ranks} rank{_s(report.ranks)}, "

@@ -106,10 +106,10 @@ def test_an_uninstalled_recorder_never_fires() -> None:
 def test_a_keyboard_interrupt_before_mpi_exits_130_with_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    def interrupted() -> None:
+    def interrupted(self: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_comm", interrupted)
+    monkeypatch.setattr(cli._Runtime, "comm", interrupted)
     for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
     assert cli.main([str(tmp_path), str(tmp_path / "d")]) == 130
