@@ -128,21 +128,55 @@ def choose_readers(sees: Sequence[bool], places: Sequence[tuple[str, str]], coun
 
 
 AUTO_WORKERS_MAX = 8  # auto never starts more download workers than this per rank
-BYTES_PER_WORKER = 256 * 1024 * 1024  # auto: one worker per this much of the rank's share
+# Auto: below this share, workers cannot pay for their start (WORKER_START_SECONDS) even if
+# they were infinitely fast, at the slowest rate a rank downloads at (HTTPS on a slow core).
+AUTO_MIN_SHARE = 128 * 1024 * 1024
+# Auto (handover_workers): a rank that keeps this many cores busy while it downloads alone is
+# CPU-bound (the event loop, TLS); below it, the network or the server sets the pace and more
+# processes would only fight over it.
+CPU_BOUND = 0.85
+# What handing the rest to workers costs: the rank's requests in flight drain, then the workers
+# start (an interpreter each, its imports, its buffers mapped) and connect. Measured here at
+# 0.3 to 0.45 s on 2 cores; counted at the high end.
+WORKER_START_SECONDS = 0.5
+# Workers must be predicted to finish in at most this share of the time the rank alone would:
+# the prediction assumes each worker goes as fast as the rank did, which the network may not allow.
+HANDOVER_GAIN = 0.8
 
 
 def workers_for(requested: int | None, cpus: int, sharing: int, share: int) -> int:
-    """How many download worker processes a rank uses (1: the rank downloads itself).
+    """How many download worker processes a rank may use (1: the rank downloads itself).
 
-    ``requested``: ``--download-workers`` (None: auto). Auto: the ``cpus`` the rank may use over
-    the ``sharing`` ranks that download with them, at most :data:`AUTO_WORKERS_MAX`, and no more than one per
-    :data:`BYTES_PER_WORKER` of its ``share`` (a small share is not worth the processes'
-    start). Never more workers than there is a share to split.
+    ``requested``: ``--download-workers N``, used as given. Auto (None): the most it may start,
+    should it find that they pay (:func:`handover_workers`): the ``cpus`` it may use over the
+    ``sharing`` ranks that download with them, at most :data:`AUTO_WORKERS_MAX`; 1 for a share
+    under :data:`AUTO_MIN_SHARE`, which workers cannot shorten.
     """
     if share <= 0:
         return 1
     if requested is not None:
         return max(1, requested)
-    per_rank = max(1, cpus // max(1, sharing))
-    by_share = max(1, -(-share // BYTES_PER_WORKER))
-    return max(1, min(per_rank, AUTO_WORKERS_MAX, by_share))
+    if share < AUTO_MIN_SHARE:
+        return 1
+    return max(1, min(cpus // max(1, sharing), AUTO_WORKERS_MAX))
+
+
+def handover_workers(left: int, rate: float, own: float, idle: float | None, sharing: int, most: int) -> int:
+    """Auto download workers: how many to hand the rest of a rank's download to (0: the rank keeps it).
+
+    Measured while the rank downloaded alone: ``rate`` (bytes per second), ``own`` (the cores the
+    rank kept busy) and ``idle`` (the idle cores among those it may use; None: unknown), with
+    ``left`` bytes still to fetch and ``sharing`` downloading ranks on the host. The model: only a
+    CPU-bound rank (``own`` >= :data:`CPU_BOUND`) goes faster on more processes; each worker then
+    goes at ``rate``, on the rank's own core and its part of the idle ones; starting them costs
+    :data:`WORKER_START_SECONDS`. Workers are taken when the predicted time is at most
+    :data:`HANDOVER_GAIN` of the rank's alone: ``start + left / (rate * k) <= gain * left / rate``.
+    """
+    if idle is None or rate <= 0 or left <= 0 or own < CPU_BOUND:
+        return 0
+    k = min(most, int(own + idle / max(1, sharing)))
+    if k < 2:  # one worker is the rank itself, plus a process to start
+        return 0
+    alone = left / rate
+    with_workers = WORKER_START_SECONDS + left / (rate * k)
+    return k if with_workers <= HANDOVER_GAIN * alone else 0

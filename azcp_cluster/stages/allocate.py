@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from azcp_cluster import journal
 from azcp_cluster.broadcast import Broadcaster
 from azcp_cluster.cluster import StageOutcome
+from azcp_cluster.cpus import allowed as allowed_cpus
 from azcp_cluster.localfs import check_space, fs_error
 from azcp_cluster.localsource import source_file
 from azcp_cluster.model import Listing
@@ -98,7 +99,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
             from azcp_cluster.workers import WORKER_MEMORY
 
             cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency) + workers * WORKER_MEMORY)
-        if not ctx.local and mine and workers == 1:
+        if not ctx.local and mine and (workers == 1 or cfg.download_workers is None):  # auto starts alone
             from azcp_cluster.download import WritePool, blocks_for, pool_buffers_for
 
             # Mapped now, with its writer threads started: the download stage then
@@ -162,18 +163,22 @@ def start_journal(ctx: RunContext, listing: Listing, diff: Diff) -> None:
 def download_workers(ctx: RunContext, place: Placement, plan: Plan) -> int:
     """How many worker processes make this rank's ranged GETs (1: the rank itself; topology.workers_for).
 
-    The CPUs are those the rank may use. A rank bound to some of the machine's (Slurm's
-    ``--cpus-per-task``, ``taskset``) has them to itself; one that may use them all shares
-    them with the other downloading ranks on its host.
+    ``--download-workers N``: N. Auto: the most it may start, should they pay (workers.AutoDownloader
+    decides while the rank downloads). Never more than ``--concurrency``.
     """
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    bound = cpus < (os.cpu_count() or cpus)
     share = sum(s.length for s in plan.owned_by(ctx.rank))
-    sharing = 1 if bound else place.downloaders_on_host
-    return min(workers_for(ctx.cfg.download_workers, cpus, sharing, share), ctx.cfg.concurrency)
+    cpus = len(allowed_cpus())
+    return min(workers_for(ctx.cfg.download_workers, cpus, cpus_sharing(place), share), ctx.cfg.concurrency)
+
+
+def cpus_sharing(place: Placement) -> int:
+    """How many downloading ranks share this rank's CPUs.
+
+    A rank bound to some of the machine's CPUs (Slurm's ``--cpus-per-task``, ``taskset``) has
+    them to itself; one that may use them all shares them with the host's other downloaders.
+    """
+    bound = len(allowed_cpus()) < (os.cpu_count() or 1)
+    return 1 if bound else place.downloaders_on_host
 
 
 def prepare_files(

@@ -27,7 +27,7 @@ from azcp_cluster.stages.setup import Placement
 from azcp_cluster.stages.survey import Diff, Listed
 
 if TYPE_CHECKING:
-    from azcp_cluster.download import Downloader
+    from azcp_cluster.download import Downloader, DownloadStats, Fetcher
     from azcp_cluster.workers import WorkerDownloader
 
 
@@ -75,38 +75,49 @@ def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan) -> N
     mine = plan.owned_by(ctx.rank)
     progress = Progress("download", sum(s.length for s in mine), ctx.show_progress)
     with cluster.stage(outcome):
-        stats = None
         if mine:
-            stats = downloader(ctx, place, listed, plan, progress.add).run(blocks_for(mine, ctx.cfg.block_size))
-        if stats is not None:
-            outcome.stats = {
-                "bytes": stats.bytes,
-                "retries": stats.retries,
-                "causes": dict(stats.retry_causes),
-                "refused": stats.direct_refused,
-                "workers": list(stats.worker_bytes),
-            }
+            fetcher = downloader(ctx, place, listed, plan, progress.add)
+            try:
+                fetcher.run(blocks_for(mine, ctx.cfg.block_size))
+            finally:  # what it did, also when it failed: the report has the figures so far
+                outcome.stats = download_figures(fetcher.stats)
     progress.close()
     ctx.close_write_pool()  # its memory is not needed by the fan-out
     ctx.explain_space(outcome)
     if outcome.error is not None:
         cluster.signal_failure(outcome)
-    result = cluster.conclude(t0, outcome)
-    record_download(ctx, result)
-    ctx.report.stages["download"] = StageFigures(result.seconds, ctx.report.downloaded_bytes)
+
+    def record(result: StageResult) -> None:
+        record_download(ctx, result)
+        ctx.report.stages["download"] = StageFigures(result.seconds, ctx.report.downloaded_bytes)
+
+    cluster.conclude(t0, outcome, record)
+
+
+def download_figures(stats: DownloadStats) -> dict[str, Any]:
+    """One rank's download counters, as its stage outcome carries them to the report."""
+    return {
+        "bytes": stats.bytes,
+        "retries": stats.retries,
+        "causes": dict(stats.retry_causes),
+        "refused": stats.direct_refused,
+        "workers": list(stats.worker_bytes),
+    }
 
 
 def downloader(
     ctx: RunContext, place: Placement, listed: Listed, plan: Plan, on_bytes: Callable[[int], None]
-) -> Downloader | WorkerDownloader:
+) -> Fetcher:
     """This rank's downloader for its share of ``plan`` (paced by its share of --max-bandwidth):
-    in the rank itself, or on ``--download-workers`` processes (workers.py)."""
-    from azcp_cluster import workers as processes
+    in the rank itself, on ``--download-workers`` processes, or, auto, in the rank until it finds
+    that processes would shorten the copy (workers.py)."""
+    from azcp_cluster import workers as worker_processes
     from azcp_cluster.download import Downloader
     from azcp_cluster.throttle import Pacer, share
 
     cfg = ctx.cfg
-    assert place.auth is not None
+    auth = place.auth
+    assert auth is not None
     rate = None
     if cfg.max_bandwidth is not None:
         busy = sum(1 for load in plan.loads() if load)  # ranks that download at all
@@ -120,34 +131,41 @@ def downloader(
         if journal is not None:  # every block, once written, to this rank's journal
             journal.written(block.file, block.offset, block.length)
 
-    if workers > 1:
-        return processes.WorkerDownloader(
+    def processes(count: int) -> WorkerDownloader:
+        return worker_processes.WorkerDownloader(
             files,
             ctx.dest,
             tree.made,
             lambda i: files[i].path,
-            place.auth,
+            auth,
             cfg,
-            workers,
+            count,
             peer_failed=ctx.cluster.peer_failed,
             on_bytes=on_bytes,
             on_landed=on_landed,
             rate=rate,
             proxy=place.proxy,
         )
-    pacer = Pacer(rate, burst=cfg.block_size, clock=ctx.cluster.clock) if rate is not None else None
-    return Downloader(
-        files,
-        tree,
-        place.auth,
-        cfg,
-        peer_failed=ctx.cluster.peer_failed,
-        on_bytes=on_bytes,
-        on_landed=on_landed,
-        pacer=pacer,
-        pool=ctx.write_pool,
-        proxy=place.proxy,
-    )
+
+    def alone(handover: Callable[[], bool | None] | None = None) -> Downloader:
+        pacer = Pacer(rate, burst=cfg.block_size, clock=ctx.cluster.clock) if rate is not None else None
+        return Downloader(
+            files,
+            tree,
+            auth,
+            cfg,
+            peer_failed=ctx.cluster.peer_failed,
+            on_bytes=on_bytes,
+            on_landed=on_landed,
+            pacer=pacer,
+            pool=ctx.write_pool,
+            proxy=place.proxy,
+            handover=handover,
+        )
+
+    if workers > 1 and cfg.download_workers is None:
+        return worker_processes.AutoDownloader(alone, processes, workers, allocate.cpus_sharing(place))
+    return processes(workers) if workers > 1 else alone()
 
 
 def record_download(ctx: RunContext, result: StageResult) -> None:
@@ -202,8 +220,11 @@ def stream(
     def since() -> float:
         return cluster.clock() - t0
 
-    def make_downloader() -> Downloader | WorkerDownloader:
-        return downloader(ctx, place, listed, plan, progress.add_download)
+    made: list[Fetcher] = []  # this rank's, once made: its figures, also after a failure
+
+    def make_downloader() -> Fetcher:
+        made.append(downloader(ctx, place, listed, plan, progress.add_download))
+        return made[-1]
 
     with cluster.stage(outcome):
         done = Streamed(0.0)
@@ -228,15 +249,10 @@ def stream(
             digests.update(done.digests or {})
         elif mine:
             done = notify_while_downloading(ctx.group_comm, index, make_downloader, mine, since)
-        stats: dict[str, Any] = {"downloaded": done.downloaded}
-        if done.download is not None:
-            dstats = done.download
-            stats.update(bytes=dstats.bytes, retries=dstats.retries, causes=dict(dstats.retry_causes))
-            stats["workers"] = list(dstats.worker_bytes)
-            stats["refused"] = dstats.direct_refused
-        if done.fanout is not None and done.fanout.direct_refused:
-            stats["refused"] = done.fanout.direct_refused
-        outcome.stats = stats
+    stats: dict[str, Any] = {"downloaded": done.downloaded, **(download_figures(made[0].stats) if made else {})}
+    if done.fanout is not None and done.fanout.direct_refused:
+        stats["refused"] = done.fanout.direct_refused
+    outcome.stats = stats
     progress.close()
     if broadcaster is not None and outcome.error is None:
         # Only after a normal end: leaving early, writes may still be queued on the shared
@@ -248,17 +264,19 @@ def stream(
         feed.finish()
     ctx.close_write_pool()
     ctx.explain_space(outcome)
-    result = cluster.conclude(t0, outcome)
-    record_download(ctx, result)
+
+    def record(result: StageResult) -> None:
+        record_download(ctx, result)
+        report.stages["download"] = StageFigures(
+            max(float(st.get("downloaded", 0.0)) for st in result.stats), report.downloaded_bytes
+        )
+        report.stages["bcast"].seconds += result.seconds
+
     report = ctx.report
-    report.stages["download"] = StageFigures(
-        max(float(st.get("downloaded", 0.0)) for st in result.stats), report.downloaded_bytes
-    )
-    report.overlap = True
+    report.overlap = True  # the mode, reported also when the stage fails
+    cluster.conclude(t0, outcome, record)
     report.broadcast_bytes += total
-    figures = report.stages["bcast"]
-    figures.seconds += result.seconds
-    figures.bytes += total
+    report.stages["bcast"].bytes += total
     return FannedOut((), digests)
 
 
