@@ -198,13 +198,14 @@ def test_a_signal_at_any_instant_ends_the_run_as_documented(
         base = tmp_path / f"run{n}"
         outcome = _run(emulator, container, base, sig, at)
         kind = _check(outcome, sig, base, launcher_signalled=True)
-        kinds.append(f"{signal.Signals(sig).name}@{outcome.sent_at:.2f}:{outcome.status}")
+        json_code = "-" if outcome.report is None else outcome.report["exit_code"]
+        kinds.append(f"{signal.Signals(sig).name}@{outcome.sent_at:.2f}:{outcome.status}/json {json_code}")
         if kind == "stopped" and base.exists():
             rerun = _run(emulator, container, base, None, 0.0)
             assert rerun.status == 0, rerun.out + rerun.err
             assert _copies_complete(base), f"the rerun after {kinds[-1]} left different copies"
     print("outcomes:", ", ".join(kinds))
-    stopped = [k for k in kinds if not k.endswith(":0")]
+    stopped = [k for k in kinds if ":0/" not in k]
     assert len(kinds) >= 20 and stopped, kinds  # some runs really were stopped
 
 
