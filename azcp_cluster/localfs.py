@@ -145,6 +145,35 @@ def _load_syncfs() -> Callable[[int], int] | None:
 _SYNCFS = _load_syncfs()
 
 
+def _load_statfs() -> Callable[[bytes, ctypes.Array[ctypes.c_char]], int] | None:
+    """libc's statfs(2) (Python has only statvfs, which does not say the filesystem's type)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    function = getattr(libc, "statfs64", None) or getattr(libc, "statfs", None)
+    if function is None:
+        return None
+    function.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    function.restype = ctypes.c_int
+    return function  # type: ignore[no-any-return]
+
+
+_STATFS = _load_statfs()
+
+
+def filesystem_type(path: str) -> int | None:
+    """The magic number of the filesystem holding ``path`` (statfs's ``f_type``, links followed),
+    or None where it cannot be had."""
+    if _STATFS is None:
+        return None
+    buf = ctypes.create_string_buffer(512)  # struct statfs is 120 bytes on 64-bit Linux
+    if _STATFS(os.fsencode(path), buf) != 0:
+        return None
+    # f_type is the struct's first member, a long; the magic numbers are 32 bits wide.
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
 def syncfs(fd: int) -> bool:
     """Write back everything cached for the filesystem of ``fd`` (one call for any number of
     files). Returns False where syncfs is not to be trusted (see :func:`_load_syncfs`): the

@@ -117,6 +117,17 @@ def _local_md5(tree: DestTree, rel: str) -> str:
         raise DiffError(f"cannot read the local copy: {exc.strerror or exc}", path=tree.shown(rel)) from None
 
 
+def same_etag(recorded: str, listed: str) -> bool:
+    """``--compare etag``: whether a copy recorded under ``recorded`` is of the version listed.
+
+    Weakly: a local file's weak ETag (``W/``, localsource.py) matches its strong form. A
+    whole copy is then taken for current unless the file changed since, which only a change
+    within the filesystem's timestamp granularity of the recorded one hides (a stale copy,
+    never a torn one; the block journal, which could mix versions, never takes a weak ETag).
+    """
+    return recorded.removeprefix("W/") == listed.removeprefix("W/")
+
+
 def present(tree: DestTree, files: Sequence[FileEntry], mode: str) -> list[bool]:
     """For each file, whether this rank's copy counts as present under ``--compare mode``."""
     if mode == "none":
@@ -127,7 +138,7 @@ def present(tree: DestTree, files: Sequence[FileEntry], mode: str) -> list[bool]
     recorded = load(tree)
     if mode == "etag":
         return [
-            ok and bool(f.etag) and f.path in recorded and recorded[f.path].etag == f.etag
+            ok and bool(f.etag) and f.path in recorded and same_etag(recorded[f.path].etag, f.etag)
             for ok, f in zip(sized, files, strict=True)
         ]
 
