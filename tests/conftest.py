@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,24 @@ def cached_pages(path: Path) -> int:
         vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
         assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
         return sum(v & 1 for v in vec)
+
+
+@contextmanager
+def bind_mount(source: Path, target: Path) -> Iterator[Path]:
+    """``source`` mounted again at ``target`` (``mount --bind``, made if missing), unmounted on
+    the way out whatever happens; the test is skipped where binding is not permitted (not root,
+    no CAP_SYS_ADMIN in a container)."""
+    target.mkdir(parents=True, exist_ok=True)
+    if not shutil.which("mount"):
+        pytest.skip("no mount(8) to make a bind mount with")
+    made = subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        pytest.skip(f"a bind mount is not permitted here: {made.stderr.strip() or made.returncode}")
+    try:
+        yield target
+    finally:
+        if subprocess.run(["umount", str(target)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)  # busy: detach it
 
 
 @dataclass
