@@ -62,19 +62,25 @@ def run(
     if interrupts is not None and cluster.rank == 0 and cfg.json_path:
         interrupts.on_first = _report_at_signal(report, cfg.json_path, clock, started)
     ctx = RunContext(cfg, cluster, report, env, wall, out, host or socket.gethostname(), started, credential)
+    failed: AzcpError | None = None
     try:
         execute(ctx)
     except AzcpError as exc:
-        report.stages["total"].seconds = clock() - started
-        if cluster.rank == 0:  # the lines of the stages it reached, then the error line (the CLI's)
-            _print_lines(report_lines(report, failed=True), out)
-        raise _attach(exc, report) from None
+        failed = _attach(exc, report)
     finally:
         try:
             ctx.close()
             cluster.close()
         finally:
             ctx.heap.end()  # what the run froze goes back to the collector
+        report.stages["total"].seconds = clock() - started
+    # The report once DEST's lock is released and removed: a launcher that dies of a reader gone
+    # away (`mpiexec ... | head`) finds nothing of the run left to clean up. On a failure, the
+    # lines of the stages it reached (the CLI prints the error line after them).
+    if cluster.rank == 0:
+        _print_lines(report_lines(report, failed=failed is not None), out)
+    if failed is not None:
+        raise failed from None
     return report
 
 
@@ -129,7 +135,6 @@ def execute(ctx: RunContext) -> None:
         schedule = None if cfg.dry_run else allocate.schedule_for(ctx, place, plan)
     if schedule is None:
         print_plan(ctx, list(diff.transfer), plan)
-        print_report(ctx)
         return
     prepared = allocate.allocate(ctx, place, listed, diff, plan, schedule)
     moved = transfer.move(ctx, place, listed, diff, plan, schedule, prepared)
@@ -140,7 +145,6 @@ def execute(ctx: RunContext) -> None:
     finish.rename(ctx, place, moved)
     ctx.cluster.interrupts.seal()  # every file is in place: a signal from now on does not undo the copy
     finish.record(ctx, place, moved, verified)
-    print_report(ctx)
 
 
 def print_plan(ctx: RunContext, transfer: list[int], plan: Plan) -> None:
@@ -164,19 +168,11 @@ def print_plan(ctx: RunContext, transfer: list[int], plan: Plan) -> None:
     ctx.out.flush()
 
 
-def print_report(ctx: RunContext) -> None:
-    """The report's lines, on rank 0 (after the total time is set on every rank)."""
-    ctx.report.stages["total"].seconds = ctx.cluster.clock() - ctx.started
-    if ctx.rank == 0:
-        _print_lines(report_lines(ctx.report), ctx.out)
-
-
 def _print_lines(lines: list[str], out: TextIO) -> None:
     """The report's lines on ``out``; a reader that went away (``| head``, a dead ``tee``) loses them, nothing more.
 
     A closed pipe must not turn a finished copy into a failure.
     """
     with contextlib.suppress(OSError, ValueError):
-        for line in lines:
-            print(line, file=out)
+        out.write("".join(f"{line}\n" for line in lines))  # one write: a reader of the first line gets them all
         out.flush()
