@@ -35,7 +35,7 @@ from azcp_cluster.http1 import ConnectFailed, Connection, Head, ProtocolError, T
 from azcp_cluster.localfs import fs_error
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import Shard, round_up
-from azcp_cluster.proxies import Proxy
+from azcp_cluster.proxies import Proxy, proxy_refused, refusal_message
 from azcp_cluster.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
 from azcp_cluster.source import API_VERSION
 from azcp_cluster.throttle import Pacer, Slot
@@ -356,12 +356,9 @@ class Downloader:
                 f"the blob was deleted during the copy (HTTP 404, {code}); rerun to copy what is there now",
                 path=entry.name,
             )
-        if status == 407 and self.proxy is not None:  # http through a proxy: the proxy answered
-            raise DownloadError(
-                f"proxy {self.proxy.shown} refused the request: HTTP 407 {head.reason}; check the "
-                "credentials in the proxy URL",
-                path=entry.name,
-            )
+        if self.proxy is not None and proxy_refused(self.proxy, status, head.headers):
+            # Through a proxy, an answer without the service's x-ms-request-id is the proxy's.
+            raise DownloadError(refusal_message(self.proxy, "the request", status, head.reason), path=entry.name)
         if status in (401, 403):
             raise DownloadError(f"access denied (HTTP {status}, {code}); check the credentials", path=entry.name)
         raise DownloadError(f"unexpected HTTP {status} ({code})", path=entry.name)
