@@ -13,7 +13,8 @@ taken a piece at a time as they are due: byte ``u`` of a slot may be read once t
 past ``slot.start + (u - burst) / rate``. The request is sent when its first piece is due, so
 the server is asked for a block only about when its bytes are wanted (concurrent requests
 follow each other along the timeline instead of all starting at once), and a block larger
-than the burst is paid for as it is read, not all at once, before or after.
+than the burst is paid for as it is read, not all at once, before or after (but for a pacer
+slower than :data:`MIN_BODY_RATE`, which pays for each block before its request).
 
 What that guarantees, from any moment a slot was booked on (``test_throttle.py`` checks
 both): the bytes of that slot and the later ones that are due by time ``t`` are at most
@@ -33,6 +34,11 @@ from dataclasses import dataclass
 # blocks finish at line rate; 0.1 s bounds the overshoot by 0.1 s over the whole copy and
 # costs at most ten waits a second.
 BURST_SECONDS = 0.1
+# Azure allows a GET two minutes per MiB (8.7 KB/s) and cuts off a slower one. A pacer slower
+# than twice that (a small cap split over many ranks) cannot read a body at its own rate: it
+# reads each block whole once all of it is paid for, as a burst of one block did.
+MIN_BODY_RATE = 16 * 1024
+WHOLE = 1 << 62  # a piece no block reaches
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,9 @@ class Pacer:
 
     @property
     def piece(self) -> int:
-        """The most bytes to read between two waits: the burst (at least one byte)."""
-        return max(1, int(self.burst))
+        """The most bytes to read between two waits: the burst (at least one byte); below
+        :data:`MIN_BODY_RATE`, a whole block."""
+        return max(1, int(self.burst)) if self.rate >= MIN_BODY_RATE else WHOLE
 
     def book(self, nbytes: int) -> Slot:
         """Give the next ``nbytes`` of the timeline to one request (a retry books again: it pays again)."""
