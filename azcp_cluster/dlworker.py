@@ -132,7 +132,7 @@ def run(job: Any, pushed: _PushedToken, stop: threading.Event, say: Any, seen: l
 
     tree = DestTree(job.dest, create=False)
     tree.adopt(dict(job.made))
-    pacer = Pacer(job.rate, burst=job.burst, clock=time.monotonic) if job.rate else None
+    pacer = Pacer.for_rate(job.rate, time.monotonic) if job.rate else None
     pool = WritePool(job.cfg, populate=True, buffers=job.buffers)
     downloader = Downloader(
         job.files,

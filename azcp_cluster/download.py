@@ -5,6 +5,8 @@ keep-alive connections (:mod:`azcp_cluster.http1`). The body is never handled in
 the socket (or the TLS layer) writes it straight into page-aligned buffers taken from a
 pool allocated before the stage, and each batch of full buffers is written with O_DIRECT
 on a thread (the GIL is released during the write) while the event loop keeps reading.
+Under ``--max-bandwidth`` each request is booked on the rank's :class:`~azcp_cluster.throttle.Pacer`,
+sent when its first bytes are due, and its body read a piece (the pacer's burst) at a time.
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ from azcp_cluster.http1 import ConnectFailed, Connection, Head, ProtocolError, T
 from azcp_cluster.localfs import fs_error
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import Shard, round_up
-from azcp_cluster.proxies import Proxy
+from azcp_cluster.proxies import Proxy, proxy_refused, refusal_message
 from azcp_cluster.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
 from azcp_cluster.source import API_VERSION
-from azcp_cluster.throttle import Pacer
+from azcp_cluster.throttle import Pacer, Slot
 from azcp_cluster.tls import ssl_context
 
 # One pool buffer: the body is received into it, and it is written with one O_DIRECT call
@@ -169,7 +171,7 @@ class Downloader:
         self.received = 0  # body bytes received so far, counted per buffer (a block lands whole, later)
         self._tls: ssl.SSLContext | None = None  # https: made in run()
         self.proxy = proxy  # HTTPS_PROXY / HTTP_PROXY for the storage endpoint (see proxies.py), or None
-        self.pacer = pacer  # --max-bandwidth: this rank's share of the cap
+        self.pacer = pacer  # --max-bandwidth: this rank's (or worker's) share of the cap
         self.tree = tree  # the node's DEST: temporary files are opened through it, never by path
         self.auth = auth
         self.cfg = cfg
@@ -299,11 +301,14 @@ class Downloader:
         entry = self.files[block.file]
         attempt = 0
         while True:
+            slot = None
             if self.pacer is not None:
-                # Paced before the request: a retry is bytes sent again, so it pays again.
-                await asyncio.sleep(self.pacer.reserve(block.length))
+                # Each attempt books its bytes (a retry is bytes sent again: it pays again);
+                # the request goes when its first piece is due, the rest as it is read.
+                slot = self.pacer.book(block.length)
+                await _pace(self.pacer.delay(slot, min(block.length, self.pacer.piece)))
             try:
-                await self._get_once(link, block, entry)
+                await self._get_once(link, block, entry, slot)
                 self.stats.bytes += block.length
                 self.on_landed(block)
                 return
@@ -334,7 +339,7 @@ class Downloader:
             await asyncio.sleep(backoff_delay(attempt, retry_after, self.rng))
             attempt += 1
 
-    async def _get_once(self, link: _Link, block: Block, entry: FileEntry) -> None:
+    async def _get_once(self, link: _Link, block: Block, entry: FileEntry, slot: Slot | None = None) -> None:
         headers = {
             "x-ms-version": API_VERSION,
             "Range": f"bytes={block.offset}-{block.offset + block.length - 1}",
@@ -359,7 +364,7 @@ class Downloader:
             watch = _Watch(conn)
             self._active.add(watch)
             try:
-                await self._stream_body(conn, head, block, entry)
+                await self._stream_body(conn, head, block, entry, slot)
             except (OSError, ProtocolError, _Retryable):
                 if watch.stalled:
                     raise _Retryable("timeout") from None
@@ -410,12 +415,9 @@ class Downloader:
                 f"the blob was deleted during the copy (HTTP 404, {code}); rerun to copy what is there now",
                 path=entry.name,
             )
-        if status == 407 and self.proxy is not None:  # http through a proxy: the proxy answered
-            raise DownloadError(
-                f"proxy {self.proxy.shown} refused the request: HTTP 407 {head.reason}; check the "
-                "credentials in the proxy URL",
-                path=entry.name,
-            )
+        if self.proxy is not None and proxy_refused(self.proxy, status, head.headers):
+            # Through a proxy, an answer without the service's x-ms-request-id is the proxy's.
+            raise DownloadError(refusal_message(self.proxy, "the request", status, head.reason), path=entry.name)
         if status in (401, 403):
             raise DownloadError(f"access denied (HTTP {status}, {code}); check the credentials", path=entry.name)
         raise DownloadError(f"unexpected HTTP {status} ({code})", path=entry.name)
@@ -440,7 +442,9 @@ class Downloader:
                 conn.abort()
         return head.status != 404
 
-    async def _stream_body(self, conn: Connection, head: Head, block: Block, entry: FileEntry) -> None:
+    async def _stream_body(
+        self, conn: Connection, head: Head, block: Block, entry: FileEntry, slot: Slot | None = None
+    ) -> None:
         length = head.content_length
         if length != block.length:
             raise _Retryable("wrong length")
@@ -454,6 +458,9 @@ class Downloader:
         # O_DIRECT and put it back in the pool.
         tracker = _BlockWrites(asyncio.get_running_loop(), target)
         writes = self._writes
+        pacer = self.pacer if slot is not None else None
+        # Under a cap, a buffer is read a piece (the pacer's burst) at a time, each once due.
+        piece = pacer.piece if pacer is not None else writes.size
         buf: np.ndarray | None = None
         try:
             left, offset = block.length, block.offset
@@ -463,8 +470,12 @@ class Downloader:
                 want = min(writes.size, left)
                 got = 0
                 while got < want:
+                    end = min(want, got + piece)
+                    if pacer is not None:
+                        assert slot is not None
+                        await _pace(pacer.delay(slot, offset - block.offset + end))
                     try:
-                        got += await conn.read_into(view[got:want])
+                        got += await conn.read_into(view[got:end])
                     except OSError:
                         raise _Retryable("truncated body") from None
                 writes.submit(target, buf, want, offset, tracker)
@@ -483,6 +494,12 @@ class Downloader:
         if tracker.error is not None:
             raise tracker.error
         self.on_bytes(block.length)
+
+
+async def _pace(seconds: float) -> None:
+    """Wait ``seconds`` for the pacer (no event-loop turn when nothing is owed)."""
+    if seconds > 0:
+        await asyncio.sleep(seconds)
 
 
 class _Link:

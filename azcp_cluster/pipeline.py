@@ -57,7 +57,7 @@ def run(
     env = os.environ if env is None else env
     out = sys.stdout if out is None else out
     cluster = Cluster(comm, clock, interrupts)  # interrupts: the CLI's SIGINT/SIGTERM recorder
-    report = Report(ranks=cluster.size, dry_run=cfg.dry_run)
+    report = Report(ranks=cluster.size, dry_run=cfg.dry_run, max_bandwidth=cfg.max_bandwidth)
     started = clock()
     if interrupts is not None and cluster.rank == 0 and cfg.json_path:
         interrupts.on_first = _report_at_signal(report, cfg.json_path, clock, started)

@@ -76,6 +76,8 @@ class Report:
     resumed_bytes: int = 0
     azure_files: int = 0  # files read from SOURCE (Azure, or the local path)
     downloaded_bytes: int = 0
+    download_rate: float = 0.0  # bytes per second: downloaded_bytes over the download stage's time
+    max_bandwidth: float | None = None  # --max-bandwidth in bytes per second (None: no cap)
     broadcast_bytes: int = 0
     broadcast_shards: int = 0
     retries: int = 0
@@ -93,6 +95,11 @@ class Report:
     verified_files: int = 0
     peak_rss_bytes: int = 0  # the largest peak resident memory of any rank
     stages: dict[str, StageFigures] = field(default_factory=lambda: {s: StageFigures() for s in STAGES})
+
+    def record_download(self, seconds: float) -> None:
+        """The download stage's time (the slowest rank's), and the rate it achieved."""
+        self.stages["download"] = StageFigures(seconds, self.downloaded_bytes)
+        self.download_rate = self.downloaded_bytes / seconds if seconds > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document written by ``--json``."""
@@ -130,6 +137,15 @@ def gbps(nbytes: int, seconds: float) -> str:
     if seconds <= 0:
         return "0.00 Gb/s"
     return f"{nbytes * 8 / seconds / 1e9:.2f} Gb/s"
+
+
+def _against_cap(report: Report) -> str:
+    """With --max-bandwidth: the cap and the rate achieved, in bytes per second (added to ``[download]``)."""
+    cap = report.max_bandwidth
+    if cap is None:
+        return ""
+    rate = report.download_rate
+    return f" cap={cap:.0f}B/s rate={rate:.0f}B/s ({100 * rate / cap:.1f}% of the cap)"
 
 
 def _s(count: int) -> str:
@@ -178,7 +194,7 @@ def _lines(report: Report) -> list[str]:
     if not report.dry_run:
         lines += [
             f"[download] {report.downloaded_bytes} bytes T={st['download'].seconds:.3f}s "
-            f"BW={gbps(report.downloaded_bytes, st['download'].seconds)}",
+            f"BW={gbps(report.downloaded_bytes, st['download'].seconds)}" + _against_cap(report),
             f"[bcast] {report.broadcast_shards} shards {report.broadcast_bytes} bytes T={st['bcast'].seconds:.3f}s "
             f"BW={gbps(report.broadcast_bytes, st['bcast'].seconds)}",
         ]

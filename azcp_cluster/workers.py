@@ -104,8 +104,7 @@ class Job:
     source: Any  # the BlobSource
     token: tuple[str, float] | None  # the rank's current bearer token and its expiry
     buffers: int  # its download buffers (its part of the rank's pool)
-    rate: float | None  # its part of the rank's --max-bandwidth share, bytes per second
-    burst: float  # its part of the pacer's burst (the rank's is one block)
+    rate: float | None  # its part of the rank's --max-bandwidth share, bytes per second (its burst: 0.1 s of it)
     proxy: Proxy | None
 
 
@@ -197,7 +196,7 @@ class WorkerDownloader:
 
     def _job(self, index: int, part: list[Block], count: int) -> Job:
         """Worker ``index``'s job: its blocks, the files they are in, its part of the rank's
-        requests, buffers, pace and burst."""
+        requests, buffers and pace."""
         needed = {b.file for b in part}
         cred = self.auth.credential
         token = None
@@ -219,7 +218,6 @@ class WorkerDownloader:
             source=self.auth.source,
             token=token,
             rate=self.rate / count if self.rate is not None else None,
-            burst=self.cfg.block_size / count,
             proxy=self.proxy,
         )
 

@@ -19,7 +19,6 @@ from azcp_cluster.errors import AzcpError, SourceError
 from azcp_cluster.localsource import restat, source_file
 from azcp_cluster.plan import Plan, plan_transfers
 from azcp_cluster.progress import Progress
-from azcp_cluster.report import StageFigures
 from azcp_cluster.stages import allocate
 from azcp_cluster.stages.allocate import Prepared, Schedule
 from azcp_cluster.stages.context import RunContext
@@ -89,7 +88,7 @@ def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan) -> N
 
     def record(result: StageResult) -> None:
         record_download(ctx, result)
-        ctx.report.stages["download"] = StageFigures(result.seconds, ctx.report.downloaded_bytes)
+        ctx.report.record_download(result.seconds)
 
     cluster.conclude(t0, outcome, record)
 
@@ -148,7 +147,7 @@ def downloader(
         )
 
     def alone(handover: Callable[[], bool | None] | None = None) -> Downloader:
-        pacer = Pacer(rate, burst=cfg.block_size, clock=ctx.cluster.clock) if rate is not None else None
+        pacer = Pacer.for_rate(rate, ctx.cluster.clock) if rate is not None else None
         return Downloader(
             files,
             tree,
@@ -267,9 +266,7 @@ def stream(
 
     def record(result: StageResult) -> None:
         record_download(ctx, result)
-        report.stages["download"] = StageFigures(
-            max(float(st.get("downloaded", 0.0)) for st in result.stats), report.downloaded_bytes
-        )
+        report.record_download(max(float(st.get("downloaded", 0.0)) for st in result.stats))
         report.stages["bcast"].seconds += result.seconds
 
     report = ctx.report
