@@ -151,26 +151,21 @@ def _main(argv: Sequence[str] | None, interrupts: Interrupts, mpi: _Runtime) -> 
                 _say(exc.one_line())
                 json_path = options.json_path_of(argv)
                 if json_path and not isinstance(exc, ReportPathError):
-                    from azcp_cluster.report import Report
+                    from azcp_cluster.report import Report, write_json_report
 
-                    _write_json(Report(exit_code=exc.exit_code, error=exc.one_line()), json_path)
+                    write_json_report(Report(exit_code=exc.exit_code, error=exc.one_line()), json_path)
             return exc.exit_code
         comm = mpi.comm()
         from azcp_cluster.pipeline import run
 
         try:
-            report = run(cfg, comm, interrupts=interrupts)
+            run(cfg, comm, interrupts=interrupts)  # it writes the JSON report (rank 0)
         except AzcpError as exc:
             # The error was agreed by all ranks (a signal's too): every rank exits with its
-            # code, rank 0 speaks and writes the JSON report.
+            # code, rank 0 speaks.
             if comm.Get_rank() == 0:
                 _say(exc.one_line())
-                rep = getattr(exc, "report", None)
-                if cfg.json_path and rep is not None and not isinstance(exc, ReportPathError):
-                    _write_json(rep, cfg.json_path)
             return exc.exit_code
-        if comm.Get_rank() == 0 and cfg.json_path:
-            _write_json(report, cfg.json_path)
         return 0  # a signal after the last agreement does not undo a finished copy
     except BaseException as exc:
         return _unexpected(exc, comm, interrupts)
@@ -207,13 +202,6 @@ def _say(line: str) -> None:
     """One line on stderr, flushed; a closed stderr loses it, nothing more."""
     with contextlib.suppress(OSError, ValueError):
         print(line, file=sys.stderr, flush=True)
-
-
-def _write_json(report: Any, path: str) -> None:
-    try:
-        report.write_json(path)
-    except OSError as exc:
-        _say(f"azcp-cluster: warning: cannot write the JSON report to {path}: {exc.strerror}")
 
 
 def launcher_rank() -> int:

@@ -149,7 +149,7 @@ class Cluster:
         def interrupted_while_waiting() -> None:
             # A signal on a rank that waits here (nothing to download, a non-leader) also
             # stops the ranks still downloading: they poll for the failure signal.
-            if outcome.error is None and self.interrupts.signum is not None:
+            if outcome.error is None and self.interrupts.stopping:
                 self._note_interrupt(outcome)
                 self.signal_failure(outcome)
 
@@ -199,7 +199,7 @@ class Cluster:
 
     def peer_failed(self) -> bool:
         """Whether some other rank has signalled a failure, or this one got a signal (non-blocking)."""
-        return self.interrupts.signum is not None or bool(self._signal_comm.iprobe(tag=_FAIL_TAG))
+        return self.interrupts.stopping or bool(self._signal_comm.iprobe(tag=_FAIL_TAG))
 
     def _drain_signals(self, notified: list[bool]) -> None:
         # Receive exactly the signals that were sent, so none is left in flight.

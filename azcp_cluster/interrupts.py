@@ -71,6 +71,7 @@ class Interrupts:
         self._abandonable = 0  # depth of the sections the handler may abandon
         self._rank: int | None = None  # the rank named by an error raised inside a section
         self._sealed = False  # the copy is complete: a later signal changes nothing
+        self._mask: set[int | signal.Signals] = set()  # the thread's signal mask before install()
         # Called with the first signal's number, in the handler: rank 0 writes its JSON report
         # there, since a launcher may kill every rank before they agree to stop (MPICH's second
         # Ctrl-C at once, Open MPI's SIGKILL 0.25 s after its SIGTERM). Must not raise.
@@ -88,7 +89,7 @@ class Interrupts:
             return
         for signum in HANDLED:
             self._previous[signum] = signal.signal(signum, self._handle)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
+        self._mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
 
     def restore(self) -> None:
         """Put back the handlers that were there before :meth:`install`."""
@@ -96,6 +97,8 @@ class Interrupts:
         for signum, handler in previous.items():
             # None: a handler not installed from Python; the default is the closest.
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        if previous:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)  # blocked again, if they were
 
     @contextmanager
     def installed(self) -> Iterator[Interrupts]:
@@ -118,15 +121,23 @@ class Interrupts:
             raise signal_error(signum, self._rank)
 
     def seal(self) -> None:
-        """The copy is complete: from now on a signal is counted and ignored (the run ends with 0)."""
+        """The copy is decided: from now on a signal is counted and ignored, also one recorded since
+        the last agreement (no rank has acted on it), and the run ends with 0."""
         self._sealed = True
         self.on_first = None
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a signal is to stop the run: one was received and the copy is not sealed."""
+        return self.signum is not None and not self._sealed
 
     # -- for the stages -------------------------------------------------------------------
 
     def error(self, rank: int | None = None) -> Interrupted | None:
-        """The error to raise for the signal received, or None if none was."""
-        return None if self.signum is None else signal_error(self.signum, self.rank if rank is None else rank)
+        """The error to raise for the signal received, or None if none was (or the copy is sealed)."""
+        if self.signum is None or self._sealed:
+            return None
+        return signal_error(self.signum, self.rank if rank is None else rank)
 
     @contextmanager
     def abandonable(self, rank: int | None = None) -> Iterator[None]:

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import stat
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -105,31 +106,49 @@ class Report:
         """The JSON document written by ``--json``."""
         return asdict(self)
 
-    def write_json(self, path: str) -> None:
+    def write_json(self, path: str, **override: Any) -> None:
         """Write the JSON report atomically: a temporary name in the same directory, fsync, rename.
 
-        The temporary file is created anew (``O_EXCL``, never through a symlink someone put at
-        its name) and removed again on any failure, so a failed write leaves nothing behind.
-        Raises the ``OSError``.
+        ``override`` replaces top-level fields in what is written (the report itself is left
+        as it is). The temporary file is created anew (``O_EXCL``, never through a symlink
+        someone put at its name) and removed again on any failure, so a failed write leaves
+        nothing behind. Raises the ``OSError``.
         """
-        from azcp_cluster.localfs import write_synced  # not at the top: numpy, for the CLI's quick paths
+        write_json_document({**self.to_json(), **override}, path)
 
-        data = (json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n").encode("utf-8")
-        tmp = f"{path}.tmp{os.getpid()}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o644)
+
+def write_json_document(doc: dict[str, Any], path: str, durable: bool = True) -> None:
+    """:meth:`Report.write_json` for a document already made; ``durable=False`` skips the fsync."""
+    from azcp_cluster.localfs import write_synced  # not at the top: numpy, for the CLI's quick paths
+
+    data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    tmp = f"{path}.tmp{os.getpid()}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o644)
+    try:
         try:
-            try:
+            if durable:
                 write_synced(fd, data)
-            finally:
-                os.close(fd)
-            if not _replaceable(path):  # put there since the start: not ours to replace
-                raise OSError(errno.EEXIST, "exists and is not a regular file", path)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+            else:
+                os.write(fd, data)  # a small file: one write
+        finally:
+            os.close(fd)
+        if not _replaceable(path):  # put there since the start: not ours to replace
+            raise OSError(errno.EEXIST, "exists and is not a regular file", path)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_report(report: Report, path: str) -> None:
+    """The JSON report at ``path``; one that cannot be written is a warning, not a failed copy."""
+    try:
+        report.write_json(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError, ValueError):
+            print(f"azcp-cluster: warning: cannot write the JSON report to {path}: {exc.strerror}", file=sys.stderr)
 
 
 def gbps(nbytes: int, seconds: float) -> str:

@@ -415,6 +415,10 @@ class AutoDownloader:
         most: int,
         sharing: int,
         *,
+        peer_failed: Callable[[], bool] = lambda: False,
+        on_bytes: Callable[[int], None] = lambda n: None,
+        on_landed: Callable[[Block], None] = lambda block: None,
+        release: Callable[[], None] = lambda: None,
         cpus: list[int] | None = None,
         sampler: Callable[[list[int]], Any] | None = None,
     ) -> None:
@@ -424,14 +428,16 @@ class AutoDownloader:
         self._processes = processes  # count -> a WorkerDownloader
         self.most = most
         self.sharing = sharing
+        self._release = release  # the rank's own download buffers, once it hands over
         self._cpus = cpu_info.allowed() if cpus is None else cpus
         self._sample = sampler or cpu_info.sample
-        self.peer_failed: Callable[[], bool] = lambda: False
-        self.on_bytes: Callable[[int], None] = lambda n: None
-        self.on_landed: Callable[[Block], None] = lambda block: None
+        # As a Downloader's: the parts are given these as they stand when each starts.
+        self.peer_failed = peer_failed
+        self.on_bytes = on_bytes
+        self.on_landed = on_landed
         self.workers = 0  # decided: how many took over (0: none)
         self.measured: tuple[float, float, float | None] | None = None  # rate, own cores, idle cores
-        self._parts: list[Any] = []  # the downloaders that ran, in order: their stats add up
+        self._parts: list[DownloadStats] = []  # the live stats of each part that ran, in order
         self._first: Any = None
         self._start: Any = None
         self._total = 0
@@ -441,12 +447,12 @@ class AutoDownloader:
         """What the rank and its workers fetched so far (live, also after a failure)."""
         total = DownloadStats()
         for part in self._parts:
-            total.bytes += part.stats.bytes
-            total.requests += part.stats.requests
-            total.retries += part.stats.retries
-            total.retry_causes.update(part.stats.retry_causes)
-            total.direct_refused = total.direct_refused or part.stats.direct_refused
-            total.worker_bytes += part.stats.worker_bytes
+            total.bytes += part.bytes
+            total.requests += part.requests
+            total.retries += part.retries
+            total.retry_causes.update(part.retry_causes)
+            total.direct_refused = total.direct_refused or part.direct_refused
+            total.worker_bytes += part.worker_bytes
         return total
 
     def run(self, blocks: Sequence[Block]) -> DownloadStats:
@@ -454,16 +460,21 @@ class AutoDownloader:
         self._total = sum(b.length for b in blocks)
         first = self._first = self._wire(self._alone(self._judge))
         self._start = self._sample(self._cpus)
-        first.run(blocks)
+        try:
+            first.run(blocks)
+        finally:
+            self._first = None  # its buffers are freed with it
         if first.left:
-            self._wire(self._processes(self.workers)).run(first.left)
+            left, first = first.left, None
+            self._release()  # the workers map buffers of their own: the rank's go first
+            self._wire(self._processes(self.workers)).run(left)
         return self.stats
 
     def _wire(self, downloader: Any) -> Any:
         downloader.peer_failed = self.peer_failed
         downloader.on_bytes = self.on_bytes
         downloader.on_landed = self.on_landed
-        self._parts.append(downloader)
+        self._parts.append(downloader.stats)
         return downloader
 
     def _judge(self) -> bool | None:

@@ -145,6 +145,7 @@ def test_a_failed_run_reports_the_figures_it_reached(emulator: azurite.Emulator,
     assert doc["retries"] >= 2 and doc["retry_causes"].get("503", 0) == doc["retries"], doc
     assert sum(doc["retries_by_rank"]) == doc["retries"]
     assert doc["downloaded_bytes"] > 0 and doc["overlap"] is True, doc  # the other blobs' blocks arrived
+    assert doc["stages"]["download"]["seconds"] > 0 and doc["stages"]["bcast"]["seconds"] > 0, doc["stages"]
     lines = result.stdout.splitlines()
     assert [line.split(" ")[0] for line in lines][:3] == ["[cluster]", "[list]", "[diff]"], result.stdout
     assert lines[-1].startswith("[total] ") and any(line.startswith("[cluster] retries: ") for line in lines)

@@ -19,9 +19,9 @@ documented.
 
 Open MPI's ``mpirun`` (prterun) answers a signal to itself in its own way: it sends the ranks
 SIGCONT, then SIGTERM 0.25 s later, then SIGKILL 0.25 s after that, and exits 1 whatever they
-did. There the ranks' own outcome is the JSON report (written by rank 0 at its first signal,
-before any agreement, so that it stands even if the launcher kills the ranks) and the rerun;
-a signal to the ranks themselves (Slurm's case) is held to the full rule.
+did. There the ranks' own outcome is the JSON report, when rank 0 writes it (at its first
+signal, before any agreement) within those 0.25 s, and the rerun; a signal to the ranks
+themselves (Slurm's case) is held to the full rule.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ import pytest
 from azcp_cluster.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
-from tests.conftest import clean_env, mpi_flavour, mpiexec_path, tree_of
+from azcp_cluster.naming import JOURNAL_DIR, MANIFEST_NAME
+from tests.conftest import clean_env, mpi_flavour, mpiexec_path, run_cli, tree_of
 from tests.test_reliability import _assert_nothing_partial
 
 RANKS = 2
@@ -223,3 +224,39 @@ def test_a_signal_to_one_rank_stops_every_rank(
         if kind == "stopped":
             rerun = _run(emulator, container, base, None, 0.0)
             assert rerun.status == 0 and _copies_complete(base), rerun.out + rerun.err
+
+
+PROGRAM = Path(__file__).parent / "programs" / "signal_at.py"
+
+
+def _at(point: str, when: str, sig: str = "TERM") -> dict[str, str]:
+    return {"AZCP_SIGNAL_AT": point, "AZCP_SIGNAL_WHEN": when, "AZCP_SIGNAL": sig}
+
+
+def test_a_signal_once_the_renames_begin_changes_nothing(
+    emulator: azurite.Emulator, container: str, tmp_path: Path
+) -> None:
+    # Every byte is durable on every node: the renames and the manifest are finished, exit 0.
+    for n, (point, when) in enumerate(
+        [("azcp_cluster.desttree:DestTree.rename_all", "before"), ("azcp_cluster.stages.finish:sync", "after")]
+    ):
+        base = tmp_path / f"run{n}"
+        result = run_cli([emulator.url(container), str(base / "{rank}"), "--no-progress"], n=RANKS,
+                         env={**emulator.key_env(), **_at(point, when)}, json_path=tmp_path / f"run{n}.json",
+                         program=[str(PROGRAM)])  # fmt: skip
+        assert result.returncode == 0, f"{point} {when}: {result.output}"
+        assert result.json is not None and result.json["exit_code"] == 0
+        assert _copies_complete(base)
+        for rank in range(RANKS):
+            assert (base / str(rank) / MANIFEST_NAME).exists() and not (base / str(rank) / JOURNAL_DIR).exists()
+
+
+def test_a_signal_after_the_outcome_does_not_rewrite_the_report(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    # The run fails (no such container: exit 3); a SIGTERM right after its report is written must
+    # not turn the report into 143.
+    report = tmp_path / "r.json"
+    result = run_cli([emulator.url("nosuch" + uuid.uuid4().hex[:8]), str(tmp_path / "d" / "{rank}"), "--no-progress"],
+                     n=RANKS, env={**emulator.key_env(), **_at("azcp_cluster.pipeline:write_json_report", "after")},
+                     json_path=report, program=[str(PROGRAM)])  # fmt: skip
+    assert result.returncode == 3, result.output
+    assert result.json is not None and result.json["exit_code"] == 3, result.json

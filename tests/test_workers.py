@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
-from azcp_cluster.download import Block
+from azcp_cluster.download import Block, DownloadStats
 from azcp_cluster.topology import (
     AUTO_MIN_SHARE,
     AUTO_WORKERS_MAX,
@@ -36,7 +37,7 @@ from azcp_cluster.topology import (
     handover_workers,
     workers_for,
 )
-from azcp_cluster.workers import deal
+from azcp_cluster.workers import AutoDownloader, deal
 from tests.conftest import assert_copies, clean_env, mpiexec_path, run_cli
 
 GiB = 1 << 30
@@ -123,6 +124,62 @@ def test_every_block_is_dealt_once_in_order_and_the_loads_stay_within_one_block(
             assert part == sorted(part, key=blocks.index)  # a worker keeps the landing order
         loads = [sum(b.length for b in p) for p in parts]
         assert max(loads) - min(loads) <= max(b.length for b in blocks)
+
+
+class _FakePart:
+    """A part of an AutoDownloader's run: records the callbacks it was given and calls them."""
+
+    def __init__(self, name: str, events: list[str], hand_over_after: int | None = None) -> None:
+        self.name, self.events, self.hand_over_after = name, events, hand_over_after
+        self.stats = DownloadStats()
+        self.left: list[Block] = []
+        self.received = 0
+        self.peer_failed: Any = None
+        self.on_bytes: Any = None
+        self.on_landed: Any = None
+
+    def run(self, blocks: list[Block]) -> DownloadStats:
+        self.events.append(f"{self.name} runs {len(blocks)}")
+        for n, block in enumerate(blocks):
+            if self.hand_over_after is not None and n == self.hand_over_after:
+                self.left = list(blocks[n:])
+                break
+            assert not self.peer_failed()
+            self.on_bytes(block.length)
+            self.on_landed(block)
+            self.stats.bytes += block.length
+        return self.stats
+
+
+def test_auto_gives_its_parts_the_callbacks_and_adds_up_their_figures() -> None:
+    events: list[str] = []
+    landed: list[Block] = []
+    got: list[int] = []
+    blocks = [Block(0, i * 10, 10) for i in range(5)]
+    auto = AutoDownloader(
+        lambda handover: _FakePart("rank", events, hand_over_after=2),
+        lambda count: _FakePart(f"{count} workers", events),
+        4,
+        1,
+        peer_failed=lambda: False,
+        on_bytes=got.append,
+        on_landed=landed.append,
+        release=lambda: events.append("released"),
+        cpus=[0],
+        sampler=lambda cpus: None,
+    )
+    auto.workers = 3
+    assert auto.run(blocks).bytes == 50
+    assert landed == blocks and got == [10] * 5  # every block journaled and counted, once, in order
+    assert events == ["rank runs 5", "released", "3 workers runs 3"]  # the rank's buffers go first
+    # The streaming engine sets its own callbacks after construction: the parts get those.
+    later: list[Block] = []
+    auto = AutoDownloader(lambda handover: _FakePart("rank", events), lambda count: _FakePart("w", events), 4, 1,
+                          cpus=[0], sampler=lambda cpus: None)  # fmt: skip
+    auto.on_landed = later.append
+    auto.on_bytes = got.append
+    auto.run(blocks)
+    assert later == blocks
 
 
 # -- for real ---------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import resource
 from collections.abc import Mapping
 
 from azcp_cluster import journal, manifest
-from azcp_cluster.cluster import StageOutcome
+from azcp_cluster.cluster import StageOutcome, StageResult
 from azcp_cluster.digests import verdict
 from azcp_cluster.errors import VerifyError
 from azcp_cluster.report import StageFigures
@@ -89,14 +89,17 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
                     )
         outcome.stats = {"md5": digests}
     try:
-        result = cluster.conclude(t0, outcome)
+
+        def record(result: StageResult) -> None:  # the time, also when the copies differ
+            ctx.report.stages["verify"] = StageFigures(result.seconds, ctx.report.bytes)
+
+        result = cluster.conclude(t0, outcome, record)
         verified = verdict(files, [(rank, result.stats[rank]["md5"]) for rank in place.topo.leaders])
     except VerifyError:
         if place.leader:  # a copy that does not match is not resumed from: the rerun moves it all
             journal.remove(ctx.dest_tree())
         raise
     ctx.report.verified_files = len(verified)
-    ctx.report.stages["verify"] = StageFigures(result.seconds, ctx.report.bytes)
     return verified
 
 

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from azcp_cluster.broadcast import Broadcaster
-from azcp_cluster.cluster import StageOutcome, StageResult, as_azcp_error, error_from_payload, error_payload
+from azcp_cluster.cluster import Cluster, StageOutcome, StageResult, as_azcp_error, error_from_payload, error_payload
 from azcp_cluster.errors import AzcpError, SourceError
 from azcp_cluster.localsource import restat, source_file
 from azcp_cluster.plan import Plan, plan_transfers
 from azcp_cluster.progress import Progress
+from azcp_cluster.report import Report
 from azcp_cluster.stages import allocate
 from azcp_cluster.stages.allocate import Prepared, Schedule
 from azcp_cluster.stages.context import RunContext
@@ -163,7 +164,16 @@ def downloader(
         )
 
     if workers > 1 and cfg.download_workers is None:
-        return worker_processes.AutoDownloader(alone, processes, workers, allocate.cpus_sharing(place))
+        return worker_processes.AutoDownloader(
+            alone,
+            processes,
+            workers,
+            allocate.cpus_sharing(place),
+            peer_failed=ctx.cluster.peer_failed,
+            on_bytes=on_bytes,
+            on_landed=on_landed,
+            release=ctx.close_write_pool,
+        )
     return processes(workers) if workers > 1 else alone()
 
 
@@ -220,6 +230,7 @@ def stream(
         return cluster.clock() - t0
 
     made: list[Fetcher] = []  # this rank's, once made: its figures, also after a failure
+    fanned = FanOutTally(progress.add)
 
     def make_downloader() -> Fetcher:
         made.append(downloader(ctx, place, listed, plan, progress.add_download))
@@ -235,7 +246,7 @@ def stream(
             others = [1 + members.index(r) for r in downloaders if r != rank and blocks.of_rank.get(r)]
             feed = LandingFeed(landing, ctx.group_comm, others)
             assert broadcaster is not None
-            broadcaster.on_bytes = progress.add
+            broadcaster.on_bytes = fanned.add
             broadcaster.announce = lambda: cluster.signal_failure(outcome)
             broadcaster.peer_failed = cluster.peer_failed
             own = None
@@ -248,7 +259,10 @@ def stream(
             digests.update(done.digests or {})
         elif mine:
             done = notify_while_downloading(ctx.group_comm, index, make_downloader, mine, since)
-    stats: dict[str, Any] = {"downloaded": done.downloaded, **(download_figures(made[0].stats) if made else {})}
+    # A rank stopped early downloaded until now (its own stop came with the stage's).
+    downloaded = done.downloaded if outcome.error is None or not made else since()
+    stats: dict[str, Any] = {"downloaded": downloaded, "fanned": fanned.bytes}
+    stats.update(download_figures(made[0].stats) if made else {})
     if done.fanout is not None and done.fanout.direct_refused:
         stats["refused"] = done.fanout.direct_refused
     outcome.stats = stats
@@ -271,10 +285,42 @@ def stream(
 
     report = ctx.report
     report.overlap = True  # the mode, reported also when the stage fails
-    cluster.conclude(t0, outcome, record)
+    fanned.conclude(cluster, t0, outcome, record, report)
     report.broadcast_bytes += total
     report.stages["bcast"].bytes += total
     return FannedOut((), digests)
+
+
+class FanOutTally:
+    """A leader's fan-out bytes as its transfers complete (on to the progress bar too): a stage that
+    fails reports the bytes it did broadcast."""
+
+    def __init__(self, progress: Callable[[int, int], None]) -> None:
+        self.bytes = 0
+        self._progress = progress
+
+    def add(self, nbytes: int, files: int) -> None:
+        """A transfer done here: its bytes, and the files it completed."""
+        self.bytes += nbytes
+        self._progress(nbytes, files)
+
+    def conclude(
+        self, cluster: Cluster, t0: float, outcome: StageOutcome, record: Callable[[StageResult], None], report: Report
+    ) -> StageResult:
+        """The stage's agreement; if it failed, the report's broadcast bytes are those done (the
+        most any leader did: each takes part in every transfer it receives)."""
+        seen: list[StageResult] = []
+
+        def keep(result: StageResult) -> None:
+            seen.append(result)
+            record(result)
+
+        try:
+            return cluster.conclude(t0, outcome, keep)
+        except AzcpError:
+            if seen:
+                report.broadcast_bytes += max(int(st.get("fanned", 0)) for st in seen[0].stats)
+            raise
 
 
 def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: Broadcaster | None) -> FannedOut:
@@ -291,9 +337,10 @@ def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: 
     progress.expect_files(schedule.files)
     outcome = StageOutcome()
     digests: dict[int, str] = {}
+    fanned = FanOutTally(progress.add)
     with cluster.stage(outcome):
         if broadcaster is not None:  # leaders only; the others wait at the agreement
-            broadcaster.on_bytes = progress.add
+            broadcaster.on_bytes = fanned.add
             stats = broadcaster.run(list(schedule.transfers))
             digests.update(broadcaster.digests)
             outcome.stats = {
@@ -301,21 +348,24 @@ def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: 
                 "changed": sorted(broadcaster.changed),
                 "source_bytes": stats.source_bytes,
             }
+    outcome.stats["fanned"] = fanned.bytes
     progress.close()
     if broadcaster is not None and outcome.error is None:  # (see stream)
         broadcaster.release()
     ctx.explain_space(outcome)
-    result = cluster.conclude(t0, outcome)
     report = ctx.report
+
+    def record(result: StageResult) -> None:
+        report.stages["bcast"].seconds += result.seconds
+
+    result = fanned.conclude(cluster, t0, outcome, record, report)
     report.broadcast_bytes += total
     ctx.warn_direct(result.stats)
     if ctx.local:
         read = [int(st.get("source_bytes", 0)) for st in result.stats]
         before = report.source_bytes_by_rank or [0] * len(read)
         report.source_bytes_by_rank = [a + b for a, b in zip(before, read, strict=True)]
-    figures = report.stages["bcast"]  # a second round (send_again) adds to the first
-    figures.seconds += result.seconds
-    figures.bytes += total
+    report.stages["bcast"].bytes += total  # a second round (send_again) adds to the first
     return FannedOut(tuple(sorted({i for st in result.stats for i in st.get("changed", ())})), digests)
 
 
