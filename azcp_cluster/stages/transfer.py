@@ -90,7 +90,7 @@ def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan) -> N
         record_download(ctx, result)
         ctx.report.record_download(result.seconds)
 
-    cluster.conclude(t0, outcome, record)
+    cluster.conclude(t0, outcome, record, stage="download")
 
 
 def download_figures(stats: DownloadStats) -> dict[str, Any]:
@@ -271,7 +271,9 @@ def stream(
 
     report = ctx.report
     report.overlap = True  # the mode, reported also when the stage fails
-    cluster.conclude(t0, outcome, record)
+    if made and done.downloaded:  # this rank's download inside the transfer: to its last byte landed
+        cluster.note("download", t0, t0 + done.downloaded)
+    cluster.conclude(t0, outcome, record, stage="transfer")
     report.broadcast_bytes += total
     report.stages["bcast"].bytes += total
     return FannedOut((), digests)
@@ -305,7 +307,7 @@ def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: 
     if broadcaster is not None and outcome.error is None:  # (see stream)
         broadcaster.release()
     ctx.explain_space(outcome)
-    result = cluster.conclude(t0, outcome)
+    result = cluster.conclude(t0, outcome, stage="bcast")
     report = ctx.report
     report.broadcast_bytes += total
     ctx.warn_direct(result.stats)
