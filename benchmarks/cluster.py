@@ -260,6 +260,51 @@ def bench_hosts(hosts: int, files: dict[str, bytes], source: Path, args: argpars
     return rows
 
 
+STYLE = {  # case: (label, marker); the bounds are dashed in the colour of their case
+    "local": ("tool, local SOURCE, one reader", "o"),
+    "stream": ("tool, blob SOURCE, streaming", "s"),
+    "two-phase": ("tool, blob SOURCE, --no-overlap", "D"),
+    "ibcast": ("raw pipelined Ibcast", "^"),
+    "chain": ("raw point-to-point chain", "v"),
+    "every-node": ("every host downloads it all (today)", "x"),
+}
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """Time against hosts for every case, with the bounds; and the emulator's egress over S (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["rows"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [2, 1]})
+    for case, (label, marker) in STYLE.items():
+        mine = sorted((r for r in rows if r["case"] == case), key=lambda r: r["hosts"])
+        if not mine:
+            continue
+        hosts = [r["hosts"] for r in mine]
+        (line,) = left.plot(hosts, [r["tool_s"] for r in mine], marker=marker, label=label)
+        if case in ("local", "stream", "every-node"):  # one bound line per kind of bound
+            name = {"local": "bound S/B", "stream": "bound max(S/(N·fe), S(N-1)/(N·B))", "every-node": "bound S/fe"}
+            left.plot(hosts, [r["bound_s"] for r in mine], linestyle="--", color=line.get_color(), label=name[case])
+        if case in ("stream", "two-phase", "every-node"):
+            right.plot(hosts, [r["egress_ratio"] for r in mine], marker=marker, color=line.get_color(), label=label)
+    first = rows[0]
+    size = f"{first['bytes'] / 2**20:.0f} MiB"
+    left.set(xlabel="hosts", ylabel="seconds (total − list)", xticks=sorted({r["hosts"] for r in rows}),
+             title=f"{size}, frontend {first['front_mbit']:g} Mbit/s, fabric {first['fabric_mbit']:g} Mbit/s, "
+             f"{first['mpi']}, DEST on {first['dest']}")  # fmt: skip
+    left.set_ylim(bottom=0)
+    left.legend(fontsize=7)
+    right.set(xlabel="hosts", ylabel="bytes the emulator sent / S", xticks=sorted({r["hosts"] for r in rows}),
+              title="egress from \"Azure\"")  # fmt: skip
+    right.set_ylim(bottom=0)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the cases on each host count; print (and with --json write) {"rows": [...]}."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -275,7 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tmpfs", action="store_true", help="each host's DEST on a tmpfs (the disk taken out)")
     parser.add_argument("--mpiexec", help="the MPI launcher (default: the one next to this interpreter)")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--plot", metavar="PNG", help="plot the rows (needs the 'bench' extra: matplotlib)")
+    parser.add_argument("--from", dest="source", metavar="JSON", help="plot this earlier result instead of running")
     args = parser.parse_args(argv)
+    if args.source:
+        plot(json.loads(Path(args.source).read_text()), args.plot or "cluster.png")
+        return 0
     reason = box.unavailable()
     if reason:
         print(f"benchmarks.cluster: {reason}", file=sys.stderr)
@@ -303,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
               f"ratio {r['ratio']:5.2f}, egress {r['egress_ratio']:.2f} x S")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    if args.plot:
+        plot(doc, args.plot)
     return 0
 
 
