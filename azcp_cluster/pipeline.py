@@ -74,6 +74,7 @@ def run(
         finally:
             ctx.heap.end()  # what the run froze goes back to the collector
         report.stages["total"].seconds = clock() - started
+        report.timeline, report.timeline_origin = cluster.timeline, cluster.origins
     # Once DEST's lock is released and removed: a launcher that dies of a reader gone away
     # (`mpiexec ... | head`) finds nothing of the run left to clean up. The JSON report first,
     # then the lines (on a failure, those of the stages it reached; the CLI prints the error

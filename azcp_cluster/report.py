@@ -96,6 +96,12 @@ class Report:
     verified_files: int = 0
     peak_rss_bytes: int = 0  # the largest peak resident memory of any rank
     stages: dict[str, StageFigures] = field(default_factory=lambda: {s: StageFigures() for s in STAGES})
+    # Where the time goes: per stage agreed (in the order run), each rank's start and end of
+    # its own work, in seconds since that rank's run started ({"stage", "start": [per rank],
+    # "end": [per rank]}; None where a rank had no part: the download inside a streaming
+    # transfer, on a rank with nothing to fetch). The wait for the slowest rank follows each.
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    timeline_origin: list[float] = field(default_factory=list)  # per rank: its run's start, Unix time
 
     def record_download(self, seconds: float) -> None:
         """The download stage's time (the slowest rank's), and the rate it achieved."""

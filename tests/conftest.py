@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools import azurite, box
 from azcp_cluster.naming import JOURNAL_DIR, MANIFEST_NAME
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,36 +45,16 @@ def mpiexec_path() -> str:
 def mpi_flavour() -> str:
     """What `mpiexec --version` of this environment says: "openmpi", "mpich" or "unknown" (asked once)."""
     found = _find_mpiexec()
-    if not found:
-        return "unknown"
-    try:
-        proc = subprocess.run(
-            [found, "--version"], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    text = proc.stdout + proc.stderr
-    if "Open MPI" in text or "OpenRTE" in text:
-        return "openmpi"
-    if "HYDRA" in text or "MPICH" in text:
-        return "mpich"
-    return "unknown"
+    return box.flavour_of(found) if found else "unknown"
 
 
-OPENMPI_ENV_FILE = REPO / "scripts" / "openmpi.env"
+OPENMPI_ENV_FILE = box.OPENMPI_ENV
 
 
 @functools.cache
 def openmpi_env() -> dict[str, str]:
     """The variables of scripts/openmpi.env (KEY=VALUE lines): Open MPI as root, oversubscribed, quick to start."""
-    env = {}
-    for line in OPENMPI_ENV_FILE.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, sep, value = line.partition("=")
-            assert sep and key.isidentifier(), f"{OPENMPI_ENV_FILE}: not KEY=VALUE: {line!r}"
-            env[key] = value
-    return env
+    return box.openmpi_env()
 
 
 def fstype(path: Path) -> str:

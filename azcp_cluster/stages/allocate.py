@@ -88,6 +88,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
         return Prepared(None, here)  # nothing to write: a rerun stays cheap
     cluster = ctx.cluster
     cfg = ctx.cfg
+    t0 = cluster.clock()
     outcome = StageOutcome()
     broadcaster: Broadcaster | None = None
     mine = plan.owned_by(ctx.rank)
@@ -129,6 +130,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
             prepare_files(ctx, listed.listing, here, later, diff.kept, checked=True)
             broadcaster = make_broadcaster(ctx, place, listed, diff, schedule, later)
     ctx.explain_space(outcome)  # the files' blocks are reserved here: a full disk shows here first
+    cluster.note("allocate", t0)
     cluster.conclude(cluster.clock(), outcome)
     topo = place.topo
     if not ctx.local and any(not topo.is_leader(r) for r in topo.downloaders):

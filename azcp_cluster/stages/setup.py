@@ -93,9 +93,10 @@ def setup(ctx: RunContext) -> Placement:
             auth = Authorizer(source, resolve_credential(source, ctx.env, cfg.auth, ctx.credential), ctx.wall)
             proxy = proxy_for(source.endpoint, ctx.env)  # a proxy variable that cannot be used: exit 2 here
         outcome.stats = {"place": place_of(ctx), "sees": sees}
-    result = cluster.conclude(t0, outcome)
+    result = cluster.conclude(t0, outcome, stage="setup")
     places = [Place(*st["place"]) for st in result.stats]
     outcome = StageOutcome()
+    t1 = cluster.clock()
     reader = 0
     readers: list[int] = []
     topo = Topology(group_of=(0,), leaders=(0,), downloaders=(0,), hosts=1)
@@ -123,6 +124,7 @@ def setup(ctx: RunContext) -> Placement:
         if leader:
             ensure_dest(ctx.dest, create=not cfg.dry_run)
             ctx.tree = DestTree(ctx.dest, create=not cfg.dry_run)
+    cluster.note("roles", t1)
     cluster.conclude(t0, outcome)
     if not cfg.dry_run:
         lock_dest(ctx, leader, t0, places)
@@ -175,6 +177,7 @@ def lock_dest(ctx: RunContext, leader: bool, t0: float, places: list[Place]) -> 
     waited = False
     while True:
         outcome = StageOutcome()
+        tried = cluster.clock()
         with cluster.stage(outcome):
             held_by = None
             if leader:
@@ -183,6 +186,7 @@ def lock_dest(ctx: RunContext, leader: bool, t0: float, places: list[Place]) -> 
                     ctx.dest_lock = DestLock(ctx.tree, me)
                 held_by = ctx.dest_lock.try_acquire()
             outcome.stats = {"held_by": held_by, "me": me, "dest": ctx.dest}
+        cluster.note("lock", tried)
         result = cluster.conclude(t0, outcome)
         refused = [(rank, st) for rank, st in enumerate(result.stats) if st["held_by"] is not None]
         if not refused:

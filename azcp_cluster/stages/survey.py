@@ -74,6 +74,7 @@ def list_source(ctx: RunContext, place: Placement) -> Listed:
     # (a rank must never take the other path's collectives).
     if not ctx.local and len(place.topo.downloaders) > 1 and all(cluster.allgather(place.proxy is None)):
         listing = list_in_parallel(ctx, place)
+        cluster.note("list", t0)  # the timeline's: carried by the diff's agreement
         return _listed(ctx, listing, False, cluster.clock() - t0)
     payload: bytes | None = None
     outcome = StageOutcome()
@@ -92,7 +93,9 @@ def list_source(ctx: RunContext, place: Placement) -> Listed:
     payload, failure, single = cluster.bcast_object(message, root=place.reader)
     if failure is not None:
         raise error_from_payload(failure)
-    return _listed(ctx, decode_listing(payload), bool(single), cluster.clock() - t0)
+    listing = decode_listing(payload)
+    cluster.note("list", t0)
+    return _listed(ctx, listing, bool(single), cluster.clock() - t0)
 
 
 def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
@@ -221,7 +224,7 @@ def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
                 kept = journal.load(tree, files, np.flatnonzero(~bits).tolist(), ctx.origin)
         spans = {i: k.spans for i, k in kept.items()}
         outcome.stats = {"present": present, "list_seconds": listed.seconds, "kept": spans}
-    result = cluster.conclude(t0, outcome)
+    result = cluster.conclude(t0, outcome, stage="diff")
     leaders = place.topo.leaders
     matrix = np.stack(
         [

@@ -91,7 +91,7 @@ def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan) -> N
         record_download(ctx, result)
         ctx.report.record_download(result.seconds)
 
-    cluster.conclude(t0, outcome, record)
+    cluster.conclude(t0, outcome, record, stage="download")
 
 
 def download_figures(stats: DownloadStats) -> dict[str, Any]:
@@ -285,7 +285,9 @@ def stream(
 
     report = ctx.report
     report.overlap = True  # the mode, reported also when the stage fails
-    fanned.conclude(cluster, t0, outcome, record, report)
+    if made and done.downloaded:  # this rank's download inside the transfer: to its last byte landed
+        cluster.note("download", t0, t0 + done.downloaded)
+    fanned.conclude(cluster, t0, outcome, record, report, stage="transfer")
     report.broadcast_bytes += total
     report.stages["bcast"].bytes += total
     return FannedOut((), digests)
@@ -305,7 +307,13 @@ class FanOutTally:
         self._progress(nbytes, files)
 
     def conclude(
-        self, cluster: Cluster, t0: float, outcome: StageOutcome, record: Callable[[StageResult], None], report: Report
+        self,
+        cluster: Cluster,
+        t0: float,
+        outcome: StageOutcome,
+        record: Callable[[StageResult], None],
+        report: Report,
+        stage: str,
     ) -> StageResult:
         """The stage's agreement; if it failed, the report's broadcast bytes are those done (the
         most any leader did: each takes part in every transfer it receives)."""
@@ -316,7 +324,7 @@ class FanOutTally:
             record(result)
 
         try:
-            return cluster.conclude(t0, outcome, keep)
+            return cluster.conclude(t0, outcome, keep, stage=stage)
         except AzcpError:
             if seen:
                 report.broadcast_bytes += max(int(st.get("fanned", 0)) for st in seen[0].stats)
@@ -358,7 +366,7 @@ def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: 
     def record(result: StageResult) -> None:
         report.stages["bcast"].seconds += result.seconds
 
-    result = fanned.conclude(cluster, t0, outcome, record, report)
+    result = fanned.conclude(cluster, t0, outcome, record, report, stage="bcast")
     report.broadcast_bytes += total
     ctx.warn_direct(result.stats)
     if ctx.local:
