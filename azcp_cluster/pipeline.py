@@ -96,7 +96,7 @@ def execute(ctx: RunContext) -> None:
         report = ctx.report
         report.plan_loads = plan.loads()
         report.plan_spread = plan.spread(owners)
-        report.broadcast_shards = len(plan.shards)
+        report.broadcast_shards = plan.shard_count
         # The fan-out runs between leaders: a shard goes out from its owner's leader.
         schedule = None if cfg.dry_run else allocate.schedule_for(ctx, place, plan)
     if schedule is None:
@@ -118,14 +118,9 @@ def print_plan(ctx: RunContext, transfer: list[int], plan: Plan) -> None:
     """The dry run's plan, on rank 0: files and bytes per rank, and the spread."""
     if ctx.rank != 0:
         return
-    counts = [0] * plan.nranks
-    files_of: list[set[int]] = [set() for _ in range(plan.nranks)]
-    for shard in plan.shards:
-        files_of[shard.owner].add(shard.file)
-    for rank in range(plan.nranks):
-        counts[rank] = len(files_of[rank])
+    counts = plan.files_per_rank()
     loads = plan.loads()
-    print(f"[plan] {len(transfer)} files, {len(plan.shards)} shards over {plan.nranks} ranks", file=ctx.out)
+    print(f"[plan] {len(transfer)} files, {plan.shard_count} shards over {plan.nranks} ranks", file=ctx.out)
     for rank in range(plan.nranks):
         print(
             f"[plan] rank {rank}: {counts[rank]} files, {loads[rank]} bytes ({format_bytes(loads[rank])})",

@@ -253,12 +253,11 @@ def as_transfers(schedule: Sequence[Transfer], ranks: int | None = None) -> Tran
     return Transfers.of(schedule, ranks)
 
 
-def involving(schedule: Sequence[Transfer], rank: int) -> list[int]:
-    """The sequence numbers of the transfers ``rank`` sends or receives, ascending."""
+def involving(schedule: Sequence[Transfer], rank: int) -> np.ndarray:
+    """The sequence numbers of the transfers ``rank`` sends or receives, ascending (an array)."""
     if isinstance(schedule, Transfers):
-        seqs: list[int] = schedule.involving(rank).tolist()
-        return seqs
-    return [t.seq for t in schedule if t.involves(rank)]
+        return schedule.involving(rank)
+    return np.array([t.seq for t in schedule if t.involves(rank)], dtype=np.int64)
 
 
 def rooted_at(schedule: Sequence[Transfer], root: int) -> Iterator[Transfer]:
@@ -271,11 +270,11 @@ def rooted_at(schedule: Sequence[Transfer], root: int) -> Iterator[Transfer]:
         yield from schedule.select(seqs[start : start + _BATCH])
 
 
-def transfers_at(schedule: Sequence[Transfer], seqs: Sequence[int]) -> list[Transfer]:
+def transfers_at(schedule: Sequence[Transfer], seqs: Sequence[int] | np.ndarray) -> list[Transfer]:
     """The transfers of these sequence numbers (made in one go from columns)."""
     if isinstance(schedule, Transfers):
         return schedule.select(seqs)
-    return [schedule[seq] for seq in seqs]
+    return [schedule[seq] for seq in np.asarray(seqs, dtype=np.int64).tolist()]
 
 
 def max_length(schedule: Sequence[Transfer]) -> int:
