@@ -317,9 +317,24 @@ def _lpt_heap(heap: list[int], steps: list[int]) -> list[int]:
     return chosen
 
 
+def largest_first(length: np.ndarray) -> np.ndarray:
+    """The order of ``length``, largest first, ties in place (a stable sort of the negated lengths).
+
+    As one unique integer key, ``(max - length) * n + position``, where it fits: any sort
+    then gives the stable order, and the unstable one is the faster.
+    """
+    count = len(length)
+    if not count or int(length.min()) < 0 or (int(length.max()) + 1) * count >= 1 << 62:
+        stable: np.ndarray = np.argsort(-length, kind="stable")
+        return stable
+    key = (length.max() - length) * count + np.arange(count, dtype=np.int64)
+    order: np.ndarray = np.argsort(key)
+    return order
+
+
 def make_plan(
     sizes: Sequence[int],
-    files: Sequence[int],
+    files: Sequence[int] | np.ndarray,
     nranks: int,
     shard_size: int,
     owners: Sequence[int] | None = None,
@@ -356,7 +371,7 @@ def make_plan(
     # for the LPT (stable sorts, the same on every rank: every rank gets one plan).
     place = np.lexsort((offset_of, file_of))
     file_of, offset_of, length_of = file_of[place], offset_of[place], length_of[place]
-    largest = np.argsort(-length_of, kind="stable")
+    largest = largest_first(length_of)
     owner = np.empty(len(length_of), dtype=np.int64)
     owner[largest] = lpt_owners(length_of[largest], candidates)
     peer = np.zeros(len(length_of), dtype=np.bool_)
@@ -387,14 +402,18 @@ def plan_transfers(
     """
     needed = nranks if copies is None else copies
     partial = partial or {}
-    azure = [i for i, have in enumerate(holders) if not have and i not in partial]
+    # Who holds what, column-wise: most files are held by nobody (a first copy) or everybody.
+    held = np.fromiter(map(len, holders), dtype=np.int64, count=len(holders)) > 0
+    whole = np.ones(len(holders), dtype=np.bool_)
+    whole[[i for i in partial if 0 <= i < len(holders)]] = False
+    azure = np.flatnonzero(~held & whole)
     missing = [(i, off, length) for i, segs in partial.items() for off, length, by in segs if not by]
     plan = make_plan(sizes, azure, nranks, shard_size, owners, missing)
     # Peer pieces as (file, offset, size, owner), split below like the plan's.
     peer: list[tuple[int, int, int, int]] = [
-        (i, 0, sizes[i], min(have))
-        for i, have in enumerate(holders)
-        if have and len(set(have)) < needed and i not in partial
+        (i, 0, sizes[i], min(holders[i]))
+        for i in np.flatnonzero(held & whole).tolist()
+        if len(set(holders[i])) < needed
     ]
     to: dict[tuple[int, int], tuple[int, ...]] = {}
     everyone = tuple(range(nranks)) if receivers is None else tuple(sorted(receivers))

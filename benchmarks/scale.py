@@ -162,7 +162,7 @@ def rank_side(blob: bytes, ranks: int, paused: bool) -> dict[str, Any]:
         started, used = wall(), cpu()
         plan = plan_transfers(sizes, holders, ranks, SHARD_SIZE)
         figures["plan_s"], figures["plan_cpu_s"] = wall() - started, cpu() - used
-        figures["shards"] = len(plan.shards)
+        figures["shards"] = plan.shard_count
         figures["spread"] = round(plan.spread(), 6)
         started, used = wall(), cpu()
         schedule = transfer_schedule(plan, SLOT_SIZE, ranks)
