@@ -117,6 +117,11 @@ MIXES: dict[str, tuple[str, Callable[[int, np.random.Generator], Any], int | Non
     "medium": ("all 1-64 MiB", lambda files, rng: _uniform(rng, files, 1 * MiB, 64 * MiB + 1), None),
     "bimodal": ("90 % of 4-16 KiB, 10 % of 100-300 MiB", bimodal_sizes, None),
     "pareto": ("Pareto alpha 1.1 from 4 KiB, capped at 64 GiB", pareto_sizes, None),
+    "large": (
+        "all 64-512 MiB (275 TiB: 4.5 M transfers, where the schedule's size nears its bound)",
+        lambda files, rng: _uniform(rng, files, 64 * MiB, 512 * MiB + 1),
+        None,
+    ),
     "tib": ("one file of 1 TiB, the rest < 64 KiB", tib_sizes, None),
     "tib-alone": ("one file of 1 TiB, alone", lambda files, rng: [1 * TiB], 1),
 }
