@@ -98,12 +98,16 @@ class Transfers(Sequence[Transfer]):
 
     A million transfers as tuples (with their extents) cost some 600 MB and seconds to make;
     as columns 50 bytes a transfer and 33 an extent. ``schedule[seq]``, a slice and iteration
-    give the same :class:`Transfer` tuples a list would (made anew each time: equal, not
-    identical); the functions below (:func:`files_written`, :func:`completions`,
-    :func:`streamed_files`, :class:`Landing`, :func:`involving`) read the columns. Immutable.
+    give the same :class:`Transfer` tuples a list would (equal, not always identical); the
+    functions below (:func:`files_written`, :func:`completions`, :func:`streamed_files`,
+    :class:`Landing`, :func:`involving`) read the columns. Immutable.
+
+    ``schedule[seq]`` makes the next :data:`_NEAR` transfers with it and keeps the last few
+    thousand made so: the fan-out asks for each transfer several times (to read it, post it,
+    and to look ahead), in schedule order.
     """
 
-    __slots__ = ("_bounds", "_everyone", "_group", "_receivers", "_root", "extents", "ranks")
+    __slots__ = ("_bounds", "_everyone", "_group", "_near", "_receivers", "_root", "extents", "ranks")
 
     def __init__(
         self,
@@ -124,6 +128,7 @@ class Transfers(Sequence[Transfer]):
         self._bounds = _read_only(np.asarray(bounds, dtype=np.int64))
         self.extents = ExtentColumns(*(_read_only(np.asarray(column)) for column in extents))
         self.ranks = ranks
+        self._near: dict[int, Transfer] = {}
         if len(self._bounds) != len(self._root) + 1 or len(self._group) != len(self._root):
             raise ValueError("transfer columns of different lengths")
 
@@ -153,13 +158,28 @@ class Transfers(Sequence[Transfer]):
 
     def __getitem__(self, index: int | slice) -> Transfer | list[Transfer]:  # type: ignore[override]
         if isinstance(index, slice):
-            return self.select(range(*index.indices(len(self))))
+            seqs = range(*index.indices(len(self)))
+            if len(seqs) <= _NEAR:  # a look ahead: from the transfers made near it
+                return [self._near_one(seq) for seq in seqs]
+            return self.select(seqs)
         count = len(self._root)
         if index < 0:
             index += count
         if not 0 <= index < count:
             raise IndexError("transfer index out of range")
-        [transfer] = self.select((index,))
+        return self._near_one(index)
+
+    def _near_one(self, index: int) -> Transfer:
+        """Transfer ``index`` (in range), from those made near it (see the class)."""
+        count = len(self._root)
+        near = self._near
+        transfer = near.get(index)
+        if transfer is None:
+            if len(near) >= _NEAR_KEPT:
+                near = self._near = {}  # a new dict: a thread reading the old one still finds its own
+            made = self.select(range(index, min(count, index + _NEAR)))
+            near.update(zip(range(index, index + len(made)), made, strict=True))
+            transfer = made[0]
         return transfer
 
     def __iter__(self) -> Iterator[Transfer]:
@@ -229,6 +249,8 @@ class Transfers(Sequence[Transfer]):
 
 
 _BATCH = 4096  # transfers made at once when iterating
+_NEAR = 64  # transfers made at once by schedule[seq]
+_NEAR_KEPT = 4096  # the most kept
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
