@@ -345,3 +345,14 @@ def test_transfers_of_needs_seqs_in_order() -> None:
     extent = Extent(0, 0, 1, 0, True)
     with pytest.raises(ValueError):
         Transfers.of([Transfer(1, 0, (1,), (extent,), True)], 2)
+
+
+def test_transfers_asked_one_by_one_past_what_is_kept() -> None:
+    """Thousands of transfers asked for in order, and back: those kept near each other are
+    dropped as more are made, and every answer is still the transfer at that place."""
+    plan = make_plan([3] * 12_000, range(12_000), 4, 1 << 20)
+    columns = transfer_schedule(plan, 1 << 20, 4, pack=False)
+    listed = list(columns)
+    assert len(listed) == 12_000
+    assert [columns[i] for i in range(len(columns))] == listed
+    assert [columns[i] for i in reversed(range(len(columns)))] == listed[::-1]
