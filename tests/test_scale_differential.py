@@ -158,14 +158,15 @@ def test_a_large_mix_matches_main() -> None:
 
 @st.composite
 def hand_made_plans(draw: st.DrawFn) -> tuple[list[Shard], int, dict[tuple[int, int], tuple[int, ...]]]:
-    """Shards in any order, some empty, some named for a subset of receivers."""
+    """Shards in any order, some empty, some at offsets off the alignment, some named for a
+    subset of receivers."""
     nranks = draw(st.integers(1, 6))
     shards = draw(
         st.lists(
             st.builds(
                 Shard,
                 st.integers(0, 8),
-                st.integers(0, 6).map(lambda k: k * ALIGN),
+                st.one_of(st.integers(0, 6).map(lambda k: k * ALIGN), st.integers(0, 3 * ALIGN)),
                 st.one_of(st.just(0), st.integers(1, 3 * DIRECT_MIN), st.integers(1, 5 * DIRECT_MIN)),
                 st.integers(0, nranks - 1),
                 st.booleans(),
