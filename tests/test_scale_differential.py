@@ -266,3 +266,13 @@ def test_max_extents_holds_in_the_packing() -> None:
     new = transfer_schedule(plan, 1 << 30, 2)
     assert [len(t.extents) for t in new] == [MAX_EXTENTS] * 3 + [5]
     assert as_tuples(new) == as_tuples(old)
+
+
+def test_a_long_piece_off_the_alignment_packs_tight_as_main() -> None:
+    """A piece of 64 KiB or more that starts off the file's alignment cannot go O_DIRECT: packed
+    tight after the one before, as main packed it."""
+    shards = [Shard(0, 0, 100, 0), Shard(1, 1, DIRECT_MIN, 0), Shard(2, 0, DIRECT_MIN, 0)]
+    new = transfer_schedule(Plan(shards, 1), 1 << 20, 2)
+    expected = reference.transfer_schedule(reference.Plan(shards=tuple(shards), nranks=1), 1 << 20, 2)
+    assert as_tuples(new) == as_tuples(expected)
+    assert [e.at for e in new[0].extents] == [0, 100, ALIGN * (-(-(100 + DIRECT_MIN) // ALIGN))]
