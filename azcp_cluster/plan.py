@@ -6,8 +6,8 @@ near-equal, aligned byte ranges; all pieces are then placed largest first on the
 least-loaded rank (ties to the lowest rank): the classic LPT rule, within 4/3 of optimal.
 
 Column-wise: a plan of a million files is five numpy columns (:class:`ShardColumns`), made
-with sorts and one loop of plain integers over a heap (the LPT); its :class:`Shard` tuples are
-made only for whoever asks for them.
+with sorts and an LPT that places pieces in exact batches (:func:`lpt_owners`); its
+:class:`Shard` tuples are made only for whoever asks for them.
 """
 
 from __future__ import annotations

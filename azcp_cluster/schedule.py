@@ -84,23 +84,24 @@ Receivers = Callable[[int, int], tuple[int, ...]]  # (file, root) -> the ranks t
 
 
 class ExtentColumns(NamedTuple):
-    """Extents as columns (numpy arrays, one entry an extent)."""
+    """Extents as columns (numpy arrays, one entry an extent; integers int32 where they fit)."""
 
-    file: np.ndarray  # int64
+    file: np.ndarray
     offset: np.ndarray  # int64
-    length: np.ndarray  # int64
-    at: np.ndarray  # int64
+    length: np.ndarray
+    at: np.ndarray
     last_of_file: np.ndarray  # bool
 
 
 class Transfers(Sequence[Transfer]):
     """A schedule: its transfers in order, held as columns; each :class:`Transfer` is made when asked for.
 
-    A million transfers as tuples (with their extents) cost some 600 MB and seconds to make;
-    as columns 50 bytes a transfer and 33 an extent. ``schedule[seq]``, a slice and iteration
-    give the same :class:`Transfer` tuples a list would (equal, not always identical); the
-    functions below (:func:`files_written`, :func:`completions`, :func:`streamed_files`,
-    :class:`Landing`, :func:`involving`) read the columns. Immutable.
+    A million transfers as tuples (with their extents) cost some 700 MB and seconds to make;
+    as columns 16 bytes a transfer and 21 an extent (int32 where it holds them).
+    ``schedule[seq]``, a slice and iteration give the same :class:`Transfer` tuples a list
+    would (equal, not always identical); the functions below (:func:`files_written`,
+    :func:`completions`, :func:`streamed_files`, :class:`Landing`, :func:`involving`) read the
+    columns. Immutable.
 
     ``schedule[seq]`` makes the next :data:`_NEAR` transfers with it and keeps the last few
     thousand made so: the fan-out asks for each transfer several times (to read it, post it,
