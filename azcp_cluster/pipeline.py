@@ -142,7 +142,7 @@ def execute(ctx: RunContext) -> list[str]:
         report = ctx.report
         report.plan_loads = plan.loads()
         report.plan_spread = plan.spread(owners)
-        report.broadcast_shards = len(plan.shards)
+        report.broadcast_shards = plan.shard_count
         # The fan-out runs between leaders: a shard goes out from its owner's leader.
         schedule = None if cfg.dry_run else allocate.schedule_for(ctx, place, plan)
     if schedule is None:
@@ -166,14 +166,12 @@ def plan_lines(ctx: RunContext, transfer: list[int], plan: Plan) -> list[str]:
     """The dry run's plan, on rank 0: files and bytes per rank, and the spread."""
     if ctx.rank != 0:
         return []
-    files_of: list[set[int]] = [set() for _ in range(plan.nranks)]
-    for shard in plan.shards:
-        files_of[shard.owner].add(shard.file)
+    counts = plan.files_per_rank()
     loads = plan.loads()
     return [
-        f"[plan] {len(transfer)} files, {len(plan.shards)} shards over {plan.nranks} ranks",
+        f"[plan] {len(transfer)} files, {plan.shard_count} shards over {plan.nranks} ranks",
         *(
-            f"[plan] rank {rank}: {len(files_of[rank])} files, {loads[rank]} bytes ({format_bytes(loads[rank])})"
+            f"[plan] rank {rank}: {counts[rank]} files, {loads[rank]} bytes ({format_bytes(loads[rank])})"
             for rank in range(plan.nranks)
         ),
         f"[plan] spread {plan.spread() * 100:.2f}% (busiest rank over the mean)",

@@ -20,7 +20,15 @@ from azcp_cluster.localsource import source_file
 from azcp_cluster.model import Listing
 from azcp_cluster.naming import JOURNAL_DIR
 from azcp_cluster.plan import Plan
-from azcp_cluster.schedule import DIRECT_MIN, Transfer, files_written, transfer_schedule
+from azcp_cluster.schedule import (
+    DIRECT_MIN,
+    Transfer,
+    files_of,
+    files_written,
+    max_length,
+    payload,
+    transfer_schedule,
+)
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement, available_memory
 from azcp_cluster.stages.survey import Diff, Listed
@@ -31,18 +39,19 @@ from azcp_cluster.topology import workers_for
 class Schedule:
     """The transfers between the leaders, and the files they bring to this rank's node."""
 
-    transfers: tuple[Transfer, ...]
+    # schedule.Transfers (columns; each Transfer made when read), or any list of them
+    transfers: Sequence[Transfer]
     receives: frozenset[int]  # files the schedule brings here (this and earlier rounds)
 
     @property
     def payload(self) -> int:
         """Bytes of file data in the transfers (not the alignment padding)."""
-        return sum(e.length for t in self.transfers for e in t.extents)
+        return payload(self.transfers)
 
     @property
     def files(self) -> int:
         """Files with bytes in the transfers."""
-        return len({e.file for t in self.transfers for e in t.extents})
+        return files_of(self.transfers)
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,7 @@ def schedule_for(ctx: RunContext, place: Placement, plan: Plan, earlier: Schedul
     receives = files_written(transfers, place.group)
     if earlier is not None:
         receives |= earlier.receives
-    return Schedule(tuple(transfers), frozenset(receives))
+    return Schedule(transfers, frozenset(receives))
 
 
 def writes_here(listing: Listing, diff: Diff, schedule: Schedule) -> tuple[int, ...]:
@@ -227,9 +236,8 @@ def made_on_arrival(
     one kept from a stopped run: it stands there already)."""
     group_of = place.topo.group_of
     # A local SOURCE's plan names its readers as owners: they read it, nobody downloads.
-    downloaded = (
-        set() if ctx.local else {s.file for s in plan.shards if not s.peer and group_of[s.owner] == place.group}
-    )
+    node = [rank for rank, group in enumerate(group_of) if group == place.group]
+    downloaded = set() if ctx.local else plan.downloaded_files(node)
     files = listing.files
     kept = kept or {}
     return [i for i in missing if 0 < files[i].size < DIRECT_MIN and i not in downloaded and i not in kept]
@@ -248,7 +256,7 @@ def make_broadcaster(
         ctx.node_comm,
         listed.listing.files,
         ctx.dest_tree(),
-        max(t.length for t in transfers),  # no slot larger than the largest transfer
+        max_length(transfers),  # no slot larger than the largest transfer
         pipeline=min(cfg.bcast_pipeline, len(transfers)),
         writers=cfg.bcast_writers,
         direct=cfg.bcast_direct,

@@ -213,7 +213,7 @@ def stream(
     topo = place.topo
     rank = ctx.rank
     t0 = cluster.clock()
-    transfers = list(schedule.transfers)
+    transfers = schedule.transfers  # columns: a transfer is made when the fan-out reads it
     downloaders = place.downloaders_here()
     blocks, landing = node_blocks(transfers, plan, place.group, downloaders, ctx.cfg.block_size, blocks_for)
     mine = [Block(*blocks.blocks[i]) for i in blocks.of_rank.get(rank, ())]
@@ -349,7 +349,7 @@ def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: 
     with cluster.stage(outcome):
         if broadcaster is not None:  # leaders only; the others wait at the agreement
             broadcaster.on_bytes = fanned.add
-            stats = broadcaster.run(list(schedule.transfers))
+            stats = broadcaster.run(schedule.transfers)
             digests.update(broadcaster.digests)
             outcome.stats = {
                 "refused": stats.direct_refused,
