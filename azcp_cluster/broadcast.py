@@ -86,8 +86,9 @@ class _Slot:
 
     def __init__(self, size: int) -> None:
         # Rounded up to whole blocks: an O_DIRECT read of an extent with an unaligned end
-        # (a file's last) reads the whole last block.
-        self.buffer = aligned_buffer(round_up(size, ALIGN), populate=True)
+        # (a file's last) reads the whole last block. One byte more: the root's ``intact``
+        # flag, sent right after a transfer's bytes (fanout.py).
+        self.buffer = aligned_buffer(round_up(size + 1, ALIGN), populate=True)
 
 
 class Broadcaster:
@@ -221,7 +222,7 @@ class Broadcaster:
         threads = [t for t in threads if t.ident is not None]  # only the started ones are joined
         if failed is not None:
             machine.failed(failed)  # before start(): nothing is read or written, everything posted
-        inflight: deque[tuple[Transfer, list[Any]]] = deque()
+        inflight: deque[tuple[Transfer, list[Any], int]] = deque()  # (transfer, its calls, its slot)
         todo: deque[Instruction] = deque(machine.start())
         finish: Finish | None = None
         nap = POLL_NAP
@@ -233,7 +234,11 @@ class Broadcaster:
                         reads.put(step)
                     elif isinstance(step, Post):
                         transfer = schedule[step.seq]
-                        inflight.append((transfer, self._post(transfer, self.slots[step.slot].buffer, MPI)))
+                        buffer = self.slots[step.slot].buffer
+                        # The root says whether the slot holds the bytes; a receiver's byte is
+                        # overwritten by the root's (0 until then).
+                        buffer[transfer.length] = 1 if step.intact and transfer.root == self.rank else 0
+                        inflight.append((transfer, self._post(transfer, buffer, MPI), step.slot))
                     elif isinstance(step, Write):
                         try:
                             if disk is None:
@@ -261,12 +266,14 @@ class Broadcaster:
                     nap = POLL_NAP
                     continue
                 if inflight and MPI.Request.Testall(inflight[0][1]):
-                    transfer, _ = inflight.popleft()
+                    transfer, _, slot = inflight.popleft()
+                    intact = self.slots[slot].buffer[transfer.length] == 1
                     try:
-                        self._retired(transfer)  # counters and the progress bar
+                        if intact or transfer.root == self.rank:
+                            self._retired(transfer)  # counters and the progress bar
                     except Exception as exc:  # fail this rank; never leave the others in a collective
                         todo.extend(machine.failed(_as_error(exc, "the fan-out")))
-                    todo.extend(machine.call_done())
+                    todo.extend(machine.call_done(intact))
                     nap = POLL_NAP
                     continue
                 # Nothing to do until a thread, MPI or the download moves: nap, then look
@@ -332,9 +339,10 @@ class Broadcaster:
         return machine.write_done(seq, error)
 
     def _post(self, transfer: Transfer, buffer: Any, mpi: Any) -> list[Any]:
-        """Start a transfer's calls: a broadcast when every rank receives it, else sends and receives."""
-        view = buffer[: transfer.length]
-        pieces = [[view[start:stop], mpi.BYTE] for start, stop in call_slices(transfer.length)]
+        """Start a transfer's calls: a broadcast when every rank receives it, else sends and receives
+        (its bytes and the root's ``intact`` byte after them)."""
+        view = buffer[: transfer.length + 1]
+        pieces = [[view[start:stop], mpi.BYTE] for start, stop in call_slices(transfer.length + 1)]
         if transfer.everyone:
             return [self.comm.Ibcast(piece, root=transfer.root) for piece in pieces]
         if transfer.root == self.rank:

@@ -22,6 +22,11 @@ Rules, for the rank's own transfers (those it sends or receives, in schedule ord
   what they posted and stop at the same point.
 * After a failure (its own, a peer's, a signal) a rank reads and writes nothing more but
   still posts its transfers until the agreement: no other rank is left in a collective.
+* Every transfer carries one more byte, ``intact``, set by its root: whether the slot holds
+  the transfer's bytes (it was read, without error). A root that failed posts slots it never
+  filled (zeros, or an earlier transfer's bytes); a receiver that has not yet heard of that
+  failure learns it from the byte and writes nothing of the transfer, so a stopped run's
+  journal never records bytes that were not the source's.
 """
 
 from __future__ import annotations
@@ -53,10 +58,12 @@ class Read:
 
 @dataclass(frozen=True)
 class Post:
-    """Start transfer ``seq``'s MPI calls on ``slot``."""
+    """Start transfer ``seq``'s MPI calls on ``slot``; ``intact``: the root's slot holds the
+    transfer's bytes (sent with them, see the module; a receiver's is always True)."""
 
     seq: int
     slot: int
+    intact: bool = True
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,7 @@ class _Item:
     slot: int
     state: _State = _State.WAITING
     users: int = 0
+    filled: bool = False  # root: its slot was read, without error
 
 
 @dataclass
@@ -185,17 +193,21 @@ class FanOut:
             self._fail(error)
         item = self.by_seq[seq]
         assert item.state is _State.READING, f"read_done for {seq} in state {item.state}"
+        item.filled = error is None
         self._set(item, _State.READY)
         out: list[Instruction] = []
         self._advance(out)
         return out
 
-    def call_done(self) -> list[Instruction]:
-        """The oldest posted transfer's MPI calls completed."""
+    def call_done(self, intact: bool = True) -> list[Instruction]:
+        """The oldest posted transfer's MPI calls completed; ``intact``: the byte its root sent
+        with it (a receiver's; False: the root had failed, nothing of it is written)."""
         item = self._item(self._retired)
         assert item.state is _State.POSTED, f"call_done for {item.transfer.seq} in state {item.state}"
         self._retired += 1
         out: list[Instruction] = []
+        if not intact and item.transfer.root != self.rank and not self.failing:
+            self._peer_failed()
         if not self._stopping:
             self._use(item, out)
         else:
@@ -219,13 +231,11 @@ class FanOut:
     def failed(self, error: AzcpError | None) -> list[Instruction]:
         """This rank failed (``error``), or learnt that another one did (``None``)."""
         if error is None:
-            self.peer = True
+            self._peer_failed()
         else:
             self._fail(error)
+            self._release_landing()
         out: list[Instruction] = []
-        for item in list(self.live.values()):
-            if item.state is _State.LANDING:  # nothing will be read: its turn must still come
-                self._set(item, _State.READY)
         self._advance(out)
         return out
 
@@ -291,6 +301,15 @@ class FanOut:
         if self.error is None:
             self.error = error
 
+    def _peer_failed(self) -> None:
+        self.peer = True
+        self._release_landing()
+
+    def _release_landing(self) -> None:
+        for item in list(self.live.values()):
+            if item.state is _State.LANDING:  # nothing will be read: its turn must still come
+                self._set(item, _State.READY)
+
     def _prepare(self, item: _Item, out: list[Instruction]) -> None:
         """The slot is free for ``item``: read it (root), or wait for its bytes, or it is ready."""
         if item.transfer.root != self.rank or self.failing or self._stopping:
@@ -350,7 +369,7 @@ class FanOut:
                 break
             self._set(item, _State.POSTED)
             self._next_post += 1
-            out.append(Post(item.transfer.seq, item.slot))
+            out.append(Post(item.transfer.seq, item.slot, item.transfer.root != self.rank or item.filled))
         if self._stopping:
             # Stopping: once nothing is in flight and no thread still uses a slot.
             over = self.in_flight == 0 and self._busy == 0

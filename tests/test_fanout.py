@@ -38,6 +38,7 @@ class Rank:
     hashed: list[tuple[int, int]] = field(default_factory=list)
     slot_users: dict[int, set[str]] = field(default_factory=lambda: defaultdict(set))
     completed: list[int] = field(default_factory=list)
+    intact: list[int] = field(default_factory=list)  # completed with their root's bytes
 
 
 class Sim:
@@ -76,6 +77,7 @@ class Sim:
         self.to_land = {t.seq for t in schedule} if streaming else set()
         self.agreements: list[list[bool]] = []  # per agreement: each rank's flag
         self.failed_at = -1  # agreements held before the injected failure
+        self.intact: dict[int, bool] = {}  # seq -> the byte its root posted it with
 
     def apply(self, r: int, instructions: list[Instruction]) -> None:
         rank = self.ranks[r]
@@ -90,6 +92,8 @@ class Sim:
                 assert self.schedule[step.seq].involves(r)
                 rank.posted.append(step.seq)
                 rank.inflight.append(step.seq)
+                if self.schedule[step.seq].root == r:
+                    self.intact[step.seq] = step.intact
                 assert len(rank.inflight) <= self.depth, "more than depth in flight"
                 self.claim(rank, step.slot, f"post {step.seq}")
             elif isinstance(step, Write | Hash):
@@ -136,7 +140,10 @@ class Sim:
         rank.inflight.popleft()
         rank.completed.append(seq)
         self.release(rank, seq, "post")
-        self.apply(r, rank.machine.call_done())
+        intact = self.intact[seq]
+        if intact:
+            rank.intact.append(seq)
+        self.apply(r, rank.machine.call_done(intact))
         return True
 
     def step(self, fail: tuple[int, int] | None, moves: int) -> bool:
@@ -311,6 +318,9 @@ def test_a_failure_at_any_point_stops_every_rank(
     later = sim.agreements[sim.failed_at :]
     for r, rank in enumerate(sim.ranks):
         assert not rank.inflight  # drained: no call left in flight
+        # Never a byte the failed root did not fill: only transfers it posted intact are written.
+        genuine = sorted((e.file, e.offset, e.length) for t in schedule if t.seq in rank.intact for e in t.extents)
+        assert set(rank.written) <= set(genuine), "a receiver wrote a slot its failed root never filled"
         if r == who:
             continue
         if later:
@@ -318,8 +328,11 @@ def test_a_failure_at_any_point_stops_every_rank(
             assert later[0][who] and len(later) == 1
             assert rank.finish == Finish(None, True)
         else:
-            # It came after the last agreement: the others finish, the stage's end tells them.
-            assert rank.finish == Finish(None, False)
+            # It came after the last agreement: the others finish, the stage's end tells them;
+            # one that received a slot a failed root never filled (the failed rank's, or a
+            # slot of a rank that learnt it so) knows already.
+            unfilled = any(seq not in rank.intact for seq in rank.completed if schedule[seq].root != r)
+            assert rank.finish == Finish(None, unfilled)
 
 
 def test_a_failed_rank_reads_and_writes_nothing_more_but_still_posts() -> None:
@@ -356,8 +369,20 @@ def test_a_peer_failure_releases_a_root_waiting_for_bytes() -> None:
     schedule = transfer_schedule(plan, 4096, 2)
     machine = FanOut(0, schedule, 4, writes=lambda t, e: False, waits_landing=lambda seq: True)
     assert machine.start() == []
-    assert machine.failed(None) == [Post(0, 0)]
+    assert machine.failed(None) == [Post(0, 0, intact=False)]  # posted unread: it says so
     assert machine.call_done() == [Finish(None, True)]
+
+
+def test_a_receiver_writes_nothing_its_root_never_filled() -> None:
+    """The root failed and posted a slot it never read (zeros, or an earlier transfer's bytes)
+    before this rank heard of it: the byte sent with it stops the writes, and the rank knows."""
+    plan = make_plan([4096, 4096], range(2), 1, 1 << 20)
+    schedule = transfer_schedule(plan, 4096, 2, pack=False)
+    machine = FanOut(1, schedule, 2, writes=lambda t, e: True, check_every=100)
+    assert machine.start() == [Post(0, 0), Post(1, 1)]
+    assert [type(s) for s in machine.call_done(intact=True)] == [Write]  # a genuine one is written
+    assert machine.call_done(intact=False) == []  # the failed root's is not
+    assert machine.peer and machine.failing
 
 
 def test_a_rank_in_no_transfer_still_joins_every_agreement() -> None:

@@ -211,6 +211,24 @@ def test_source_readers_with_a_blob_url_is_refused(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir())
 
 
+def test_a_rerun_after_an_unannounced_failure_of_a_root_is_byte_identical(
+    emulator: azurite.Emulator, tmp_path: Path
+) -> None:
+    """Rank 0's fan-out fails before it has read a thing and tells no one, so it posts slots
+    it never filled while rank 1 still takes them for data: rank 1 must write none of them
+    (no zeros recorded as kept in its journal), and the rerun must make byte-identical copies."""
+    container, files = _dataset(emulator)
+    args = [emulator.url(container, "d"), str(tmp_path / "n" / "{rank}"), *OPTIONS]
+    env = {**emulator.key_env(), "AZCP_TEST_BUG": "unannounced"}
+    result = run_cli(args, n=2, env=env, program=[str(FANOUT_BUG)], timeout=60)
+    dests = [tmp_path / "n" / str(rank) for rank in range(2)]
+    _one_error_nothing_wrong(result, 6, ["rank 0", "simulated"], dests, files)
+    rerun = run_cli(args, n=2, env=emulator.key_env(), timeout=60)
+    assert rerun.returncode == 0, rerun.output
+    for dest in dests:
+        assert tree_of(dest) == files, f"{dest}: the rerun kept bytes rank 0 never sent"
+
+
 @pytest.mark.parametrize(
     ("bug", "extra"),
     [

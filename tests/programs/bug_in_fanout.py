@@ -5,8 +5,10 @@
 AZCP_TEST_BUG: ``retired`` (the driver's bookkeeping of a completed transfer raises OSError,
 as a progress bar on a vanished terminal might), ``thread`` (the leader's download thread
 cannot be started, as under a process limit), ``readahead`` (nor the fan-out's read-ahead
-thread) or ``downloader`` (the leader's downloader cannot be made). Every rank must end with one line and exit 1,
-not hang in a collective that rank 0 left.
+thread), ``downloader`` (the leader's downloader cannot be made) or ``unannounced`` (rank 0's
+fan-out fails before it reads anything and tells no one: the other ranks hear of it only
+from what it posts, as when a signal's notice is slower than the broadcast). Every rank
+must end with one line and exit 1, not hang in a collective that rank 0 left.
 """
 
 from __future__ import annotations
@@ -55,6 +57,22 @@ elif RANK == "0" and MODE == "downloader":
         raise RuntimeError("cannot make the downloader (simulated)")
 
     transfer.downloader = no_downloader
+
+if MODE == "unannounced":
+    from azcp_cluster.errors import BroadcastError
+
+    run = broadcast.Broadcaster.run
+
+    def unannounced(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # At the run, after the stage has wired its own announce and peer_failed.
+        if RANK == "0":
+            self.stop_requested = lambda: BroadcastError("the fan-out stopped (simulated)", rank=0)
+            self.announce = lambda: None
+        else:
+            self.peer_failed = lambda: False  # never told out of band
+        return run(self, *args, **kwargs)
+
+    broadcast.Broadcaster.run = unannounced  # type: ignore[method-assign]
 
 from azcp_cluster.cli import main  # noqa: E402
 
