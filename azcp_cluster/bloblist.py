@@ -2,11 +2,14 @@
 
 azure-storage-blob builds model objects for every blob and lists one page at a time: some
 0.4 ms of rank-0 CPU per blob, minutes for a million. Here the same REST calls are made
-directly: one listing with the ``/`` delimiter for the top of the prefix (the blobs there and
-its virtual directories); while there are too few directories to keep several listings in
-flight (a prefix holding ``train/`` alone), they are listed a level down with the delimiter
-too (:func:`descend`); then every directory is listed flat, :data:`IN_FLIGHT` at once, each
-page of up to 5,000 blobs parsed by ``xml.etree.ElementTree`` (expat, in C). One huge
+directly: first one flat page of the prefix, up to 5,000 blobs, which is the whole listing
+when it has no page after it, whatever the tree's shape (one request); else one listing with
+the ``/`` delimiter for the top of the prefix (the blobs there and its virtual directories);
+while there are too few directories to keep several listings in flight (a prefix holding
+``train/`` alone), they are listed a level down with the delimiter too (:func:`descend`);
+then every directory is listed flat, :data:`IN_FLIGHT` at once, each page of up to 5,000
+blobs parsed by ``xml.etree.ElementTree`` (expat, in C). The directories the first page
+holds whole are not listed again (:class:`FirstPage`). One huge
 directory is listed in key ranges at once where the service takes ``startFrom``
 (keyspace.py), and page after page where it does not. The rules (the
 prefix as a directory, markers, filters, unsafe or colliding names) are naming.select's, as
@@ -171,12 +174,15 @@ class Start:
 
 def list_start(source: BlobSource, auth: Authorizer, cfg: Config, parallel: int) -> Start:
     """The listing's first steps, on one rank: the blob the prefix names exactly (then the
-    whole listing, done), else the prefix's top with the delimiter; then, while
-    :func:`descend` says so, a level down, each directory's first page only. A small listing
-    ends here, on one rank (no rounds between ranks for a thousand blobs); a directory with
-    more than a page stops it, and the rest is shared out. A directory of more than a page
-    whose first shows blobs only (or a prefix that is one) goes to ``flat``: listed flat, in
-    key ranges where the service can (:meth:`_Lister.flat`)."""
+    whole listing, done), else a flat page of the prefix: the whole listing when no page
+    follows it (one request, whatever the tree's shape). Else the prefix's top with the
+    delimiter; then, while :func:`descend` says so, a level down, each directory's first page
+    only. A small listing ends here, on one rank (no rounds between ranks for a thousand
+    blobs); a directory with more than a page stops it, and the rest is shared out. A
+    directory of more than a page whose first shows blobs only (or a prefix that is one)
+    goes to ``flat``: listed flat, in key ranges where the service can (:meth:`_Lister.flat`).
+    The directories the first flat page holds whole are taken from it, never listed again
+    (:class:`FirstPage`)."""
 
     async def start(lister: _Lister) -> Start:
         prefix = source.prefix
@@ -185,27 +191,30 @@ def list_start(source: BlobSource, auth: Authorizer, cfg: Config, parallel: int)
             if exact is not None and not exact.is_folder:
                 return Start(select(prefix, exact, (), cfg.include, cfg.exclude), [], [], [], 0)
         top_prefix = directory_prefix(prefix)
-        entries, top, marker = await lister.everything(top_prefix, delimiter="/", pages=1)
-        if marker and not top and entries:  # one huge directory, it seems: flat, in key ranges
+        page, _, marker = await lister.everything(top_prefix, pages=1)
+        if not marker:
+            return Start(None, page, [], [], 0)  # all of it, in one request
+        first = FirstPage.of(top_prefix, page)
+        if page and not first.counts:  # blobs only: one huge directory, it seems: flat, in key ranges
             return Start(None, [], [], [], 0, [top_prefix])
-        if marker:
-            more_entries, more_top, _ = await lister.everything(top_prefix, delimiter="/", marker=marker)
-            entries += more_entries
-            top += more_top
-        folders = unique(top)
+        entries, top, _ = await lister.everything(top_prefix, delimiter="/")
+        kept, folders = first.take(unique(top))
+        entries += kept
         flat: list[str] = []
         depth = 0
         # Alone while the directories are few enough to list at once here (more are shared out).
         while descend(len(folders), parallel, depth) and len(folders) <= IN_FLIGHT:
             # First a flat page of each, PROBE blobs: a small directory is done with it, and a
-            # small listing ends in a few calls.
-            probes = await _each(lister, [(folder, "") for folder in folders], "", pages=1, size=PROBE)
-            big = []
-            for folder, (found, _, marker) in zip(folders, probes, strict=True):
+            # small listing ends in a few calls. One the first page shows is bigger needs none.
+            unknown = [folder for folder in folders if not first.big(folder)]
+            probes = await _each(lister, [(folder, "") for folder in unknown], "", pages=1, size=PROBE)
+            big = [folder for folder in folders if first.big(folder)]
+            for folder, (found, _, marker) in zip(unknown, probes, strict=True):
                 if marker:
                     big.append(folder)  # its probe is dropped: listed again, a level down
                 else:
                     entries += found
+            big = unique(big)
             # The others a level down: each one's first page (its blobs, its directories).
             pages = await _each(lister, [(folder, "") for folder in big], "/", pages=1)
             below: list[str] = []
@@ -218,12 +227,76 @@ def list_start(source: BlobSource, auth: Authorizer, cfg: Config, parallel: int)
                 below += more
                 if marker:
                     continuing.append((folder, marker))
-            folders, depth = unique(below), depth + 1
+            kept, folders = first.take(unique(below))
+            entries += kept
+            depth += 1
             if continuing:
                 return Start(None, entries, folders, continuing, depth, flat)
         return Start(None, entries, folders, [], depth, flat)
 
     return _run(source, auth, cfg, start)
+
+
+@dataclass(frozen=True)
+class FirstPage:
+    """The prefix's first flat page, when more pages follow it, and what it says of the
+    directories below the prefix.
+
+    The page holds the listing's first names in the service's order, and in any order a
+    service lists by (by name, or as a tree) the names below one directory come together.
+    So a directory with a name on the page that does not hold the page's last name has all
+    its names on the page: it is complete, and its blobs are taken from the page instead of
+    being listed again. A directory with more than a probe's worth of names on the page is
+    known to be bigger than a probe, which it is not sent. The page's other blobs are
+    dropped: the listing of their directory (or the top's, for the blobs directly under the
+    prefix) lists them, so each blob comes from one place only.
+    """
+
+    entries: list[RawEntry]
+    last: str  # the page's last name
+    counts: dict[str, int]  # per directory below the prefix ("a/", "a/b/": ending in "/"): its names on the page
+
+    @classmethod
+    def of(cls, prefix: str, entries: list[RawEntry]) -> FirstPage:
+        """The page of the listing of ``prefix`` (a directory prefix: "" or ending in "/")."""
+        counts: dict[str, int] = {}
+        start = len(prefix)
+        for entry in entries:
+            name = entry.name
+            cut = name.find("/", start)
+            while cut >= 0:
+                folder = name[: cut + 1]
+                counts[folder] = counts.get(folder, 0) + 1
+                cut = name.find("/", cut + 1)
+        return cls(entries, entries[-1].name if entries else "", counts)
+
+    def complete(self, folder: str) -> bool:
+        """Whether every blob below ``folder`` is on the page."""
+        return folder in self.counts and not self.last.startswith(folder)
+
+    def big(self, folder: str) -> bool:
+        """Whether ``folder`` is known to hold more blobs than a probe reads (its probe would
+        say so)."""
+        return self.counts.get(folder, 0) > min(PROBE, PAGE)
+
+    def take(self, folders: list[str]) -> tuple[list[RawEntry], list[str]]:
+        """The page's blobs below the complete directories among ``folders`` (of one level),
+        and the other directories, still to be listed (in their order)."""
+        done = {folder for folder in folders if self.complete(folder)}
+        if not done:
+            return [], folders
+        kept = [entry for entry in self.entries if _below(entry.name, done)]
+        return kept, [folder for folder in folders if folder not in done]
+
+
+def _below(name: str, folders: set[str]) -> bool:
+    """Whether ``name`` lies below one of ``folders`` (directory prefixes, ending in "/")."""
+    cut = name.find("/")
+    while cut >= 0:
+        if name[: cut + 1] in folders:
+            return True
+        cut = name.find("/", cut + 1)
+    return False
 
 
 def list_folders(source: BlobSource, auth: Authorizer, cfg: Config, folders: Sequence[str]) -> list[RawEntry]:
