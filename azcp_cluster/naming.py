@@ -190,7 +190,7 @@ def prefilter(prefix: str, children: Iterable[RawEntry], include: Sequence[str],
             markers += 1
             continue
         rel = check_relative_path(raw.name[len(dir_prefix) :], raw.name, checked)
-        if not matches_filters(rel, include, exclude):
+        if (include or exclude) and not matches_filters(rel, include, exclude):
             filtered += 1
             continue
         files.append(_to_file(raw, rel))
