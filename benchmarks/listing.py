@@ -174,19 +174,31 @@ def _mpiexec() -> str:
     return str(local) if local.exists() else "mpiexec"
 
 
-def _reruns(cmd: list[str], env: dict[str, str] | None, repeats: int) -> dict[str, Any]:
-    """``cmd`` (a copy already made) run ``repeats`` times again: its stage times, each run."""
-    totals, lists, diffs, walls = [], [], [], []
+def _rerun(cmd: list[str], env: dict[str, str] | None) -> dict[str, float]:
+    """``cmd`` (a copy already made) run again: its stage times, and the whole run's."""
+    started = time.perf_counter()
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    wall = round(time.perf_counter() - started, 2)
+    assert "0 to transfer" in out, out
+    seconds = {k: float(re.search(rf"\[{k}\] .*?T=([\d.]+)s", out).group(1)) for k in ("total", "list", "diff")}  # type: ignore[union-attr]
+    return {**seconds, "wall": wall}
+
+
+def _in_turn(cmds: dict[str, list[str]], env: dict[str, str] | None, repeats: int, kind: str) -> dict[str, Any]:
+    """Each shape's command run again ``repeats`` times, the shapes in turn within each
+    repeat (this machine's load drifts: one shape after the other would give each its own)."""
+    runs: dict[str, list[dict[str, float]]] = {shape: [] for shape in cmds}
     for _ in range(repeats):
-        started = time.perf_counter()
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-        walls.append(round(time.perf_counter() - started, 2))
-        assert "0 to transfer" in out, out
-        totals.append(float(re.search(r"\[total\] T=([\d.]+)s", out).group(1)))  # type: ignore[union-attr]
-        lists.append(float(re.search(r"\[list\] .* T=([\d.]+)s", out).group(1)))  # type: ignore[union-attr]
-        diffs.append(float(re.search(r"\[diff\] .* T=([\d.]+)s", out).group(1)))  # type: ignore[union-attr]
-    return {"total_s": totals, "list_s": lists, "diff_s": diffs, "wall_s": walls,
-            "median_total_s": statistics.median(totals)}  # fmt: skip
+        for shape, cmd in cmds.items():
+            runs[shape].append(_rerun(cmd, env))
+    figures = {}
+    for shape, done in runs.items():
+        totals = [run["total"] for run in done]
+        figures[shape] = {"total_s": totals, "list_s": [run["list"] for run in done],
+                          "diff_s": [run["diff"] for run in done], "wall_s": [run["wall"] for run in done],
+                          "median_total_s": statistics.median(totals)}  # fmt: skip
+        print(shape, kind, figures[shape], flush=True)
+    return figures
 
 
 def _upload_shape(emulator: azurite.Emulator, container: str, name: Callable[[int, int], str], blobs: int) -> None:
@@ -201,30 +213,41 @@ def _upload_shape(emulator: azurite.Emulator, container: str, name: Callable[[in
 
 def _noop_reruns(emulator: azurite.Emulator, blobs: int, shapes: list[str], repeats: int) -> dict[str, Any]:
     """A no-op rerun of ``blobs`` blobs, 4 ranks, for each shape: all uploaded first (one
-    emulator, the same collection for every shape), then each copied and rerun."""
+    emulator, the same collection for every shape) and copied, then rerun in turn."""
     containers = {shape: "rerun" + uuid.uuid4().hex[:10] for shape in shapes}
     for shape, container in containers.items():
         _upload_shape(emulator, container, SHAPES[shape], blobs)
     env = {**os.environ, **emulator.key_env()}
-    figures: dict[str, Any] = {"blobs": blobs, "ranks": 4, "bound_s": BOUNDS["blobs"], "shapes": {}}
     with tempfile.TemporaryDirectory() as scratch:
-        for shape, container in containers.items():
-            cmd = [_mpiexec(), "-n", "4", sys.executable, "-m", "azcp_cluster", emulator.url(container),
-                   f"{scratch}/{container}/{{rank}}", "--no-progress"]  # fmt: skip
+        cmds = {
+            shape: [
+                _mpiexec(),
+                "-n",
+                "4",
+                sys.executable,
+                "-m",
+                "azcp_cluster",
+                emulator.url(container),
+                f"{scratch}/{container}/{{rank}}",
+                "--no-progress",
+            ]
+            for shape, container in containers.items()
+        }
+        for cmd in cmds.values():
             first = subprocess.run(cmd, capture_output=True, text=True, env=env)
             assert first.returncode == 0, first.stdout + first.stderr
-            figures["shapes"][shape] = _reruns(cmd, env, repeats)
-            print(shape, "blobs", figures["shapes"][shape], flush=True)
-    return figures
+        shaped = _in_turn(cmds, env, repeats, "blobs")
+    return {"blobs": blobs, "ranks": 4, "bound_s": BOUNDS["blobs"], "shapes": shaped}
 
 
 def _local_noop(files: int, shapes: list[str], repeats: int) -> dict[str, Any]:
     """A no-op rerun of a local SOURCE of ``files`` small files, 2 ranks (two DESTs), for
-    each shape."""
-    figures: dict[str, Any] = {"files": files, "ranks": 2, "bound_s": BOUNDS["local"], "shapes": {}}
-    for shape in shapes:
-        with tempfile.TemporaryDirectory() as scratch:
-            source = Path(scratch) / "src"
+    each shape: every tree made and copied, then rerun in turn."""
+    first_copy: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        cmds = {}
+        for number, shape in enumerate(shapes):
+            source = Path(scratch) / f"src{number}"
             made: set[Path] = set()
             for i in range(files):
                 path = source / SHAPES[shape](i, files)
@@ -232,15 +255,16 @@ def _local_noop(files: int, shapes: list[str], repeats: int) -> dict[str, Any]:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     made.add(path.parent)
                 path.write_bytes(b"x" * (i % 7))
-            cmd = [_mpiexec(), "-n", "2", sys.executable, "-m", "azcp_cluster", str(source), f"{scratch}/d/{{rank}}",
-                   "--no-progress"]  # fmt: skip
+            cmds[shape] = [_mpiexec(), "-n", "2", sys.executable, "-m", "azcp_cluster", str(source),
+                           f"{scratch}/d{number}/{{rank}}", "--no-progress"]  # fmt: skip
             started = time.perf_counter()
-            first = subprocess.run(cmd, capture_output=True, text=True)
+            first = subprocess.run(cmds[shape], capture_output=True, text=True)
             assert first.returncode == 0, first.stdout + first.stderr
-            copy_s = round(time.perf_counter() - started, 1)
-            figures["shapes"][shape] = {"first_copy_s": copy_s, **_reruns(cmd, None, repeats)}
-            print(shape, "local", figures["shapes"][shape], flush=True)
-    return figures
+            first_copy[shape] = round(time.perf_counter() - started, 1)
+        shaped = _in_turn(cmds, None, repeats, "local")
+    for shape, copy_s in first_copy.items():
+        shaped[shape]["first_copy_s"] = copy_s
+    return {"files": files, "ranks": 2, "bound_s": BOUNDS["local"], "shapes": shaped}
 
 
 def main(argv: list[str] | None = None) -> int:
