@@ -98,10 +98,13 @@ class CallPool:
         queue = RunQueue() if self._waited is None and self._pool is None and batches else None
         waited = self._waited or queue or (lambda: 0.0)
         try:
+            # One reading between two batches ends the first's time and starts the next's.
+            started, waited_before = self._clock(), waited()
             while at < len(batches) and self._pool is None:
-                started, waited_before = self._clock(), waited()
                 result = fn(batches[at])
-                self._seconds += max(0.0, self._clock() - started - (waited() - waited_before))
+                now, waited_now = self._clock(), waited()
+                self._seconds += max(0.0, now - started - (waited_now - waited_before))
+                started, waited_before = now, waited_now
                 self._calls += calls(result)
                 results.append(result)
                 at += 1
