@@ -42,7 +42,8 @@ CALIBRATE = 256
 class RunQueue:
     """Seconds the calling thread has waited for a CPU so far (the second field of Linux's
     ``/proc/thread-self/schedstat``, in nanoseconds), read through one open file; 0.0 where
-    there is none. A reading costs some 7 µs: one per batch."""
+    there is none. A reading costs some 7 µs: :meth:`CallPool.map` reads it at its start and
+    end, and after a batch only where the clock says the calls are slow."""
 
     def __init__(self) -> None:
         try:
@@ -84,7 +85,8 @@ class CallPool:
         self._waited = waited
         self._pool: ThreadPoolExecutor | None = None
         self._calls = 0
-        self._seconds = 0.0
+        self._seconds = 0.0  # the batches' time, run-queue delay included
+        self._waited_for = 0.0  # the run-queue delay counted in it so far (read where needed)
 
     @property
     def threaded(self) -> bool:
@@ -97,20 +99,29 @@ class CallPool:
         at = 0
         queue = RunQueue() if self._waited is None and self._pool is None and batches else None
         waited = self._waited or queue or (lambda: 0.0)
+        # The batches run back to back: one clock reading between two ends the first's time
+        # and starts the next's. The run queue is read at the start, the end, and where the
+        # clock alone says slow (a few microseconds a reading: not once per tiny batch).
+        started = self._clock()
+        waited_start = waited()
         try:
-            # One reading between two batches ends the first's time and starts the next's.
-            started, waited_before = self._clock(), waited()
             while at < len(batches) and self._pool is None:
                 result = fn(batches[at])
-                now, waited_now = self._clock(), waited()
-                self._seconds += max(0.0, now - started - (waited_now - waited_before))
-                started, waited_before = now, waited_now
+                now = self._clock()
+                self._seconds += now - started
+                started = now
                 self._calls += calls(result)
                 results.append(result)
                 at += 1
-                if self._calls >= CALIBRATE and self._seconds >= SLOW_CALL * self._calls:
-                    self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="azcp-syscalls")
+                if self._calls >= CALIBRATE and self._seconds - self._waited_for >= SLOW_CALL * self._calls:
+                    now_waited = waited()
+                    self._waited_for += now_waited - waited_start
+                    waited_start = now_waited
+                    if self._seconds - self._waited_for >= SLOW_CALL * self._calls:
+                        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="azcp-syscalls")
         finally:
+            if self._pool is None:
+                self._waited_for += waited() - waited_start  # up to the end of this call's batches
             if queue is not None:
                 queue.close()
         if at < len(batches):

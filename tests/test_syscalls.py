@@ -60,17 +60,32 @@ def test_a_mean_below_the_bound_is_not_slow_however_many_calls() -> None:
 
 def test_time_spent_waiting_for_a_cpu_is_not_the_calls_time() -> None:
     # Each batch "takes" 2 * SLOW_CALL per call, all of it waiting for a CPU (a busy machine,
-    # not a slow filesystem): the calls stay inline.
+    # not a slow filesystem): the calls stay inline, in map after map.
     per_batch = CALIBRATE // 4
-    step = 2 * per_batch * SLOW_CALL
-    with CallPool(threads=4, clock=_Clock(step), waited=_Clock(step)) as pool:
+    clock = _Clock(2 * per_batch * SLOW_CALL)
+    with CallPool(threads=4, clock=clock, waited=lambda: clock.now) as pool:
         out = pool.map(_batch, list(range(40)), calls=lambda result: per_batch)
+        out += pool.map(_batch, list(range(40)), calls=lambda result: per_batch)
         assert not pool.threaded
     assert {name for _, name in out} == {threading.current_thread().name}
     # Half of it waiting: the rest, SLOW_CALL a call, is still slow.
-    with CallPool(threads=4, clock=_Clock(step), waited=_Clock(step / 2)) as pool:
+    clock = _Clock(2 * per_batch * SLOW_CALL)
+    with CallPool(threads=4, clock=clock, waited=lambda: clock.now / 2) as pool:
         pool.map(_batch, list(range(40)), calls=lambda result: per_batch)
         assert pool.threaded
+
+
+def test_the_run_queue_is_read_only_where_the_clock_says_slow() -> None:
+    readings: list[float] = []
+
+    def waited() -> float:
+        readings.append(0.0)
+        return 0.0
+
+    with CallPool(clock=_Clock(SLOW_CALL * 0.4), waited=waited) as pool:
+        pool.map(_batch, list(range(CALIBRATE * 3)), calls=lambda result: 1)
+        assert not pool.threaded
+    assert len(readings) == 2  # at the start and the end of the call, none per batch
 
 
 def test_the_run_queue_is_read_where_linux_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
