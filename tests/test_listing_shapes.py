@@ -6,6 +6,8 @@ Against the real emulator; the fault proxy in front of it counts the requests.
 
 from __future__ import annotations
 
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -30,7 +32,7 @@ from azcp_cluster.listing import list_with_sdk
 from azcp_cluster.model import Listing
 from azcp_cluster.naming import RawEntry
 from azcp_cluster.source import BlobSource, parse_blob_url
-from tests.conftest import assert_copies, run_cli
+from tests.conftest import assert_copies, clean_env, mpiexec_path, run_cli
 
 BLOBS = 120
 
@@ -301,3 +303,33 @@ def test_the_listing_over_https_trusts_the_bundle_and_checks_the_name(
     source, auth, _ = _auth(url, https_emulator.key_env())
     with pytest.raises(ListError, match="cannot reach https://"):
         bloblist.list_blobs(source, auth, Config(source=url, dest="/tmp/unused", max_retries=0))
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_first_page_is_awaited_stops_the_run_at_once(
+    emulator: azurite.Emulator, tmp_path: Path, signum: int, code: int
+) -> None:
+    # The first page is read by a blocking http.client call: a server that never answers
+    # keeps it waiting, and the signal must still end the run at once, with its one line.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.settimeout(60)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/{azurite.ACCOUNT}/silent"
+        cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "azcp_cluster", url, str(tmp_path / "{rank}"),
+               "--no-progress"]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=clean_env(emulator.key_env()), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            conn, _ = silent.accept()  # the listing's request is on its way
+            with conn:
+                time.sleep(0.5)
+                sent = time.monotonic()
+                proc.send_signal(signum)
+                _, err = proc.communicate(timeout=60)
+                took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    errors = [line for line in err.splitlines() if line.startswith("azcp-cluster: error")]
+    assert proc.returncode == code and len(errors) == 1 and "interrupted" in errors[0], err
+    assert took < 10, took
