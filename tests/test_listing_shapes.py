@@ -6,6 +6,7 @@ Against the real emulator; the fault proxy in front of it counts the requests.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -305,15 +306,31 @@ def test_the_listing_over_https_trusts_the_bundle_and_checks_the_name(
         bloblist.list_blobs(source, auth, Config(source=url, dest="/tmp/unused", max_retries=0))
 
 
+def _ranks_listing(container: str) -> list[int]:
+    """The pids of the ranks (not the launcher) whose command line names ``container``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        launcher = any(name in cmdline[0] for name in (b"mpiexec", b"mpirun", b"prterun"))
+        if not launcher and b"azcp_cluster" in cmdline and any(container.encode() in arg for arg in cmdline):
+            pids.append(int(entry.name))
+    return pids
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_the_first_page_is_awaited_stops_the_run_at_once(
     emulator: azurite.Emulator, tmp_path: Path, signum: int, code: int
 ) -> None:
     # The first page is read by a blocking http.client call: a server that never answers
-    # keeps it waiting, and the signal must still end the run at once, with its one line.
+    # keeps it waiting, and the signal (to every rank, as Slurm sends it) must still end the
+    # run at once, with its one line.
+    container = "silent" + uuid.uuid4().hex[:12]
     with socket.create_server(("127.0.0.1", 0)) as silent:
         silent.settimeout(60)
-        url = f"http://127.0.0.1:{silent.getsockname()[1]}/{azurite.ACCOUNT}/silent"
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/{azurite.ACCOUNT}/{container}"
         cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "azcp_cluster", url, str(tmp_path / "{rank}"),
                "--no-progress"]  # fmt: skip
         proc = subprocess.Popen(cmd, env=clean_env(emulator.key_env()), stdout=subprocess.PIPE,
@@ -322,8 +339,11 @@ def test_a_signal_while_the_first_page_is_awaited_stops_the_run_at_once(
             conn, _ = silent.accept()  # the listing's request is on its way
             with conn:
                 time.sleep(0.5)
+                pids = _ranks_listing(container)
+                assert len(pids) == 2, pids
                 sent = time.monotonic()
-                proc.send_signal(signum)
+                for pid in pids:
+                    os.kill(pid, signum)
                 _, err = proc.communicate(timeout=60)
                 took = time.monotonic() - sent
         finally:
