@@ -15,7 +15,9 @@ package (as the command line does for ``--version``) stays cheap.
 
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # not typing's: the command imports this package before its signal handlers are in
+if TYPE_CHECKING:
+    from typing import Any
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
-"""`python -m azcp_cluster` runs the command-line tool."""
+"""`python -m azcp_cluster` runs the command-line tool (as the ``azcp-cluster`` executable does)."""
 
-from azcp_cluster.cli import main
+from azcp_cluster.cli import command
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(command())

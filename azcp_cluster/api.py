@@ -13,7 +13,7 @@ import io
 from typing import Any, TextIO
 
 from azcp_cluster.config import Config, parse_rate, parse_size, shown
-from azcp_cluster.errors import AzcpError, UsageError
+from azcp_cluster.errors import UsageError
 from azcp_cluster.report import Report, check_json_path
 
 # The keyword options, by kind (the Config fields; sizes also accept "64MiB" strings).
@@ -125,16 +125,7 @@ def stage(
 
         comm = MPI.COMM_WORLD
     sink = io.StringIO() if quiet else out
-    try:
-        report = run(cfg, comm, out=sink, credential=credential)
-    except AzcpError as exc:
-        partial = getattr(exc, "report", None)
-        if cfg.json_path and comm.Get_rank() == 0 and isinstance(partial, Report):
-            partial.write_json(cfg.json_path)
-        raise
-    if cfg.json_path and comm.Get_rank() == 0:
-        report.write_json(cfg.json_path)
-    return report
+    return run(cfg, comm, out=sink, credential=credential)  # it writes the JSON report (rank 0)
 
 
 __all__ = ["OPTIONS", "make_config", "stage"]

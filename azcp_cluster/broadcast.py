@@ -38,7 +38,7 @@ from azcp_cluster.errors import AzcpError, BroadcastError, InternalError, Source
 from azcp_cluster.fanout import Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
 from azcp_cluster.interrupts import shield
 from azcp_cluster.localfs import fs_error, pwritev_all
-from azcp_cluster.localsource import local_etag
+from azcp_cluster.localsource import as_listed
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import round_up
 from azcp_cluster.schedule import Extent, Transfer, call_slices, completions, streamed_files
@@ -538,7 +538,7 @@ class Broadcaster:
     def _as_listed(self, index: int, st: os.stat_result) -> bool:
         """Whether a local SOURCE file opened now is the version that was listed."""
         entry = self.files[index]
-        return st.st_size == entry.size and local_etag(st) == entry.etag
+        return st.st_size == entry.size and as_listed(st, entry.etag)
 
 
 def _as_error(error: BaseException | None, what: str) -> AzcpError | None:

@@ -1,444 +1,207 @@
-"""The command line: parse arguments into a Config, run, map errors to exit codes.
+"""The command line's entry point: signals from the first instruction, MPI's start and end, exit codes.
 
-This module is the one place where an error becomes an exit status and a printed line.
+This module is the one place where an error becomes an exit status and a printed line. The
+options themselves are :mod:`azcp_cluster.options`.
+
+A SIGINT or SIGTERM can come at any instant of the process's life: from a person's Ctrl-C
+passed on by ``mpiexec``, from Slurm at a time limit, from Kubernetes stopping a pod. So
+:func:`main` installs the recorder (:class:`azcp_cluster.interrupts.Interrupts`) before it
+imports anything heavy, and it stays until the process exits. MPI's start and end are the
+two places where a signal must not even be recorded mid-call: its own threads and state are
+half made there, so both run with SIGINT and SIGTERM blocked (:func:`_signals_deferred`), and
+a signal that came meanwhile is delivered, and recorded, right after. The interpreter's own
+start-up comes before any line of this module: the ``azcp-cluster`` command
+(``bin/azcp-cluster``) starts it with both signals blocked, and the recorder lets them in
+(see ``docs/reliability.md``, "Signals").
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import signal
 import sys
-from collections.abc import Sequence
-from typing import Any, NoReturn
 
-from azcp_cluster import __version__
-from azcp_cluster.config import (
-    AUTH_METHODS,
-    LOCK_MODES,
-    MAX_BANDWIDTH_LIMIT,
-    MAX_BCAST_CHUNK,
-    MAX_BCAST_PIPELINE,
-    MAX_BCAST_WRITERS,
-    MAX_BLOCK_SIZE,
-    MAX_CONCURRENCY,
-    MAX_DOWNLOAD_WORKERS,
-    MAX_LOCK_TIMEOUT,
-    MAX_READ_TIMEOUT,
-    MAX_RETRIES_LIMIT,
-    MIN_BANDWIDTH,
-    MIN_BCAST_CHUNK,
-    MIN_BLOCK_SIZE,
-    MIN_SHARD_SIZE,
-    MIN_TIMEOUT,
-    VERIFY_MODES,
-    Config,
-    parse_rate,
-    parse_size,
-    shown,
-)
-from azcp_cluster.errors import EXIT_CODES, AzcpError, InternalError, ReportPathError, UsageError, exit_code_for
-from azcp_cluster.report import check_json_path
+TYPE_CHECKING = False  # typing's own costs an import before the handlers are in (mypy reads it as True)
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+    from typing import Any
 
-EPILOG = "exit codes:\n" + "\n".join(f"  {code}  {text}" for code, text in EXIT_CODES.items())
-
-DESCRIPTION = """\
-Stage one dataset onto every node: SOURCE is listed once, each byte is read from it once
-(Azure: every downloading rank fetches only its share), then an MPI broadcast between
-nodes fans every file out to DEST on every node. Launch it on every node, e.g.
-`srun --ntasks-per-node=1 azcp-cluster ...` or `mpiexec -n 4 azcp-cluster ...`; with
-several ranks per node, one rank per node writes DEST and the others help download.
-
-SOURCE  https://ACCOUNT.blob.core.windows.net/CONTAINER[/PREFIX][?SAS]  or the path style
-        http(s)://HOST:PORT/ACCOUNT/CONTAINER[/PREFIX][?SAS] (emulator, custom endpoints).
-        PREFIX names a virtual directory (.../ckpt copies ckpt/**, never ckpt-other/);
-        if a blob named exactly PREFIX exists, that one blob is copied.
-        Or a local path (a file or a directory tree, e.g. on NFS, Lustre or blobfuse):
-        one rank reads it (--source-rank) and the others receive it over MPI.
-DEST    a directory, created if missing; {rank} and {host} are expanded per rank.
-
-Credentials, first match wins: SAS in the URL, AZURE_STORAGE_CONNECTION_STRING,
-AZURE_STORAGE_ACCOUNT + AZURE_STORAGE_KEY, AZURE_STORAGE_SAS_TOKEN, then (https only)
-workload identity (AZURE_CLIENT_ID + AZURE_TENANT_ID + AZURE_FEDERATED_TOKEN_FILE), managed
-identity (IDENTITY_ENDPOINT or MSI_ENDPOINT set), the Azure CLI (az on PATH and logged in),
-anonymous. --auth METHOD (or AZCP_AUTH) forces one; on a VM, --auth managed-identity.
-Sizes read 64MiB, 1GiB, 512M (binary units) or plain bytes.
-"""
+    from azcp_cluster.interrupts import Interrupts
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises our UsageError instead of printing from every rank and exiting."""
+def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> int:
+    """Entry point of ``azcp-cluster``: returns the process exit code.
 
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see --help)")
-
-
-def _units(n: int) -> str:
-    """A size limit as the options are written: ``64KiB``, ``16GiB``."""
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n % factor == 0:
-            return f"{n // factor}{unit}"
-    return str(n)
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except UsageError as exc:
-        raise argparse.ArgumentTypeError(exc.message) from None
-
-
-def _seconds(text: str) -> float:
-    """A number of seconds; its range (nan and inf included) is Config.validate's to check."""
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of seconds {shown(text)}") from None
-
-
-# An integer option takes at most this many digits: int() would refuse more than 4300, and a
-# message would repeat them all; any range Config.validate accepts is far shorter.
-_INT_DIGITS = 20
-
-
-def _integer(text: str) -> int:
-    """A whole number (its range is Config.validate's to check), refused in one short line otherwise."""
-    digits = text.strip().lstrip("+-")
-    if not (digits.isascii() and digits.isdigit()):
-        raise argparse.ArgumentTypeError(f"invalid whole number {shown(text)}")
-    if len(digits.lstrip("0")) > _INT_DIGITS:
-        raise argparse.ArgumentTypeError(f"{shown(text)} is far beyond the supported range")
-    return int(text)
-
-
-def _workers(text: str) -> int | None:
-    """``auto`` (None) or a whole number."""
-    return None if text.strip().lower() == "auto" else _integer(text)
-
-
-def _rate(text: str) -> float:
-    try:
-        return parse_rate(text)
-    except UsageError as exc:
-        raise argparse.ArgumentTypeError(exc.message) from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (also used by the docs test to list every option)."""
-    p = _Parser(
-        prog="azcp-cluster",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "source", metavar="SOURCE", help="blob container URL (optionally with a prefix and a SAS), or a local path"
-    )
-    p.add_argument("dest", metavar="DEST", help="destination directory on every node ({rank}, {host} expanded)")
-    p.add_argument("--version", action="version", version=f"azcp-cluster {__version__}")
-    p.add_argument(
-        "--compare",
-        choices=("none", "size", "etag", "md5"),
-        default="size",
-        help="when a file in DEST counts as already there: 'size' (same size; a blob replaced by one of the "
-        "same size is NOT recopied), 'etag' (same size and the ETag recorded in DEST's manifest), 'md5' "
-        "(hash the local file, compare with the blob's Content-MD5 or the manifest's), 'none' (copy all); "
-        "default size",
-    )
-    p.add_argument(
-        "--concurrency",
-        type=_integer,
-        default=64,
-        help=f"ranged GETs in flight per rank, 1 to {MAX_CONCURRENCY} (default 64)",
-    )
-    p.add_argument(
-        "--block-size",
-        type=_size,
-        default="16MiB",
-        help=f"bytes per ranged GET, {_units(MIN_BLOCK_SIZE)} to {_units(MAX_BLOCK_SIZE)} (default 16MiB)",
-    )
-    p.add_argument(
-        "--bcast-chunk",
-        type=_size,
-        default="64MiB",
-        help=f"bytes per broadcast slot, {_units(MIN_BCAST_CHUNK)} to {_units(MAX_BCAST_CHUNK)}; split into MPI "
-        "calls of at most 1GiB (default 64MiB)",
-    )
-    p.add_argument(
-        "--bcast-pipeline",
-        type=_integer,
-        default=4,
-        help=f"broadcasts in flight, 1 to {MAX_BCAST_PIPELINE}; memory per rank is pipeline x chunk "
-        "(default 4 x 64MiB = 256MiB)",
-    )
-    p.add_argument(
-        "--bcast-writers",
-        type=_integer,
-        default=2,
-        help=f"threads writing received chunks to disk per rank, 1 to {MAX_BCAST_WRITERS} (default 2)",
-    )
-    p.add_argument(
-        "--no-bcast-direct",
-        action="store_true",
-        help="write received chunks, and read back the owners' downloads, through the page cache instead of O_DIRECT",
-    )
-    p.add_argument(
-        "--shard-size",
-        type=_size,
-        default="1GiB",
-        help=f"files larger than this are split into byte ranges fetched by several ranks; at least "
-        f"{_units(MIN_SHARD_SIZE)} (default 1GiB)",
-    )
-    p.add_argument(
-        "--source-rank",
-        type=_integer,
-        metavar="R",
-        help="local SOURCE: the rank that reads it (default: the lowest rank that can see it); no other rank opens it",
-    )
-    p.add_argument(
-        "--source-readers",
-        type=_integer,
-        default=1,
-        metavar="K",
-        help="local SOURCE on a shared filesystem (Lustre, NFS with several servers): K ranks on different "
-        "nodes read disjoint, balanced parts of it (default 1)",
-    )
-    p.add_argument(
-        "--no-overlap",
-        action="store_true",
-        help="download everything, then fan it out (default: each part goes out as soon as it lands)",
-    )
-    p.add_argument(
-        "--no-resume",
-        action="store_true",
-        help="copy every missing file whole, ignoring (and removing) the block journal a stopped run left "
-        "(default: keep the blocks it recorded and move only the rest)",
-    )
-    p.add_argument(
-        "--download-ranks",
-        type=_integer,
-        metavar="K",
-        help="only K ranks download from Azure, spread over the nodes (default: every rank); fewer clients "
-        "for a throttled account",
-    )
-    p.add_argument(
-        "--download-workers",
-        type=_workers,
-        default=None,
-        metavar="N|auto",
-        help="processes under each downloading rank that make its ranged GETs, so that TLS runs on every "
-        f"core of a node (1 to {MAX_DOWNLOAD_WORKERS}; 1: in the rank itself); auto (the default): the CPUs "
-        "the rank may use (shared with the host's other downloading ranks unless it is bound to its own), "
-        "at most 8 and at most --concurrency, and one per 256MiB of its share",
-    )
-    p.add_argument(
-        "--max-bandwidth",
-        type=_rate,
-        metavar="RATE",
-        help="cap the cluster's aggregate download, split over the downloading ranks: 25Gbps, 800Mb/s "
-        "(bits), 3GiB/s, 500MB/s (bytes) or bytes per second; stays under a storage account's egress "
-        f"limit instead of meeting its 503s; at least {MIN_BANDWIDTH} and at most {MAX_BANDWIDTH_LIMIT:.0e} bytes per "
-        "second, i.e. 8000Tbps (default: no cap)",
-    )
-    p.add_argument(
-        "--max-retries",
-        type=_integer,
-        default=5,
-        help=f"retries per request before giving up, 0 to {MAX_RETRIES_LIMIT} (default 5)",
-    )
-    p.add_argument(
-        "--read-timeout",
-        type=_seconds,
-        default=60.0,
-        metavar="SECONDS",
-        help="a request whose response sends nothing for this long is abandoned and retried; at least "
-        f"{MIN_TIMEOUT:g}, at most {MAX_READ_TIMEOUT:.0f} (default 60)",
-    )
-    p.add_argument(
-        "--include",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="copy only paths (below the prefix) matching GLOB; repeatable; '*' matches across '/'",
-    )
-    p.add_argument(
-        "--exclude", action="append", default=[], metavar="GLOB", help="skip paths matching GLOB; repeatable"
-    )
-    p.add_argument(
-        "--verify",
-        nargs="?",
-        const="disk",
-        default="",
-        choices=VERIFY_MODES,
-        metavar="MODE",
-        help="MD5 of every file, compared across ranks and with the blob's Content-MD5; a mismatch exits 7. "
-        "MODE 'disk' (a bare --verify): every copy is read back from disk after its fsync and hashed; "
-        "'stream': hashed as the bytes stream through each rank (skipped files are read from disk)",
-    )
-    p.add_argument(
-        "--lock",
-        choices=LOCK_MODES,
-        default="wait",
-        help="another run on the same DEST: 'wait' for it to finish (see --lock-timeout) or 'fail' at once; "
-        "exit 9 if it is still there (default wait)",
-    )
-    p.add_argument(
-        "--lock-timeout",
-        type=_seconds,
-        metavar="SECONDS",
-        help=f"how long --lock wait waits for another run on the same DEST before exiting 9; at least "
-        f"{MIN_TIMEOUT:g}, at most {MAX_LOCK_TIMEOUT:.0f} (7 days) (default: no limit)",
-    )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="list, compare and print the plan (files and bytes per rank); write nothing",
-    )
-    p.add_argument(
-        "--json",
-        metavar="PATH",
-        dest="json_path",
-        help="write the report as JSON to PATH (rank 0); not a directory, not inside DEST",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal anyway)")
-    p.add_argument(
-        "--auth",
-        choices=AUTH_METHODS,
-        default="auto",
-        metavar="METHOD",
-        help="force one credential: " + ", ".join(AUTH_METHODS[1:]) + "; default auto (first match wins, or AZCP_AUTH)",
-    )
-    return p
-
-
-def config_from_args(argv: Sequence[str] | None) -> Config:
-    """Parse the command line into a validated :class:`Config`."""
-    args = build_parser().parse_args(normalise_verify(sys.argv[1:] if argv is None else argv))
-    cfg = Config(
-        source=args.source,
-        dest=args.dest,
-        compare=args.compare,
-        concurrency=args.concurrency,
-        block_size=args.block_size,
-        bcast_chunk=args.bcast_chunk,
-        bcast_pipeline=args.bcast_pipeline,
-        bcast_writers=args.bcast_writers,
-        bcast_direct=not args.no_bcast_direct,
-        shard_size=args.shard_size,
-        max_retries=args.max_retries,
-        read_timeout=args.read_timeout,
-        include=tuple(args.include),
-        exclude=tuple(args.exclude),
-        dry_run=args.dry_run,
-        verify=args.verify,
-        json_path=args.json_path,
-        progress=not args.no_progress,
-        auth=args.auth,
-        source_rank=args.source_rank,
-        source_readers=args.source_readers,
-        overlap=not args.no_overlap,
-        resume=not args.no_resume,
-        download_ranks=args.download_ranks,
-        download_workers=args.download_workers,
-        max_bandwidth=args.max_bandwidth,
-        lock=args.lock,
-        lock_timeout=args.lock_timeout,
-    ).validate()
-    check_json_path(cfg.json_path)
-    return cfg
-
-
-def normalise_verify(argv: Sequence[str]) -> list[str]:
-    """``--verify`` not followed by a mode becomes ``--verify=disk``.
-
-    The option takes an optional MODE, and argparse would otherwise take the next word
-    for it: ``--verify SRC DEST`` must keep SRC. An abbreviation (``--verif``) counts as
-    the option; nothing after ``--`` is touched.
+    From its first line to its return, SIGINT and SIGTERM are recorded and become the run's
+    agreed outcome (130 / 143, or 0 once the copy is complete). When this call started MPI it
+    also ends it (every rank does, with the signals deferred), so the run is over when it
+    returns. ``keep_handlers`` leaves the recorder installed (the command does, up to the
+    process's exit); otherwise the handlers from before are put back, for a host program.
     """
-    out = list(argv)
-    for i, token in enumerate(out):
-        if token == "--":
-            break
-        if len(token) >= len("--veri") and "--verify".startswith(token):
-            following = out[i + 1] if i + 1 < len(out) else None
-            if following not in VERIFY_MODES:
-                out[i] = "--verify=disk"
-    return out
+    from azcp_cluster.interrupts import Interrupts
 
-
-def _comm() -> Any:
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``azcp-cluster``: returns the process exit code."""
-    import signal
-
-    from azcp_cluster.errors import Interrupted
-    from azcp_cluster.interrupts import Interrupts, signal_error
-
-    # SIGINT and SIGTERM are recorded from here on; the stages turn them into an agreed
-    # error (exit 130 / 143) at the next point where every rank can stop. The CLI only: the
-    # Python API leaves a host program's handlers alone. Put back when main returns.
     interrupts = Interrupts()
     interrupts.install()
+    mpi = _Runtime()
+    try:
+        return _main(argv, interrupts, mpi)
+    finally:
+        mpi.end()
+        if not keep_handlers:
+            interrupts.restore()
+
+
+def command() -> int:
+    """The ``azcp-cluster`` executable: :func:`main` with the recorder kept to the process's end; its exit code.
+
+    Once the run's outcome is decided, SIGINT and SIGTERM are ignored to the process's end: the
+    interpreter's shutdown puts the default actions back before the C library's exit, where
+    MPICH tells its launcher that the rank is done, and a late Ctrl-C there would kill the rank
+    over a finished copy ("BAD TERMINATION", signal 2). The output is flushed here, where a reader
+    that went away (``| head``, a dead ``tee``) loses the rest and nothing more.
+    """
+    code = main(keep_handlers=True)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    _flush_streams()
+    return code
+
+
+def _flush_streams() -> None:
+    """Flush stdout and stderr; one whose reader went away is pointed at /dev/null.
+
+    Otherwise the interpreter's own flush at exit fails again and turns the exit code into 120.
+    """
+    import os
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError):
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, stream.fileno())
+                os.close(null)
+
+
+class _Runtime:
+    """MPI's start and end for the command, each with SIGINT and SIGTERM deferred.
+
+    mpi4py starts MPI when ``mpi4py.MPI`` is first imported and ends it at the interpreter's
+    exit; the command does both itself, so that both happen while its recorder is installed.
+    Only an MPI this object started is ended by it: a host program that imported mpi4py
+    before keeps its own.
+    """
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def comm(self) -> Any:
+        """``MPI.COMM_WORLD``, starting MPI if no one has (signals deferred meanwhile)."""
+        started_before = "mpi4py.MPI" in sys.modules
+        with _signals_deferred():
+            from mpi4py import MPI
+        self.started = not started_before and bool(MPI.Is_initialized())
+        return MPI.COMM_WORLD
+
+    def end(self) -> None:
+        """End MPI if :meth:`comm` started it (signals deferred meanwhile).
+
+        The process must then leave through the C library's ``exit`` (Python's normal exit
+        does): MPICH tells its ``mpiexec`` that a rank is done from an ``atexit`` hook, and
+        ``mpiexec`` kills every other rank with SIGKILL when one leaves without it
+        (``os._exit``), whatever its exit code.
+        """
+        if not self.started:
+            return
+        self.started = False
+        from mpi4py import MPI
+
+        with _signals_deferred():
+            if not MPI.Is_finalized():
+                MPI.Finalize()
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM blocked in this thread for the block's duration; one that came is delivered after.
+
+    Threads that MPI starts inside inherit the blocked mask, so the kernel delivers the
+    signals to the main thread, where the recorder runs, and never into MPI's own threads.
+    """
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _main(argv: Sequence[str] | None, interrupts: Interrupts, mpi: _Runtime) -> int:
+    from azcp_cluster.errors import AzcpError, ReportPathError, UsageError
+
     comm: Any = None
     try:
+        from azcp_cluster import options
+
         try:
-            cfg = config_from_args(argv)
+            cfg = options.config_from_args(argv)
         except UsageError as exc:
             # Every rank parses the same arguments; print once (rank 0, or a plain process).
             if launcher_rank() == 0:
-                print(exc.one_line(), file=sys.stderr)
+                _say(exc.one_line())
+                json_path = options.json_path_of(argv)
+                if json_path and not isinstance(exc, ReportPathError):
+                    from azcp_cluster.report import Report, write_json_report
+
+                    write_json_report(Report(exit_code=exc.exit_code, error=exc.one_line()), json_path)
             return exc.exit_code
-        comm = _comm()
+        comm = mpi.comm()
         from azcp_cluster.pipeline import run
 
         try:
-            report = run(cfg, comm, interrupts=interrupts)
+            run(cfg, comm, interrupts=interrupts)  # it writes the JSON report (rank 0)
         except AzcpError as exc:
             # The error was agreed by all ranks (a signal's too): every rank exits with its
-            # code, rank 0 speaks and writes the JSON report.
+            # code, rank 0 speaks.
             if comm.Get_rank() == 0:
-                print(exc.one_line(), file=sys.stderr)
-                rep = getattr(exc, "report", None)
-                if cfg.json_path and rep is not None and not isinstance(exc, ReportPathError):
-                    _write_json(rep, cfg.json_path)
+                _say(exc.one_line())
             return exc.exit_code
-        if comm.Get_rank() == 0 and cfg.json_path:
-            _write_json(report, cfg.json_path)
         return 0  # a signal after the last agreement does not undo a finished copy
     except BaseException as exc:
-        from azcp_cluster.cluster import redact
-
-        rank = None if comm is None else comm.Get_rank()
-        if isinstance(exc, KeyboardInterrupt | Interrupted):
-            # A signal outside any stage (a host's default handler, or before MPI is up):
-            # not a bug. Nothing to agree before MPI is up or alone; otherwise the others
-            # may be waiting in a collective, so end the job, with the signal's code.
-            stop = exc if isinstance(exc, Interrupted) else interrupts.error(rank) or signal_error(signal.SIGINT, rank)
-            if comm is not None or launcher_rank() == 0:
-                print(stop.one_line(), file=sys.stderr, flush=True)
-            if comm is not None and comm.Get_size() > 1:
-                comm.Abort(stop.exit_code)
-            return stop.exit_code
-        if comm is None:
-            raise  # a bug before MPI is up: no other rank waits on this one
-        # Not agreed (a bug): the others may be waiting in a collective, so end the whole
-        # job rather than hang.
-        error = InternalError(f"unexpected {type(exc).__name__}: {redact(str(exc))}", rank=rank)
-        print(error.one_line(), file=sys.stderr, flush=True)
-        comm.Abort(exit_code_for(error))
-        return exit_code_for(error)
-    finally:
-        interrupts.restore()
+        return _unexpected(exc, comm, interrupts)
 
 
-def _write_json(report: Any, path: str) -> None:
-    try:
-        report.write_json(path)
-    except OSError as exc:
-        print(f"azcp-cluster: warning: cannot write the JSON report to {path}: {exc.strerror}", file=sys.stderr)
+def _unexpected(exc: BaseException, comm: Any, interrupts: Interrupts) -> int:
+    """What no stage agreed on: a signal outside any stage, or a bug. Ends the whole job."""
+    from azcp_cluster.cluster import redact
+    from azcp_cluster.errors import InternalError, Interrupted, exit_code_for
+    from azcp_cluster.interrupts import signal_error
+
+    rank = None if comm is None else comm.Get_rank()
+    if isinstance(exc, KeyboardInterrupt | Interrupted):
+        # A signal outside any stage under a host program's default handler: not a bug.
+        # Nothing to agree before MPI is up or alone; otherwise the others may be waiting in
+        # a collective, so end the job, with the signal's code.
+        stop = exc if isinstance(exc, Interrupted) else interrupts.error(rank) or signal_error(signal.SIGINT, rank)
+        if comm is not None or launcher_rank() == 0:
+            _say(stop.one_line())
+        if comm is not None and comm.Get_size() > 1:
+            comm.Abort(stop.exit_code)
+        return stop.exit_code
+    if comm is None:
+        raise exc  # a bug before MPI is up: no other rank waits on this one
+    # Not agreed (a bug): the others may be waiting in a collective, so end the whole
+    # job rather than hang.
+    error = InternalError(f"unexpected {type(exc).__name__}: {redact(str(exc))}", rank=rank)
+    _say(error.one_line())
+    comm.Abort(exit_code_for(error))
+    return exit_code_for(error)
+
+
+def _say(line: str) -> None:
+    """One line on stderr, flushed; a closed stderr loses it, nothing more."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
 
 
 def launcher_rank() -> int:

@@ -100,6 +100,14 @@ class Cluster:
         # A private duplicate so our tags and collectives never mix with the caller's.
         self._signal_comm = comm.Dup()
         self._pending: list[Any] = []  # failure signals sent, completed at the next agreement
+        # Where the time goes: this rank's stage spans, in seconds since ``origin`` (its run's
+        # start), carried to every rank by the next agreement (:meth:`note`), and what the
+        # agreements have gathered so far: one entry per stage, each rank's start and end.
+        self.origin = clock()
+        self.wall_origin = time.time()  # the same instant on the wall clock, to align ranks and hosts
+        self._spans: list[tuple[str, float, float]] = []
+        self.timeline: list[dict[str, Any]] = []
+        self.origins: list[float] = []  # every rank's wall_origin, once an agreement has carried them
 
     def close(self) -> None:
         """Release the communicator duplicated for signals."""
@@ -136,14 +144,27 @@ class Cluster:
         if outcome.error is None:
             outcome.error = self.interrupted()
 
-    def conclude(self, started: float, outcome: StageOutcome) -> StageResult:
-        """End a stage on every rank: raise the agreed error, or return times and counters."""
+    def conclude(
+        self,
+        started: float,
+        outcome: StageOutcome,
+        record: Callable[[StageResult], None] | None = None,
+        stage: str = "",
+    ) -> StageResult:
+        """End a stage on every rank: raise the agreed error, or return times and counters.
+
+        ``record`` takes the gathered times and counters before either: a failed stage's
+        figures so far (bytes, retries) still reach the report. ``stage``: its name in the
+        timeline, from ``started`` to now (this rank's work, before the agreement's wait).
+        """
         elapsed = self.clock() - started
+        if stage:
+            self.note(stage, started)
 
         def interrupted_while_waiting() -> None:
             # A signal on a rank that waits here (nothing to download, a non-leader) also
             # stops the ranks still downloading: they poll for the failure signal.
-            if outcome.error is None and self.interrupts.signum is not None:
+            if outcome.error is None and self.interrupts.stopping:
                 self._note_interrupt(outcome)
                 self.signal_failure(outcome)
 
@@ -151,12 +172,40 @@ class Cluster:
         self.settle(interrupted_while_waiting)
         interrupted_while_waiting()  # up to the last moment: the signal sent is drained below
         payload = error_payload(outcome.error) if outcome.error is not None else None
-        gathered = self.comm.allgather((elapsed, payload, outcome.stats, outcome.notified))
+        spans, self._spans = self._spans, []
+        gathered = self.comm.allgather((elapsed, payload, outcome.stats, outcome.notified, spans, self.wall_origin))
         self._drain_signals([g[3] for g in gathered])
+        self._gather_timeline([g[4] for g in gathered])
+        self.origins = [g[5] for g in gathered]
+        result = StageResult(seconds=max(g[0] for g in gathered), stats=[g[2] for g in gathered])
+        if record is not None:
+            record(result)
         errors = [g[1] for g in gathered if g[1] is not None]
         if errors:
             raise error_from_payload(errors[0])
-        return StageResult(seconds=max(g[0] for g in gathered), stats=[g[2] for g in gathered])
+        return result
+
+    def note(self, stage: str, started: float, ended: float | None = None) -> None:
+        """A span of this rank's work in the timeline: ``stage`` from ``started`` to ``ended`` (now).
+
+        Kept on this rank until the next agreement carries it to every rank.
+        """
+        end = self.clock() if ended is None else ended
+        self._spans.append((stage, round(started - self.origin, 4), round(end - self.origin, 4)))
+
+    def _gather_timeline(self, spans_by_rank: list[list[tuple[str, float, float]]]) -> None:
+        """One timeline entry per stage the ranks noted since the last agreement, in the order
+        they were first noted; each rank's start and end (None: that rank had no such span)."""
+        entries: dict[tuple[str, int], dict[str, Any]] = {}
+        for rank, spans in enumerate(spans_by_rank):
+            seen: dict[str, int] = {}
+            for stage, start, end in spans:
+                nth = seen[stage] = seen.get(stage, -1) + 1  # a stage noted twice: two entries
+                entry = entries.setdefault(
+                    (stage, nth), {"stage": stage, "start": [None] * self.size, "end": [None] * self.size}
+                )
+                entry["start"][rank], entry["end"][rank] = start, end
+        self.timeline.extend(entries.values())
 
     def settle(self, between: Callable[[], None] | None = None) -> None:
         """Wait until every rank has arrived, napping instead of spinning a core.
@@ -190,7 +239,7 @@ class Cluster:
 
     def peer_failed(self) -> bool:
         """Whether some other rank has signalled a failure, or this one got a signal (non-blocking)."""
-        return self.interrupts.signum is not None or bool(self._signal_comm.iprobe(tag=_FAIL_TAG))
+        return self.interrupts.stopping or bool(self._signal_comm.iprobe(tag=_FAIL_TAG))
 
     def _drain_signals(self, notified: list[bool]) -> None:
         # Receive exactly the signals that were sent, so none is left in flight.

@@ -3,8 +3,9 @@
 It reads its :class:`~azcp_cluster.workers.Job` from the socket ``FD``, runs a
 :class:`~azcp_cluster.download.Downloader` on its blocks, and reports on the same socket:
 ``("bytes", n)`` and ``("landed", block)`` as blocks complete, then ``("done", stats)``,
-``("error", payload)`` or ``("stopped",)``. From the rank it takes ``("token", (token,
-expires_on))`` and ``("stop",)``; the rank's end (its socket closing) stops it too.
+``("error", payload, no_space, stats)`` or ``("stopped", stats)`` (its figures so far, or
+None). From the rank it takes ``("token", (token, expires_on))`` and ``("stop",)``; the
+rank's end (its socket closing) stops it too.
 """
 
 from __future__ import annotations
@@ -92,25 +93,30 @@ def main(argv: list[str]) -> int:
 
     threading.Thread(target=listen, name="azcp-worker-listen", daemon=True).start()
     threading.Thread(target=beat, name="azcp-worker-beat", daemon=True).start()
+    seen: list[Any] = []  # the downloader's DownloadStats once made: its figures also go with a failure
     try:
-        stats = run(job, pushed, stop, say)
-        say(("stopped",) if stats is None else ("done", stats))
+        stats = run(job, pushed, stop, say, seen)
+        say(("stopped", seen[0]) if stats is None else ("done", stats))
     except BaseException as exc:  # everything reaches the rank as one error
         from azcp_cluster.cluster import PeerFailed, as_azcp_error, error_payload
 
+        figures = seen[0] if seen else None
         if isinstance(exc, PeerFailed) or stop.is_set():
-            say(("stopped",))
+            say(("stopped", figures))
         else:
             error = as_azcp_error(exc, rank=None)  # type: ignore[arg-type]
             # A full disk keeps its mark: the rank adds what this node needed and had free.
-            say(("error", error_payload(error), bool(getattr(error, "no_space", False))))
+            say(("error", error_payload(error), bool(getattr(error, "no_space", False)), figures))
     with lock:
         sock.close()
     return 0
 
 
-def run(job: Any, pushed: _PushedToken, stop: threading.Event, say: Any) -> Any:
-    """Download the job's blocks: their DownloadStats, or None if it was stopped before the end."""
+def run(job: Any, pushed: _PushedToken, stop: threading.Event, say: Any, seen: list[Any]) -> Any:
+    """Download the job's blocks: their DownloadStats, or None if it was stopped before the end.
+
+    The downloader's live DownloadStats go into ``seen`` as soon as it is made.
+    """
     from dataclasses import replace
 
     from azcp_cluster.credentials import Authorizer
@@ -126,7 +132,7 @@ def run(job: Any, pushed: _PushedToken, stop: threading.Event, say: Any) -> Any:
 
     tree = DestTree(job.dest, create=False)
     tree.adopt(dict(job.made))
-    pacer = Pacer(job.rate, burst=job.burst, clock=time.monotonic) if job.rate else None
+    pacer = Pacer.for_rate(job.rate, time.monotonic) if job.rate else None
     pool = WritePool(job.cfg, populate=True, buffers=job.buffers)
     downloader = Downloader(
         job.files,
@@ -140,6 +146,7 @@ def run(job: Any, pushed: _PushedToken, stop: threading.Event, say: Any) -> Any:
         pool=pool,
         proxy=job.proxy,
     )
+    seen.append(downloader.stats)
     try:
         stats = downloader.run(list(job.blocks))
     finally:

@@ -5,6 +5,8 @@ keep-alive connections (:mod:`azcp_cluster.http1`). The body is never handled in
 the socket (or the TLS layer) writes it straight into page-aligned buffers taken from a
 pool allocated before the stage, and each batch of full buffers is written with O_DIRECT
 on a thread (the GIL is released during the write) while the event loop keeps reading.
+Under ``--max-bandwidth`` each request is booked on the rank's :class:`~azcp_cluster.throttle.Pacer`,
+sent when its first bytes are due, and its body read a piece (the pacer's burst) at a time.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -33,10 +36,10 @@ from azcp_cluster.http1 import ConnectFailed, Connection, Head, ProtocolError, T
 from azcp_cluster.localfs import fs_error
 from azcp_cluster.model import FileEntry
 from azcp_cluster.plan import Shard, round_up
-from azcp_cluster.proxies import Proxy
+from azcp_cluster.proxies import Proxy, proxy_refused, refusal_message
 from azcp_cluster.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
 from azcp_cluster.source import API_VERSION
-from azcp_cluster.throttle import Pacer
+from azcp_cluster.throttle import Pacer, Slot
 from azcp_cluster.tls import ssl_context
 
 # One pool buffer: the body is received into it, and it is written with one O_DIRECT call
@@ -56,6 +59,9 @@ SPARE_BUFFERS = 8
 WRITER_THREADS = 4
 # How often the event loop checks whether another rank failed.
 PEER_POLL_SECONDS = 0.1
+# Requests in flight while auto download workers are judged (Downloader's ``handover``): few,
+# so that most of the rank's blocks are still there to hand over; ample for one process's rate.
+PROBE_REQUESTS = 8
 # What a ranged GET of a blob that is no longer there fails with.
 BLOB_DELETED = "the blob was deleted during the copy; rerun to copy what is there now"
 
@@ -115,6 +121,26 @@ def blocks_for(shards: Sequence[Shard], block_size: int) -> list[Block]:
     return blocks
 
 
+class Fetcher(Protocol):
+    """What fetches a rank's blocks: :class:`Downloader` (in the rank), or over worker processes
+    (:class:`~azcp_cluster.workers.WorkerDownloader`, :class:`~azcp_cluster.workers.AutoDownloader`).
+
+    The callbacks may be set after construction and before :meth:`run`, and are called on the
+    thread that runs it; ``stats`` is live, also after a failure.
+    """
+
+    peer_failed: Callable[[], bool]
+    on_bytes: Callable[[int], None]
+    on_landed: Callable[[Block], None]
+
+    @property
+    def stats(self) -> DownloadStats:
+        """What was fetched so far."""
+
+    def run(self, blocks: Sequence[Block]) -> DownloadStats:
+        """Fetch every block; raise DownloadError (or PeerFailed) on failure."""
+
+
 class Downloader:
     """Fetches blocks into the rank's temporary files. One instance per stage run."""
 
@@ -132,11 +158,20 @@ class Downloader:
         pacer: Pacer | None = None,
         pool: WritePool | None = None,
         proxy: Proxy | None = None,
+        handover: Callable[[], bool | None] | None = None,
     ) -> None:
         self.files = files
+        # Auto download workers (workers.AutoDownloader): asked at every watchdog tick until it
+        # answers. True: the blocks no request has taken go elsewhere; the requests in flight
+        # end, and run() returns with the rest in ``left``, in their order. False: the rank
+        # keeps them all. Until it answers, only PROBE_REQUESTS are in flight, so that most
+        # blocks are still there to hand over; then --concurrency.
+        self.handover = handover
+        self.left: list[Block] = []
+        self.received = 0  # body bytes received so far, counted per buffer (a block lands whole, later)
         self._tls: ssl.SSLContext | None = None  # https: made in run()
         self.proxy = proxy  # HTTPS_PROXY / HTTP_PROXY for the storage endpoint (see proxies.py), or None
-        self.pacer = pacer  # --max-bandwidth: this rank's share of the cap
+        self.pacer = pacer  # --max-bandwidth: this rank's (or worker's) share of the cap
         self.tree = tree  # the node's DEST: temporary files are opened through it, never by path
         self.auth = auth
         self.cfg = cfg
@@ -148,6 +183,9 @@ class Downloader:
         self.stats = DownloadStats()
         self._active: set[_Watch] = set()
         self._stopping = False  # set when the run ends early: workers take no new block
+        self._handing_over = False  # set when ``handover`` said so: workers take no new block
+        self._queue: asyncio.Queue[Block] = asyncio.Queue()  # the blocks no request has taken (run)
+        self._workers: list[asyncio.Task[None]] = []  # the request loops, one per request in flight
         # A pool made by the caller (the pipeline makes it at allocation, before the stage's
         # clock starts) stays the caller's to close; one made here is closed by run().
         self._own_pool = pool is None
@@ -178,16 +216,24 @@ class Downloader:
         # alike. Loading the CA store takes about 40 ms: not paid where it is not used (http).
         https = self.auth.source.endpoint.lower().startswith("https:")
         self._tls = ssl_context() if https else None
-        workers = [asyncio.create_task(self._worker(queue)) for _ in range(min(self.cfg.concurrency, len(blocks)))]
+        self._queue = queue
+        first = self.cfg.concurrency if self.handover is None else min(PROBE_REQUESTS, self.cfg.concurrency)
+        workers = self._workers
+        workers += [asyncio.create_task(self._worker(queue)) for _ in range(min(first, len(blocks)))]
         watcher = asyncio.create_task(self._watch_peers())
         try:
-            pending: set[asyncio.Task[None]] = {*workers, watcher}
             while any(not w.done() for w in workers):
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                # Looked at again each tick: the watchdog may have added requests (_grow).
+                live = {w for w in workers if not w.done()} | {watcher}
+                done, _ = await asyncio.wait(live, timeout=PEER_POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     error = task.exception()
                     if error is not None:
                         raise error
+            for task in workers:  # one that failed as the last others ended
+                error = task.exception()
+                if error is not None:
+                    raise error
         finally:
             # Also a flag: asyncio.wait_for can swallow a cancellation that races with the
             # awaited call's end, and such a worker would go on through the queue.
@@ -195,6 +241,8 @@ class Downloader:
             for task in [*workers, watcher]:
                 task.cancel()
             await asyncio.gather(*workers, watcher, return_exceptions=True)
+        while not queue.empty():  # handed over: what no request took
+            self.left.append(queue.get_nowait())
 
     async def _watch_peers(self) -> None:
         """Stop when another rank fails; drop connections whose body sent nothing for read_timeout.
@@ -207,6 +255,14 @@ class Downloader:
             await asyncio.sleep(PEER_POLL_SECONDS)
             if self.peer_failed():
                 raise PeerFailed()
+            if self.handover is not None:
+                verdict = self.handover()
+                if verdict is not None:
+                    self.handover = None
+                    if verdict:
+                        self._handing_over = True
+                    else:
+                        self._grow()
             for watch in list(self._active):
                 received = watch.conn.received
                 if not watch.conn.awaiting_body:  # waiting for a buffer or the disk: not a stall
@@ -224,10 +280,15 @@ class Downloader:
                     watch.stalled = True
                     watch.conn.abort()  # the pending read fails and the block is retried
 
+    def _grow(self) -> None:
+        """Up to --concurrency requests in flight (the probe of auto download workers had fewer)."""
+        more = min(self.cfg.concurrency - len(self._workers), self._queue.qsize())
+        self._workers += [asyncio.create_task(self._worker(self._queue)) for _ in range(max(0, more))]
+
     async def _worker(self, queue: asyncio.Queue[Block]) -> None:
         link = _Link()  # this worker's keep-alive connection, reused from block to block
         try:
-            while not self._stopping:
+            while not self._stopping and not self._handing_over:
                 try:
                     block = queue.get_nowait()
                 except asyncio.QueueEmpty:
@@ -240,11 +301,14 @@ class Downloader:
         entry = self.files[block.file]
         attempt = 0
         while True:
+            slot = None
             if self.pacer is not None:
-                # Paced before the request: a retry is bytes sent again, so it pays again.
-                await asyncio.sleep(self.pacer.reserve(block.length))
+                # Each attempt books its bytes (a retry is bytes sent again: it pays again);
+                # the request goes when its first piece is due, the rest as it is read.
+                slot = self.pacer.book(block.length)
+                await _pace(self.pacer.delay(slot, min(block.length, self.pacer.piece)))
             try:
-                await self._get_once(link, block, entry)
+                await self._get_once(link, block, entry, slot)
                 self.stats.bytes += block.length
                 self.on_landed(block)
                 return
@@ -275,7 +339,7 @@ class Downloader:
             await asyncio.sleep(backoff_delay(attempt, retry_after, self.rng))
             attempt += 1
 
-    async def _get_once(self, link: _Link, block: Block, entry: FileEntry) -> None:
+    async def _get_once(self, link: _Link, block: Block, entry: FileEntry, slot: Slot | None = None) -> None:
         headers = {
             "x-ms-version": API_VERSION,
             "Range": f"bytes={block.offset}-{block.offset + block.length - 1}",
@@ -300,7 +364,7 @@ class Downloader:
             watch = _Watch(conn)
             self._active.add(watch)
             try:
-                await self._stream_body(conn, head, block, entry)
+                await self._stream_body(conn, head, block, entry, slot)
             except (OSError, ProtocolError, _Retryable):
                 if watch.stalled:
                     raise _Retryable("timeout") from None
@@ -351,12 +415,9 @@ class Downloader:
                 f"the blob was deleted during the copy (HTTP 404, {code}); rerun to copy what is there now",
                 path=entry.name,
             )
-        if status == 407 and self.proxy is not None:  # http through a proxy: the proxy answered
-            raise DownloadError(
-                f"proxy {self.proxy.shown} refused the request: HTTP 407 {head.reason}; check the "
-                "credentials in the proxy URL",
-                path=entry.name,
-            )
+        if self.proxy is not None and proxy_refused(self.proxy, status, head.headers):
+            # Through a proxy, an answer without the service's x-ms-request-id is the proxy's.
+            raise DownloadError(refusal_message(self.proxy, "the request", status, head.reason), path=entry.name)
         if status in (401, 403):
             raise DownloadError(f"access denied (HTTP {status}, {code}); check the credentials", path=entry.name)
         raise DownloadError(f"unexpected HTTP {status} ({code})", path=entry.name)
@@ -381,7 +442,9 @@ class Downloader:
                 conn.abort()
         return head.status != 404
 
-    async def _stream_body(self, conn: Connection, head: Head, block: Block, entry: FileEntry) -> None:
+    async def _stream_body(
+        self, conn: Connection, head: Head, block: Block, entry: FileEntry, slot: Slot | None = None
+    ) -> None:
         length = head.content_length
         if length != block.length:
             raise _Retryable("wrong length")
@@ -395,6 +458,9 @@ class Downloader:
         # O_DIRECT and put it back in the pool.
         tracker = _BlockWrites(asyncio.get_running_loop(), target)
         writes = self._writes
+        pacer = self.pacer if slot is not None else None
+        # Under a cap, a buffer is read a piece (the pacer's burst) at a time, each once due.
+        piece = pacer.piece if pacer is not None else writes.size
         buf: np.ndarray | None = None
         try:
             left, offset = block.length, block.offset
@@ -404,11 +470,16 @@ class Downloader:
                 want = min(writes.size, left)
                 got = 0
                 while got < want:
+                    end = min(want, got + piece)
+                    if pacer is not None:
+                        assert slot is not None
+                        await _pace(pacer.delay(slot, offset - block.offset + end))
                     try:
-                        got += await conn.read_into(view[got:want])
+                        got += await conn.read_into(view[got:end])
                     except OSError:
                         raise _Retryable("truncated body") from None
                 writes.submit(target, buf, want, offset, tracker)
+                self.received += want
                 buf = None
                 offset += want
                 left -= want
@@ -423,6 +494,12 @@ class Downloader:
         if tracker.error is not None:
             raise tracker.error
         self.on_bytes(block.length)
+
+
+async def _pace(seconds: float) -> None:
+    """Wait ``seconds`` for the pacer (no event-loop turn when nothing is owed)."""
+    if seconds > 0:
+        await asyncio.sleep(seconds)
 
 
 class _Link:
@@ -607,4 +684,4 @@ class WritePool:
             self.writer.close()
 
 
-__all__ = ["Block", "DownloadStats", "Downloader", "WritePool", "blocks_for"]
+__all__ = ["Block", "DownloadStats", "Downloader", "Fetcher", "WritePool", "blocks_for"]

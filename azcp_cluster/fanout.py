@@ -30,12 +30,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from azcp_cluster.errors import AzcpError
-from azcp_cluster.schedule import Extent, Transfer
+from azcp_cluster.schedule import Extent, Transfer, involving, transfers_at
 
 # Ranks compare error flags this often (in transfers): rare enough to cost nothing, often
 # enough that a failure stops the stage within a few transfers.
 CHECK_EVERY = 16
+# The rank's transfers are made (from the schedule's columns) this many at a time, as their
+# turn comes: a million transfers are never all held at once.
+MAKE_AHEAD = 64
 
 
 @dataclass(frozen=True)
@@ -132,15 +137,17 @@ class FanOut:
     check_every: int = CHECK_EVERY
     error: AzcpError | None = None
     peer: bool = False  # some other rank failed (seen before an agreement said so)
-    items: list[_Item] = field(default_factory=list)
-    by_seq: dict[int, _Item] = field(default_factory=dict)
+    # The rank's transfers, by sequence number (schedule.involving); an item for each is
+    # made when its turn comes and dropped once done (see _item).
+    mine: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    live: dict[int, _Item] = field(default_factory=dict)  # index among mine -> item
+    by_seq: dict[int, _Item] = field(default_factory=dict)  # the live items by sequence number
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.writers < 1 or self.check_every < 1:
             raise ValueError("depth, writers and check_every must be at least 1")
-        mine = [t for t in self.schedule if t.involves(self.rank)]
-        self.items = [_Item(k, t, k % self.depth) for k, t in enumerate(mine)]
-        self.by_seq = {item.transfer.seq: item for item in self.items}
+        self.mine = involving(self.schedule, self.rank)
+        self._made = 0  # items made so far (indices below it are live or done)
         self._landed: set[int] = set()
         self._next_post = 0  # index into items
         self._retired = 0  # items whose calls completed
@@ -157,8 +164,8 @@ class FanOut:
     def start(self) -> list[Instruction]:
         """The first instructions: prepare the first ``depth`` slots."""
         out: list[Instruction] = []
-        for item in self.items[: self.depth]:
-            self._prepare(item, out)
+        for index in range(min(self.depth, len(self.mine))):
+            self._prepare(self._item(index), out)
         self._advance(out)
         return out
 
@@ -185,7 +192,7 @@ class FanOut:
 
     def call_done(self) -> list[Instruction]:
         """The oldest posted transfer's MPI calls completed."""
-        item = self.items[self._retired]
+        item = self._item(self._retired)
         assert item.state is _State.POSTED, f"call_done for {item.transfer.seq} in state {item.state}"
         self._retired += 1
         out: list[Instruction] = []
@@ -216,7 +223,7 @@ class FanOut:
         else:
             self._fail(error)
         out: list[Instruction] = []
-        for item in self.items:
+        for item in list(self.live.values()):
             if item.state is _State.LANDING:  # nothing will be read: its turn must still come
                 self._set(item, _State.READY)
         self._advance(out)
@@ -231,8 +238,8 @@ class FanOut:
         out: list[Instruction] = []
         if any_failed:
             self._stopping = True
-            for item in self.items[self._retired : self._next_post]:
-                self._set(item, _State.DONE)  # drained by the driver
+            for index in range(self._retired, self._next_post):
+                self._set(self._item(index), _State.DONE)  # drained by the driver
             self._retired = self._next_post
             out.append(Drain())
         self._advance(out)
@@ -257,12 +264,28 @@ class FanOut:
 
     # -- internals --------------------------------------------------------------------------
 
+    def _item(self, index: int) -> _Item:
+        """The rank's ``index``-th transfer's item: made (with the next few) on first use."""
+        item = self.live.get(index)
+        if item is not None:
+            return item
+        assert index >= self._made, f"item {index} asked for again after it was done"
+        stop = min(len(self.mine), max(index + 1, self._made + MAKE_AHEAD))
+        for k, transfer in enumerate(transfers_at(self.schedule, self.mine[self._made : stop]), start=self._made):
+            made = self.live[k] = _Item(k, transfer, k % self.depth)
+            self.by_seq[transfer.seq] = made
+        self._made = stop
+        return self.live[index]
+
     def _set(self, item: _Item, state: _State) -> None:
-        """Move ``item`` to ``state``, keeping the busy and done counts."""
+        """Move ``item`` to ``state``, keeping the busy and done counts; a done item is dropped."""
         busy = (_State.READING, _State.USING)
         self._busy += (state in busy) - (item.state in busy)
         self._done += (state is _State.DONE) - (item.state is _State.DONE)
         item.state = state
+        if state is _State.DONE:
+            self.live.pop(item.index, None)
+            self.by_seq.pop(item.transfer.seq, None)
 
     def _fail(self, error: AzcpError) -> None:
         if self.error is None:
@@ -304,8 +327,8 @@ class FanOut:
     def _release(self, item: _Item, out: list[Instruction]) -> None:
         self._set(item, _State.DONE)
         following = item.index + self.depth
-        if following < len(self.items) and not self._stopping:
-            self._prepare(self.items[following], out)
+        if following < len(self.mine) and not self._stopping:
+            self._prepare(self._item(following), out)
 
     def _advance(self, out: list[Instruction]) -> None:
         """Post whatever may be posted now; ask for agreements; finish when all is done."""
@@ -314,15 +337,15 @@ class FanOut:
         while True:
             if self._stopping:
                 break
-            at_end = self._next_post >= len(self.items)
-            due = at_end or self.items[self._next_post].transfer.seq >= self._next_check
+            at_end = self._next_post >= len(self.mine)
+            due = at_end or int(self.mine[self._next_post]) >= self._next_check
             if self._checks_left > 0 and due:
                 self._agreeing = True
                 out.append(Agree(failed=self.failing))
                 return
             if at_end or self.in_flight >= self.depth:
                 break
-            item = self.items[self._next_post]
+            item = self._item(self._next_post)
             if item.state is not _State.READY:
                 break
             self._set(item, _State.POSTED)
@@ -332,7 +355,7 @@ class FanOut:
             # Stopping: once nothing is in flight and no thread still uses a slot.
             over = self.in_flight == 0 and self._busy == 0
         else:
-            over = self._checks_left == 0 and self._done == len(self.items)
+            over = self._checks_left == 0 and self._done == len(self.mine)
         if over:
             self._finished = True
             # Stopped by an agreement without an error of its own: another rank failed.

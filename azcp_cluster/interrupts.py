@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
 from contextlib import contextmanager
-from types import FrameType
-from typing import Any
 
 from azcp_cluster.errors import Interrupted, SigintError, SigtermError
+
+TYPE_CHECKING = False  # typing costs an import the command makes before its handlers are in
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from types import FrameType
+    from typing import Any
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 _ERRORS: dict[int, type[Interrupted]] = {signal.SIGINT: SigintError, signal.SIGTERM: SigtermError}
@@ -67,15 +70,26 @@ class Interrupts:
         self.rank: int | None = None  # named by the errors unless told otherwise (Cluster sets it)
         self._abandonable = 0  # depth of the sections the handler may abandon
         self._rank: int | None = None  # the rank named by an error raised inside a section
+        self._sealed = False  # the copy is complete: a later signal changes nothing
+        self._mask: set[int | signal.Signals] = set()  # the thread's signal mask before install()
+        # Called with the first signal's number, in the handler: rank 0 writes its JSON report
+        # there, since a launcher may kill every rank before they agree to stop (MPICH's second
+        # Ctrl-C at once, Open MPI's SIGKILL 0.25 s after its SIGTERM). Must not raise.
+        self.on_first: Callable[[int], None] | None = None
 
     # -- handlers -------------------------------------------------------------------------
 
     def install(self) -> None:
-        """Handle SIGINT and SIGTERM from now on (main thread only; elsewhere a no-op)."""
+        """Handle SIGINT and SIGTERM from now on (main thread only; elsewhere a no-op).
+
+        Both are unblocked too: the ``azcp-cluster`` command starts the interpreter with them
+        blocked (bin/azcp-cluster), so one that came during its start-up is recorded now.
+        """
         if self._previous or threading.current_thread() is not threading.main_thread():
             return
         for signum in HANDLED:
             self._previous[signum] = signal.signal(signum, self._handle)
+        self._mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
 
     def restore(self) -> None:
         """Put back the handlers that were there before :meth:`install`."""
@@ -83,6 +97,8 @@ class Interrupts:
         for signum, handler in previous.items():
             # None: a handler not installed from Python; the default is the closest.
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        if previous:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)  # blocked again, if they were
 
     @contextmanager
     def installed(self) -> Iterator[Interrupts]:
@@ -95,17 +111,33 @@ class Interrupts:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received += 1
-        if self.signum is not None:
-            return  # only the first one counts
+        if self.signum is not None or self._sealed:
+            return  # only the first one counts, and none once the copy is complete
         self.signum = signum
+        hook, self.on_first = self.on_first, None
+        if hook is not None:
+            hook(signum)
         if self._abandonable:
             raise signal_error(signum, self._rank)
+
+    def seal(self) -> None:
+        """The copy is decided: from now on a signal is counted and ignored, also one recorded since
+        the last agreement (no rank has acted on it), and the run ends with 0."""
+        self._sealed = True
+        self.on_first = None
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a signal is to stop the run: one was received and the copy is not sealed."""
+        return self.signum is not None and not self._sealed
 
     # -- for the stages -------------------------------------------------------------------
 
     def error(self, rank: int | None = None) -> Interrupted | None:
-        """The error to raise for the signal received, or None if none was."""
-        return None if self.signum is None else signal_error(self.signum, self.rank if rank is None else rank)
+        """The error to raise for the signal received, or None if none was (or the copy is sealed)."""
+        if self.signum is None or self._sealed:
+            return None
+        return signal_error(self.signum, self.rank if rank is None else rank)
 
     @contextmanager
     def abandonable(self, rank: int | None = None) -> Iterator[None]:

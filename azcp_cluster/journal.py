@@ -45,8 +45,12 @@ _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 def tag(entry: FileEntry, origin: str) -> str:
     """The version a journal ties a file's ranges to: its ETag (a local file's stands in for
-    its size and mtime), where it came from, and its name there. No tag, no resume."""
-    return f"{entry.etag}|{origin}|{entry.name}" if entry.etag else ""
+    its size, times and inode), where it came from, and its name there. No tag, no resume:
+    nor for a weak ETag (``W/``: a local file whose identity cannot be believed,
+    localsource.py), since blocks of another version could pass for it."""
+    if not entry.etag or entry.etag.startswith("W/"):
+        return ""
+    return f"{entry.etag}|{origin}|{entry.name}"
 
 
 @dataclass(frozen=True)

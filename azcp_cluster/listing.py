@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import logging
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from azcp_cluster.config import Config
@@ -11,9 +14,12 @@ from azcp_cluster.credentials import Authorizer
 from azcp_cluster.errors import ListError
 from azcp_cluster.model import Listing
 from azcp_cluster.naming import RawEntry, directory_prefix, select
-from azcp_cluster.proxies import Proxy
+from azcp_cluster.proxies import Proxy, proxy_refused, refusal_message
 from azcp_cluster.source import BlobSource
 from azcp_cluster.tls import sdk_verify
+
+# The SDK's logger for the error responses it decodes (its warnings are not ours to print).
+_SDK_ERRORS = "azure.storage.blob._shared.response_handlers"
 
 
 def _raw(props: Any) -> RawEntry:
@@ -59,6 +65,12 @@ def _explain(exc: Exception, source: BlobSource, origin: str = "", proxy: Proxy 
 
     where = source.redacted()
     used = f" ({origin}; --auth selects another)" if origin else ""
+    if isinstance(exc, HttpResponseError) and proxy is not None:
+        response = getattr(exc, "response", None)
+        headers = response.headers if response is not None else {}
+        status = exc.status_code or 0
+        if proxy_refused(proxy, status, headers):  # no x-ms-request-id: the proxy's answer
+            return ListError(refusal_message(proxy, "the listing", status, str(exc.reason or "")))
     if isinstance(exc, ResourceNotFoundError):
         code = getattr(exc, "error_code", None) or "NotFound"
         if str(code) == "ContainerNotFound":
@@ -72,10 +84,6 @@ def _explain(exc: Exception, source: BlobSource, origin: str = "", proxy: Proxy 
         code = getattr(code, "value", code)  # an enum member: show Azure's own spelling
         if exc.status_code in (401, 403):
             return ListError(f"{where}: access denied (HTTP {exc.status_code}, {code}); check the credentials{used}")
-        if exc.status_code == 407 and proxy is not None:  # http through a proxy: the proxy answered
-            return ListError(
-                f"proxy {proxy.shown} refused the listing: HTTP 407; check the credentials in the proxy URL"
-            )
         return ListError(f"{where}: listing failed (HTTP {exc.status_code}, {code})")
     if isinstance(exc, ServiceRequestError | ServiceResponseError):
         refused = _tunnel_refusal(exc) if proxy is not None else None
@@ -84,6 +92,22 @@ def _explain(exc: Exception, source: BlobSource, origin: str = "", proxy: Proxy 
         through = f" through proxy {proxy.shown}" if proxy is not None else ""
         return ListError(f"cannot reach {source.endpoint}{through}: {type(exc).__name__}")
     return ListError(f"{where}: listing failed ({type(exc).__name__})")
+
+
+@contextlib.contextmanager
+def _sdk_quiet() -> Iterator[None]:
+    """Keep the SDK's warnings off stderr while it lists: a refusal with a page of HTML (a
+    proxy's) made it log "Unexpected return type" next to our one line about it."""
+    logger = logging.getLogger(_SDK_ERRORS)
+
+    def quiet(record: logging.LogRecord) -> bool:
+        return False
+
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def list_source(source: BlobSource, auth: Authorizer, cfg: Config, proxy: Proxy | None = None) -> Listing:
@@ -123,7 +147,7 @@ def list_with_sdk(source: BlobSource, auth: Authorizer, cfg: Config, proxy: Prox
         **through,
     )
     try:
-        with client:
+        with client, _sdk_quiet():
             exact = None
             if source.prefix and not source.prefix.endswith("/"):
                 try:

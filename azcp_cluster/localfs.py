@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import stat
 from collections.abc import Callable
 
@@ -23,6 +24,82 @@ from azcp_cluster.naming import TEMP_SUFFIX
 def expand_dest(template: str, rank: int, host: str) -> str:
     """Expand ``{rank}`` and ``{host}`` in DEST; other text is kept as written."""
     return template.replace("{rank}", str(rank)).replace("{host}", host)
+
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+MOUNTINFO = "/proc/self/mountinfo"
+_ESCAPE = re.compile(rb"\\([0-7]{3})")
+
+
+def machine_id() -> str:
+    """The kernel this process runs on: Linux's boot id, the same in every container and
+    namespace of one machine and new at every boot ("" where it cannot be read). Two ranks
+    with one boot id see one set of devices and inodes: the same numbers are the same file."""
+    try:
+        with open(BOOT_ID, encoding="ascii") as fh:
+            return fh.read().strip()
+    except (OSError, ValueError):
+        return ""
+
+
+def _unescape(field: bytes) -> str:
+    """A path of /proc/self/mountinfo as it is (the kernel writes space, tab, newline and
+    backslash as octal escapes)."""
+    return os.fsdecode(_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), field))
+
+
+def _mounts() -> list[tuple[str, str, str]]:
+    """(mount point, root inside its filesystem, device) of every mount this process sees, in
+    the kernel's order (a mount stacked on another comes after it); [] where unknown."""
+    try:
+        with open(MOUNTINFO, "rb") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return []
+    mounts = []
+    for line in lines:
+        fields = line.split(b" ")
+        if len(fields) >= 5:
+            mounts.append((_unescape(fields[4]), _unescape(fields[3]), fields[2].decode("ascii", "replace")))
+    return mounts
+
+
+def locate_dest(real: str) -> tuple[str, str, str]:
+    """Where the directory at the real path ``real`` lies on this machine, whether or not it
+    exists yet: ``(directory, mount, within)``.
+
+    ``directory`` is its device and inode (of ``real``, or of its deepest existing ancestor
+    followed by the rest of the path): two paths to one directory (a bind mount, two
+    containers mounting one host directory at different places) give the same. ``mount`` and
+    ``within`` are the device of the filesystem it is on and its path inside that filesystem
+    (the mount's root in /proc/self/mountinfo and the path below the mount point), so a
+    directory inside another shows as a longer path on the same filesystem, whichever mount
+    each is reached through. Without mountinfo: "" and ``real``.
+    """
+    path, rest = real, ""
+    while True:
+        try:
+            st = os.stat(path)
+            break
+        except OSError:
+            parent, name = os.path.split(path)
+            if parent == path:
+                return f"?:{real}", "", real  # not even "/": the path alone
+            path, rest = parent, name if not rest else f"{name}/{rest}"
+    directory = f"{st.st_dev}:{st.st_ino}:{rest}"
+    # The mount ``path`` is on: the deepest mount point above it, the last mounted there; one
+    # of the device ``path`` has, if any (a mount since stacked over a shallower point hides a
+    # deeper one; btrfs subvolumes show a device of their own).
+    mounts = [m for m in _mounts() if path == m[0] or path.startswith(m[0].rstrip("/") + "/")]
+    if not mounts:
+        return directory, "", real
+    mounts.reverse()
+    mounts.sort(key=lambda m: len(m[0]), reverse=True)  # stable: the last mounted first among equals
+    own = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    mount_point, root, device = next((m for m in mounts if m[2] == own), mounts[0])
+    within = root.rstrip("/") + path[len(mount_point.rstrip("/")) :]
+    within = os.path.join(within or "/", rest) if rest else within or "/"
+    return directory, device, within.rstrip("/") or "/"
 
 
 def final_path(dest: str, rel: str) -> str:
@@ -143,6 +220,35 @@ def _load_syncfs() -> Callable[[int], int] | None:
 
 
 _SYNCFS = _load_syncfs()
+
+
+def _load_statfs() -> Callable[[bytes, ctypes.Array[ctypes.c_char]], int] | None:
+    """libc's statfs(2) (Python has only statvfs, which does not say the filesystem's type)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    function = getattr(libc, "statfs64", None) or getattr(libc, "statfs", None)
+    if function is None:
+        return None
+    function.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    function.restype = ctypes.c_int
+    return function  # type: ignore[no-any-return]
+
+
+_STATFS = _load_statfs()
+
+
+def filesystem_type(path: str) -> int | None:
+    """The magic number of the filesystem holding ``path`` (statfs's ``f_type``, links followed),
+    or None where it cannot be had."""
+    if _STATFS is None:
+        return None
+    buf = ctypes.create_string_buffer(512)  # struct statfs is 120 bytes on 64-bit Linux
+    if _STATFS(os.fsencode(path), buf) != 0:
+        return None
+    # f_type is the struct's first member, a long; the magic numbers are 32 bits wide.
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
 def syncfs(fd: int) -> bool:

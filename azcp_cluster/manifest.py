@@ -51,6 +51,18 @@ def load(tree: DestTree) -> dict[str, Recorded]:
         return {}
 
 
+def same_etag(recorded: str, listed: str) -> bool:
+    """Whether what the manifest recorded under ``recorded`` (a copy for ``--compare etag``, an
+    MD5 for ``--compare md5``) is of the version listed.
+
+    Weakly: a local file's weak ETag (``W/``, localsource.py) matches its strong form. A
+    whole copy is then taken for current unless the file changed since, which only a change
+    within the filesystem's timestamp granularity of the recorded one hides (a stale copy,
+    never a torn one; the block journal, which could mix versions, never takes a weak ETag).
+    """
+    return recorded.removeprefix("W/") == listed.removeprefix("W/")
+
+
 def save(
     tree: DestTree, files: Sequence[FileEntry], previous: dict[str, Recorded], present: Mapping[str, int] | None = None
 ) -> None:
@@ -68,7 +80,7 @@ def save(
     for f in files:
         md5 = f.content_md5
         old = previous.get(f.path)
-        if not md5 and old is not None and (old.size, old.etag) == (f.size, f.etag):
+        if not md5 and old is not None and old.size == f.size and same_etag(old.etag, f.etag):
             md5 = old.md5  # the same version: an MD5 found earlier (by --verify) still holds
         entry = Recorded(f.size, f.etag, md5)
         changed = changed or entries.get(f.path) != entry
@@ -139,7 +151,7 @@ def present(tree: DestTree, files: Sequence[FileEntry], mode: str) -> list[bool]
     recorded = load(tree)
     if mode == "etag":
         return [
-            ok and bool(f.etag) and f.path in recorded and recorded[f.path].etag == f.etag
+            ok and bool(f.etag) and f.path in recorded and same_etag(recorded[f.path].etag, f.etag)
             for ok, f in zip(sized, files, strict=True)
         ]
 
@@ -148,7 +160,7 @@ def present(tree: DestTree, files: Sequence[FileEntry], mode: str) -> list[bool]
         if f.content_md5:
             return f.content_md5
         rec = recorded.get(f.path)
-        return rec.md5 if rec is not None and rec.etag == f.etag else ""
+        return rec.md5 if rec is not None and same_etag(rec.etag, f.etag) else ""
 
     candidates = [i for i, f in enumerate(files) if sized[i] and expected(f)]
     digests = hash_files(lambda i: _local_md5(tree, files[i].path), candidates)

@@ -8,6 +8,7 @@ order and the two printed outputs (the dry run's plan and the report).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -18,9 +19,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 from azcp_cluster import collector
 from azcp_cluster.cluster import Cluster
 from azcp_cluster.config import Config, format_bytes
-from azcp_cluster.errors import AzcpError
+from azcp_cluster.errors import AzcpError, ReportPathError
 from azcp_cluster.plan import Plan, plan_transfers
-from azcp_cluster.report import Report, report_lines
+from azcp_cluster.report import Report, report_lines, write_json_report
 from azcp_cluster.stages import allocate, finish, setup, survey, transfer
 from azcp_cluster.stages.context import RunContext
 
@@ -56,27 +57,72 @@ def run(
     env = os.environ if env is None else env
     out = sys.stdout if out is None else out
     cluster = Cluster(comm, clock, interrupts)  # interrupts: the CLI's SIGINT/SIGTERM recorder
-    report = Report(ranks=cluster.size, dry_run=cfg.dry_run)
+    report = Report(ranks=cluster.size, dry_run=cfg.dry_run, max_bandwidth=cfg.max_bandwidth)
     started = clock()
     ctx = RunContext(cfg, cluster, report, env, wall, out, host or socket.gethostname(), started, credential)
+    failed: AzcpError | None = None
+    plan_lines: list[str] = []
     try:
-        execute(ctx)
+        plan_lines = execute(ctx)
     except AzcpError as exc:
-        report.stages["total"].seconds = clock() - started
-        raise _attach(exc, report) from None
+        failed = _attach(exc, report)
     finally:
+        cluster.interrupts.on_first = None  # the outcome is decided: the report below says it
         try:
             ctx.close()
             cluster.close()
         finally:
             ctx.heap.end()  # what the run froze goes back to the collector
+        report.stages["total"].seconds = clock() - started
+        report.timeline, report.timeline_origin = cluster.timeline, cluster.origins
+    # Once DEST's lock is released and removed: a launcher that dies of a reader gone away
+    # (`mpiexec ... | head`) finds nothing of the run left to clean up. The JSON report first,
+    # then the lines (on a failure, those of the stages it reached; the CLI prints the error
+    # line after them), each in one write.
+    if cluster.rank == 0:
+        if cfg.json_path and not isinstance(failed, ReportPathError):
+            write_json_report(report, cfg.json_path)
+        lines = report_lines(report, failed=failed is not None)
+        after_diff = next((i + 1 for i, line in enumerate(lines) if line.startswith("[diff] ")), len(lines))
+        _print_lines([*lines[:after_diff], *plan_lines, *lines[after_diff:]], out)
+    if failed is not None:
+        raise failed from None
     return report
 
 
-def execute(ctx: RunContext) -> None:
-    """Every stage in order on this rank; each hands a frozen result to the next."""
+def _report_at_signal(report: Report, path: str, clock: Callable[[], float], started: float) -> Callable[[int], None]:
+    """What rank 0 does at its first SIGINT or SIGTERM: write the JSON report as it stands, with the signal's code.
+
+    The ranks then agree to stop and rank 0 writes the report again, but a launcher may kill
+    every rank first (MPICH's mpiexec at a second Ctrl-C, Open MPI's 0.25 s after its SIGTERM);
+    the report on disk then still says how the run ended. Runs in the signal handler.
+    """
+    from azcp_cluster import localfs  # noqa: F401  (imported now, never first inside a signal handler)
+    from azcp_cluster.interrupts import signal_error
+    from azcp_cluster.report import write_json_document
+
+    def write(signum: int) -> None:
+        # Quick (Open MPI kills 0.25 s after its SIGTERM): the fields as they stand, no fsync;
+        # the report written once the ranks agree is the durable one.
+        error = signal_error(signum, 0)
+        doc = report.to_json()
+        doc["exit_code"], doc["error"] = error.exit_code, error.one_line()
+        doc["stages"]["total"]["seconds"] = clock() - started
+        with contextlib.suppress(OSError):
+            write_json_document(doc, path, durable=False)
+
+    return write
+
+
+def execute(ctx: RunContext) -> list[str]:
+    """Every stage in order on this rank; each hands a frozen result to the next.
+
+    Returns the dry run's ``[plan]`` lines (rank 0), which the report prints after ``[diff]``.
+    """
     cfg = ctx.cfg
     place = setup.setup(ctx)
+    if ctx.rank == 0 and cfg.json_path:  # its place checked by setup (not inside DEST)
+        ctx.cluster.interrupts.on_first = _report_at_signal(ctx.report, cfg.json_path, ctx.cluster.clock, ctx.started)
     # The listing, the plan and the schedule: up to millions of objects kept for the run.
     with collector.paused() as ctx.heap:
         listed = survey.list_source(ctx, place)
@@ -96,50 +142,47 @@ def execute(ctx: RunContext) -> None:
         report = ctx.report
         report.plan_loads = plan.loads()
         report.plan_spread = plan.spread(owners)
-        report.broadcast_shards = len(plan.shards)
+        report.broadcast_shards = plan.shard_count
         # The fan-out runs between leaders: a shard goes out from its owner's leader.
         schedule = None if cfg.dry_run else allocate.schedule_for(ctx, place, plan)
     if schedule is None:
-        print_plan(ctx, list(diff.transfer), plan)
-        print_report(ctx)
-        return
+        return plan_lines(ctx, list(diff.transfer), plan)
     prepared = allocate.allocate(ctx, place, listed, diff, plan, schedule)
     moved = transfer.move(ctx, place, listed, diff, plan, schedule, prepared)
     del prepared  # the fan-out's slots are released; nothing below needs them
     finish.sync(ctx, place, moved)
     # Before the rename: a mismatch leaves no final name.
     verified = finish.verify(ctx, place, moved) if cfg.verify else {}
+    # Every byte is durable everywhere (and verified): the renames and the manifest follow, and
+    # a signal from now on changes nothing (a stop halfway would leave a complete copy reported
+    # as stopped, with no manifest).
+    ctx.cluster.interrupts.seal()
     finish.rename(ctx, place, moved)
     finish.record(ctx, place, moved, verified)
-    print_report(ctx)
+    return []
 
 
-def print_plan(ctx: RunContext, transfer: list[int], plan: Plan) -> None:
+def plan_lines(ctx: RunContext, transfer: list[int], plan: Plan) -> list[str]:
     """The dry run's plan, on rank 0: files and bytes per rank, and the spread."""
     if ctx.rank != 0:
-        return
-    counts = [0] * plan.nranks
-    files_of: list[set[int]] = [set() for _ in range(plan.nranks)]
-    for shard in plan.shards:
-        files_of[shard.owner].add(shard.file)
-    for rank in range(plan.nranks):
-        counts[rank] = len(files_of[rank])
+        return []
+    counts = plan.files_per_rank()
     loads = plan.loads()
-    print(f"[plan] {len(transfer)} files, {len(plan.shards)} shards over {plan.nranks} ranks", file=ctx.out)
-    for rank in range(plan.nranks):
-        print(
-            f"[plan] rank {rank}: {counts[rank]} files, {loads[rank]} bytes ({format_bytes(loads[rank])})",
-            file=ctx.out,
-        )
-    print(f"[plan] spread {plan.spread() * 100:.2f}% (busiest rank over the mean)", file=ctx.out)
-    ctx.out.flush()
+    return [
+        f"[plan] {len(transfer)} files, {plan.shard_count} shards over {plan.nranks} ranks",
+        *(
+            f"[plan] rank {rank}: {counts[rank]} files, {loads[rank]} bytes ({format_bytes(loads[rank])})"
+            for rank in range(plan.nranks)
+        ),
+        f"[plan] spread {plan.spread() * 100:.2f}% (busiest rank over the mean)",
+    ]
 
 
-def print_report(ctx: RunContext) -> None:
-    """The report's lines, on rank 0 (after the total time is set on every rank)."""
-    ctx.report.stages["total"].seconds = ctx.cluster.clock() - ctx.started
-    if ctx.rank != 0:
-        return
-    for line in report_lines(ctx.report):
-        print(line, file=ctx.out)
-    ctx.out.flush()
+def _print_lines(lines: list[str], out: TextIO) -> None:
+    """The report's lines on ``out``; a reader that went away (``| head``, a dead ``tee``) loses them, nothing more.
+
+    A closed pipe must not turn a finished copy into a failure.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        out.write("".join(f"{line}\n" for line in lines))  # one write: a reader of the first line gets them all
+        out.flush()

@@ -4,16 +4,22 @@ The same variables, read the same way, as the listing (azure-storage-blob over r
 and azcopy: the lower-case name first, then the upper-case one; ``https://`` URLs take
 ``https_proxy``, ``http://`` URLs ``http_proxy``, either falls back to ``all_proxy``.
 ``no_proxy`` is a comma-separated list of host names (a suffix on a dot boundary, with or
-without the leading dot or ``*.``), IP addresses, CIDR blocks, any of them with ``:port``, or ``*``.
+without the leading dot or ``*.``), IP addresses, CIDR blocks, any of them with ``:port``, ``*``,
+or ``:port`` alone (every host on that port; ``*:port`` too).
 A proxy is an ``http://`` URL (the scheme may be left out), optionally with
 ``user:password@``, sent as ``Proxy-Authorization: Basic``.
+
+Who refused: an answer of the storage service always carries ``x-ms-request-id`` (Azure's and
+Azurite's, errors included); a 401, 403 or 407 without it, on a request that went through a
+proxy (plain HTTP, or a TLS-inspecting proxy inside the tunnel), is the proxy's own, and the
+message names the proxy instead of the storage credentials (:func:`proxy_refused`).
 """
 
 from __future__ import annotations
 
 import base64
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
@@ -37,6 +43,34 @@ class Proxy:
         """The proxy as messages name it: never its credentials."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port} (from {self.variable})"
+
+
+# What a proxy answers when it will not pass a request on (its authentication, or a policy);
+# the storage service never sends 407.
+REFUSALS = (401, 403, 407)
+
+
+def from_storage(header_names: Iterable[str]) -> bool:
+    """Whether a response with these header names came from the storage service (it always sends x-ms-request-id)."""
+    return any(name.lower() == "x-ms-request-id" for name in header_names)
+
+
+def proxy_refused(proxy: Proxy | None, status: int, header_names: Iterable[str]) -> bool:
+    """Whether a response went through ``proxy`` and is the proxy's own refusal, not the service's."""
+    if proxy is None or status not in REFUSALS:
+        return False
+    return status == 407 or not from_storage(header_names)
+
+
+def refusal_message(proxy: Proxy, what: str, status: int, reason: str) -> str:
+    """One line for ``proxy``'s refusal of ``what`` ("the listing", "the request")."""
+    said = f"HTTP {status} {reason}".rstrip()
+    if status == 407:
+        return f"proxy {proxy.shown} refused {what}: {said}; check the credentials in the proxy URL"
+    return (
+        f"proxy {proxy.shown} refused {what}: {said} (its own answer: no x-ms-request-id); "
+        "check that it lets the storage endpoint through, or exempt the endpoint with NO_PROXY"
+    )
 
 
 def _lookup(env: Mapping[str, str], name: str) -> tuple[str, str] | None:
@@ -94,6 +128,8 @@ def bypassed(host: str, port: int, no_proxy: str) -> bool:
             want_port = int(tail)
         if want_port is not None and want_port != port:
             continue
+        if want_port is not None and entry.startswith((":", "*:")):  # ":port", "*:port": any host on it
+            return True
         if address is not None:
             try:
                 if address in ipaddress.ip_network(name, strict=False):

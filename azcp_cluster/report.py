@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import stat
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -76,6 +77,8 @@ class Report:
     resumed_bytes: int = 0
     azure_files: int = 0  # files read from SOURCE (Azure, or the local path)
     downloaded_bytes: int = 0
+    download_rate: float = 0.0  # bytes per second: downloaded_bytes over the download stage's time
+    max_bandwidth: float | None = None  # --max-bandwidth in bytes per second (None: no cap)
     broadcast_bytes: int = 0
     broadcast_shards: int = 0
     retries: int = 0
@@ -93,36 +96,65 @@ class Report:
     verified_files: int = 0
     peak_rss_bytes: int = 0  # the largest peak resident memory of any rank
     stages: dict[str, StageFigures] = field(default_factory=lambda: {s: StageFigures() for s in STAGES})
+    # Where the time goes: per stage agreed (in the order run), each rank's start and end of
+    # its own work, in seconds since that rank's run started ({"stage", "start": [per rank],
+    # "end": [per rank]}; None where a rank had no part: the download inside a streaming
+    # transfer, on a rank with nothing to fetch). The wait for the slowest rank follows each.
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    timeline_origin: list[float] = field(default_factory=list)  # per rank: its run's start, Unix time
+
+    def record_download(self, seconds: float) -> None:
+        """The download stage's time (the slowest rank's), and the rate it achieved."""
+        self.stages["download"] = StageFigures(seconds, self.downloaded_bytes)
+        self.download_rate = self.downloaded_bytes / seconds if seconds > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document written by ``--json``."""
         return asdict(self)
 
-    def write_json(self, path: str) -> None:
+    def write_json(self, path: str, **override: Any) -> None:
         """Write the JSON report atomically: a temporary name in the same directory, fsync, rename.
 
-        The temporary file is created anew (``O_EXCL``, never through a symlink someone put at
-        its name) and removed again on any failure, so a failed write leaves nothing behind.
-        Raises the ``OSError``.
+        ``override`` replaces top-level fields in what is written (the report itself is left
+        as it is). The temporary file is created anew (``O_EXCL``, never through a symlink
+        someone put at its name) and removed again on any failure, so a failed write leaves
+        nothing behind. Raises the ``OSError``.
         """
-        from azcp_cluster.localfs import write_synced  # not at the top: numpy, for the CLI's quick paths
+        write_json_document({**self.to_json(), **override}, path)
 
-        data = (json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n").encode("utf-8")
-        tmp = f"{path}.tmp{os.getpid()}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o644)
+
+def write_json_document(doc: dict[str, Any], path: str, durable: bool = True) -> None:
+    """:meth:`Report.write_json` for a document already made; ``durable=False`` skips the fsync."""
+    from azcp_cluster.localfs import write_synced  # not at the top: numpy, for the CLI's quick paths
+
+    data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    tmp = f"{path}.tmp{os.getpid()}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o644)
+    try:
         try:
-            try:
+            if durable:
                 write_synced(fd, data)
-            finally:
-                os.close(fd)
-            if not _replaceable(path):  # put there since the start: not ours to replace
-                raise OSError(errno.EEXIST, "exists and is not a regular file", path)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+            else:
+                os.write(fd, data)  # a small file: one write
+        finally:
+            os.close(fd)
+        if not _replaceable(path):  # put there since the start: not ours to replace
+            raise OSError(errno.EEXIST, "exists and is not a regular file", path)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_report(report: Report, path: str) -> None:
+    """The JSON report at ``path``; one that cannot be written is a warning, not a failed copy."""
+    try:
+        report.write_json(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError, ValueError):
+            print(f"azcp-cluster: warning: cannot write the JSON report to {path}: {exc.strerror}", file=sys.stderr)
 
 
 def gbps(nbytes: int, seconds: float) -> str:
@@ -132,12 +164,40 @@ def gbps(nbytes: int, seconds: float) -> str:
     return f"{nbytes * 8 / seconds / 1e9:.2f} Gb/s"
 
 
+def _against_cap(report: Report) -> str:
+    """With --max-bandwidth: the cap and the rate achieved, in bytes per second (added to ``[download]``)."""
+    cap = report.max_bandwidth
+    if cap is None:
+        return ""
+    rate = report.download_rate
+    return f" cap={cap:.0f}B/s rate={rate:.0f}B/s ({100 * rate / cap:.1f}% of the cap)"
+
+
 def _s(count: int) -> str:
     return "" if count == 1 else "s"
 
 
-def report_lines(report: Report) -> list[str]:
-    """The stable report lines (a contract: scripts parse them)."""
+def report_lines(report: Report, failed: bool = False) -> list[str]:
+    """The stable report lines (a contract: scripts parse them).
+
+    ``failed``: the run stopped early; only the lines of the stages it reached (their figures
+    so far), the retries and ``[total]``.
+    """
+    lines = _lines(report)
+    if not failed:
+        return lines
+    st = report.stages
+    reached = {
+        "[cluster] ": report.nodes > 0,
+        "[list] ": st["list"].seconds > 0,
+        "[diff] ": st["diff"].seconds > 0,
+        "[download] ": st["download"].seconds > 0 or report.downloaded_bytes > 0,
+        "[bcast] ": st["bcast"].seconds > 0 or report.broadcast_bytes > 0,
+    }
+    return [line for line in lines if reached.get(line[: line.index(" ") + 1], True)]
+
+
+def _lines(report: Report) -> list[str]:
     st = report.stages
     lines = [
         f"[cluster] {report.nodes} node{_s(report.nodes)}, {report.ranks} rank{_s(report.ranks)}, "
@@ -159,7 +219,7 @@ def report_lines(report: Report) -> list[str]:
     if not report.dry_run:
         lines += [
             f"[download] {report.downloaded_bytes} bytes T={st['download'].seconds:.3f}s "
-            f"BW={gbps(report.downloaded_bytes, st['download'].seconds)}",
+            f"BW={gbps(report.downloaded_bytes, st['download'].seconds)}" + _against_cap(report),
             f"[bcast] {report.broadcast_shards} shards {report.broadcast_bytes} bytes T={st['bcast'].seconds:.3f}s "
             f"BW={gbps(report.broadcast_bytes, st['bcast'].seconds)}",
         ]

@@ -104,8 +104,7 @@ class Job:
     source: Any  # the BlobSource
     token: tuple[str, float] | None  # the rank's current bearer token and its expiry
     buffers: int  # its download buffers (its part of the rank's pool)
-    rate: float | None  # its part of the rank's --max-bandwidth share, bytes per second
-    burst: float  # its part of the pacer's burst (the rank's is one block)
+    rate: float | None  # its part of the rank's --max-bandwidth share, bytes per second (its burst: 0.1 s of it)
     proxy: Proxy | None
 
 
@@ -197,7 +196,7 @@ class WorkerDownloader:
 
     def _job(self, index: int, part: list[Block], count: int) -> Job:
         """Worker ``index``'s job: its blocks, the files they are in, its part of the rank's
-        requests, buffers, pace and burst."""
+        requests, buffers and pace."""
         needed = {b.file for b in part}
         cred = self.auth.credential
         token = None
@@ -219,7 +218,6 @@ class WorkerDownloader:
             source=self.auth.source,
             token=token,
             rate=self.rate / count if self.rate is not None else None,
-            burst=self.cfg.block_size / count,
             proxy=self.proxy,
         )
 
@@ -359,13 +357,7 @@ class WorkerDownloader:
         elif kind == "landed":
             self.on_landed(message[1])
         elif kind == "done":
-            stats: DownloadStats = message[1]
-            self.stats.bytes += stats.bytes
-            self.stats.requests += stats.requests
-            self.stats.retries += stats.retries
-            self.stats.retry_causes.update(stats.retry_causes)
-            self.stats.direct_refused = self.stats.direct_refused or stats.direct_refused
-            self.stats.worker_bytes[worker.index] = stats.bytes
+            self._add(worker, message[1])
             return True
         elif kind == "error":
             from azcp_cluster.cluster import error_from_payload
@@ -373,15 +365,129 @@ class WorkerDownloader:
             worker.error = error_from_payload(message[1])
             if len(message) > 2 and message[2]:
                 worker.error.no_space = True  # type: ignore[attr-defined]
+            self._add(worker, message[3] if len(message) > 3 else None)
             return True
         elif kind == "stopped":
             worker.error = _Stopped(f"download worker {worker.index} stopped")
+            self._add(worker, message[1] if len(message) > 1 else None)
             return True
         else:
             worker.error = InternalError(f"download worker {worker.index} sent {kind!r}")
             return True
         return False
 
+    def _add(self, worker: _Worker, stats: DownloadStats | None) -> None:
+        """A worker's figures into the rank's (also a failed or stopped one's: the report has what it did)."""
+        if stats is None:
+            return
+        self.stats.bytes += stats.bytes
+        self.stats.requests += stats.requests
+        self.stats.retries += stats.retries
+        self.stats.retry_causes.update(stats.retry_causes)
+        self.stats.direct_refused = self.stats.direct_refused or stats.direct_refused
+        self.stats.worker_bytes[worker.index] = stats.bytes
+
 
 class _Stopped(AzcpError):
     """A worker that stopped because it was told to (another failure is the one to report)."""
+
+
+# Auto: the rank downloads alone for at least this long and this many bytes before it judges.
+PROBE_SECONDS = 0.5
+PROBE_BYTES = 32 * 1024 * 1024
+
+
+class AutoDownloader:
+    """``--download-workers auto``: the rank downloads alone, measures, and hands the rest of its
+    blocks to worker processes only where they shorten the copy (:func:`topology.handover_workers`).
+
+    After :data:`PROBE_SECONDS` and :data:`PROBE_BYTES` it reads its rate, the cores it kept busy and
+    the idle cores among those it may use (:mod:`azcp_cluster.cpus`), once. Workers that pay take
+    the blocks no request has started; the rank's own requests in flight end first. The same
+    interface as :class:`~azcp_cluster.download.Downloader`, whose callbacks (``on_bytes``,
+    ``on_landed``, ``peer_failed``, set before :meth:`run`) are called on the thread that runs it.
+    """
+
+    def __init__(
+        self,
+        alone: Callable[[Callable[[], bool | None]], Any],
+        processes: Callable[[int], WorkerDownloader],
+        most: int,
+        sharing: int,
+        *,
+        peer_failed: Callable[[], bool] = lambda: False,
+        on_bytes: Callable[[int], None] = lambda n: None,
+        on_landed: Callable[[Block], None] = lambda block: None,
+        release: Callable[[], None] = lambda: None,
+        cpus: list[int] | None = None,
+        sampler: Callable[[list[int]], Any] | None = None,
+    ) -> None:
+        from azcp_cluster import cpus as cpu_info
+
+        self._alone = alone  # handover -> the rank's own Downloader
+        self._processes = processes  # count -> a WorkerDownloader
+        self.most = most
+        self.sharing = sharing
+        self._release = release  # the rank's own download buffers, once it hands over
+        self._cpus = cpu_info.allowed() if cpus is None else cpus
+        self._sample = sampler or cpu_info.sample
+        # As a Downloader's: the parts are given these as they stand when each starts.
+        self.peer_failed = peer_failed
+        self.on_bytes = on_bytes
+        self.on_landed = on_landed
+        self.workers = 0  # decided: how many took over (0: none)
+        self.measured: tuple[float, float, float | None] | None = None  # rate, own cores, idle cores
+        self._parts: list[DownloadStats] = []  # the live stats of each part that ran, in order
+        self._first: Any = None
+        self._start: Any = None
+        self._total = 0
+
+    @property
+    def stats(self) -> DownloadStats:
+        """What the rank and its workers fetched so far (live, also after a failure)."""
+        total = DownloadStats()
+        for part in self._parts:
+            total.bytes += part.bytes
+            total.requests += part.requests
+            total.retries += part.retries
+            total.retry_causes.update(part.retry_causes)
+            total.direct_refused = total.direct_refused or part.direct_refused
+            total.worker_bytes += part.worker_bytes
+        return total
+
+    def run(self, blocks: Sequence[Block]) -> DownloadStats:
+        """Download every block: alone, then (if they pay) the rest on workers."""
+        self._total = sum(b.length for b in blocks)
+        first = self._first = self._wire(self._alone(self._judge))
+        self._start = self._sample(self._cpus)
+        try:
+            first.run(blocks)
+        finally:
+            self._first = None  # its buffers are freed with it
+        if first.left:
+            left, first = first.left, None
+            self._release()  # the workers map buffers of their own: the rank's go first
+            self._wire(self._processes(self.workers)).run(left)
+        return self.stats
+
+    def _wire(self, downloader: Any) -> Any:
+        downloader.peer_failed = self.peer_failed
+        downloader.on_bytes = self.on_bytes
+        downloader.on_landed = self.on_landed
+        self._parts.append(downloader.stats)
+        return downloader
+
+    def _judge(self) -> bool | None:
+        """Called at the rank's watchdog ticks until it answers: True hands the rest over, False keeps it."""
+        from azcp_cluster import cpus as cpu_info
+        from azcp_cluster.topology import handover_workers
+
+        now = self._sample(self._cpus)
+        got = self._first.received
+        if now.wall - self._start.wall < PROBE_SECONDS or got < PROBE_BYTES:
+            return None
+        own, idle = cpu_info.busy(self._start, now)
+        rate = got / (now.wall - self._start.wall)
+        self.measured = (rate, own, idle)
+        self.workers = handover_workers(self._total - got, rate, own, idle, self.sharing, self.most)
+        return self.workers > 0

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools import azurite, box
 from azcp_cluster.naming import JOURNAL_DIR, MANIFEST_NAME
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,36 +45,16 @@ def mpiexec_path() -> str:
 def mpi_flavour() -> str:
     """What `mpiexec --version` of this environment says: "openmpi", "mpich" or "unknown" (asked once)."""
     found = _find_mpiexec()
-    if not found:
-        return "unknown"
-    try:
-        proc = subprocess.run(
-            [found, "--version"], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    text = proc.stdout + proc.stderr
-    if "Open MPI" in text or "OpenRTE" in text:
-        return "openmpi"
-    if "HYDRA" in text or "MPICH" in text:
-        return "mpich"
-    return "unknown"
+    return box.flavour_of(found) if found else "unknown"
 
 
-OPENMPI_ENV_FILE = REPO / "scripts" / "openmpi.env"
+OPENMPI_ENV_FILE = box.OPENMPI_ENV
 
 
 @functools.cache
 def openmpi_env() -> dict[str, str]:
     """The variables of scripts/openmpi.env (KEY=VALUE lines): Open MPI as root, oversubscribed, quick to start."""
-    env = {}
-    for line in OPENMPI_ENV_FILE.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, sep, value = line.partition("=")
-            assert sep and key.isidentifier(), f"{OPENMPI_ENV_FILE}: not KEY=VALUE: {line!r}"
-            env[key] = value
-    return env
+    return box.openmpi_env()
 
 
 def fstype(path: Path) -> str:
@@ -100,6 +81,24 @@ def cached_pages(path: Path) -> int:
         vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
         assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
         return sum(v & 1 for v in vec)
+
+
+@contextmanager
+def bind_mount(source: Path, target: Path) -> Iterator[Path]:
+    """``source`` mounted again at ``target`` (``mount --bind``, made if missing), unmounted on
+    the way out whatever happens; the test is skipped where binding is not permitted (not root,
+    no CAP_SYS_ADMIN in a container)."""
+    target.mkdir(parents=True, exist_ok=True)
+    if not shutil.which("mount"):
+        pytest.skip("no mount(8) to make a bind mount with")
+    made = subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        pytest.skip(f"a bind mount is not permitted here: {made.stderr.strip() or made.returncode}")
+    try:
+        yield target
+    finally:
+        if subprocess.run(["umount", str(target)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)  # busy: detach it
 
 
 @dataclass

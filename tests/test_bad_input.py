@@ -187,6 +187,9 @@ def test_bad_input(name: str, emulator: azurite.Emulator, container: str, tmp_pa
     assert case.words in lines[0], lines[0]
     if not case.warning:
         assert "azcp-cluster: error" not in result.stdout
+        if not case.json_dir:  # every error writes the JSON report, a range error's too
+            assert result.json is not None, "no JSON report"
+            assert result.json["exit_code"] == case.code and result.json["error"] == lines[0], result.json
     # Nothing outside DEST: the working directory stays empty, and only DEST may appear.
     assert list(work.iterdir()) == []
     allowed = {"work", "afile", "report.json", "sandbox"}

@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from azcp_cluster import errors
-from azcp_cluster.cli import config_from_args, normalise_verify
 from azcp_cluster.config import (
     LOCK_MODES,
     MAX_BANDWIDTH_LIMIT,
@@ -52,6 +51,7 @@ from azcp_cluster.errors import (
     UsageError,
     exit_code_for,
 )
+from azcp_cluster.options import config_from_args, normalise_verify
 from azcp_cluster.report import Report
 
 # ---------------------------------------------------------------------------------------

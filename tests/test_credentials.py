@@ -402,8 +402,8 @@ def test_other_credentials_add_no_headers() -> None:
 
 def test_auth_option_everywhere() -> None:
     from azcp_cluster.api import make_config
-    from azcp_cluster.cli import config_from_args
     from azcp_cluster.config import AUTH_METHODS, Config
+    from azcp_cluster.options import config_from_args
 
     assert config_from_args(["https://a.blob.core.windows.net/c", "d"]).auth == "auto"
     for method in AUTH_METHODS:

@@ -6,6 +6,7 @@ SOURCE that changes while it is read, and a ``--verify`` that reads the disk.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -24,7 +25,7 @@ from azcp_cluster.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.naming import LOCK_NAME, TEMP_SUFFIX
-from tests.conftest import clean_env, mpiexec_path, run_cli, tree_of
+from tests.conftest import bind_mount, clean_env, mpiexec_path, run_cli, tree_of
 
 RANKS = 4
 PROGRAMS = Path(__file__).parent / "programs"
@@ -211,6 +212,91 @@ def test_a_dest_spelled_through_a_link_and_dot_dot_is_where_the_kernel_says(tmp_
     for rank in range(2):
         assert tree_of(tmp_path / "b" / f"x{rank}") == files  # "link/.." is b, as the kernel resolves it
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["link"]
+
+
+# ---------------------------------------------------------------------------------------
+# ranks, nodes and their DESTs on one machine
+
+
+def _two_ranks(tmp_path: Path, files: dict[str, bytes]) -> tuple[Path, Path]:
+    """A SOURCE of ``files`` and the base of two ranks' DESTs (``base/{rank}``)."""
+    _write_tree(tmp_path / "src", files)
+    (tmp_path / "d").mkdir()
+    return tmp_path / "src", tmp_path / "d"
+
+
+UTS = 'hostname "pod-$PMI_RANK$OMPI_COMM_WORLD_RANK" && exec "$@"'
+
+
+@pytest.mark.parametrize("how", ["bind-mount", "symlink", "two-host-names"])
+def test_one_directory_reached_by_two_paths_on_one_machine_is_one_node(tmp_path: Path, how: str) -> None:
+    # Rank 1's DEST is rank 0's reached another way: a bind mount, a symbolic link, or two
+    # containers with host names of their own mounting one host directory at different places
+    # (each rank in a UTS namespace of its own). One directory on one machine: one node, one writer.
+    files = {"model.bin": pseudo_random(2 * MiB + 5, "one"), "sub/config.json": b"{}"}
+    source, base = _two_ranks(tmp_path, files)
+    (base / "0").mkdir()
+    args = [str(source), str(base / "{rank}"), "--no-progress"]
+    if how == "symlink":
+        (base / "1").symlink_to(base / "0")
+        mounted = contextlib.nullcontext(base / "1")
+    else:
+        mounted = bind_mount(base / "0", base / "1")
+    with mounted:
+        if how == "two-host-names":
+            if os.geteuid() != 0 or not shutil.which("unshare"):
+                pytest.skip("UTS namespaces need root and unshare")
+            cmd = [mpiexec_path(), "-n", "2", "unshare", "--uts", "sh", "-c", UTS, "sh",
+                   sys.executable, "-m", "azcp_cluster", *args]  # fmt: skip
+            proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
+            result_code, out, err = proc.returncode, proc.stdout, proc.stderr
+            cluster = "[cluster] 2 nodes, 2 ranks, 1 writer"  # two host names, one machine, one directory
+        else:
+            result = run_cli(args, n=2)
+            result_code, out, err = result.returncode, result.stdout, result.stderr
+            cluster = "[cluster] 1 node, 2 ranks, 1 writer"
+        assert result_code == 0, out + err
+        assert cluster in out, out
+        assert tree_of(base / "0") == files
+
+
+@pytest.mark.parametrize("how", ["symlink", "bind-mount"])
+def test_a_dest_inside_another_nodes_dest_on_one_host_is_refused_every_time(tmp_path: Path, how: str) -> None:
+    # Rank 1's DEST is a directory inside rank 0's: rank 0's copy would hold rank 1's files,
+    # lock, manifest and journal, and each node's files would land among the other's.
+    files = {"sub/x": b"rank 0 puts this in its sub/", "x": pseudo_random(MiB, "top")}
+    source, base = _two_ranks(tmp_path, files)
+    (base / "0" / "sub").mkdir(parents=True)
+    if how == "symlink":
+        (base / "1").symlink_to(base / "0" / "sub")
+        mounted = contextlib.nullcontext(base / "1")
+    else:
+        mounted = bind_mount(base / "0" / "sub", base / "1")
+    with mounted:
+        for _ in range(2):  # and a rerun does no better
+            result = run_cli([str(source), str(base / "{rank}"), "--no-progress"], n=2, timeout=60)
+            assert result.returncode == 2, result.output
+            (line,) = _errors(result.stderr)
+            assert f"[topology]: rank 1: '{base / '1'}': DEST lies inside rank 0's DEST {base / '0'}" in line, line
+            assert "Traceback" not in result.output
+            assert sorted(p.relative_to(base / "0").as_posix() for p in (base / "0").rglob("*")) == ["sub"]
+
+
+def test_one_dest_shared_by_two_machines_is_refused_naming_the_other_machine(tmp_path: Path) -> None:
+    # DEST on a shared filesystem, seen by two machines (their boot ids differ; the host name
+    # may well be the same): two nodes, one directory. Refused when their leaders meet at its lock.
+    source, base = _two_ranks(tmp_path, {"a.bin": b"a"})
+    boots = tmp_path / "boot"
+    boots.mkdir()
+    for rank in range(2):
+        (boots / str(rank)).write_text(f"{uuid.uuid4()}\n")
+    result = run_cli([str(source), str(base / "shared"), "--no-progress"], n=2, env={"AZCP_BOOT_IDS": str(boots)},
+                     program=[str(PROGRAMS / "own_machine.py")], timeout=60)  # fmt: skip
+    assert result.returncode == 2, result.output
+    (line,) = _errors(result.stderr)
+    assert "DEST is the same directory as the DEST of rank" in line and "on another machine (host " in line, line
+    assert "a shared filesystem" in line and "{host}" in line, line
+    assert not (base / "shared" / "a.bin").exists()
 
 
 # ---------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from azcp_cluster.cli import build_parser
 from azcp_cluster.errors import EXIT_CODES
+from azcp_cluster.options import build_parser
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
 

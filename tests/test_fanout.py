@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -19,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from azcp_cluster.errors import BroadcastError
-from azcp_cluster.fanout import Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
+from azcp_cluster.fanout import MAKE_AHEAD, Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
 from azcp_cluster.plan import make_plan
 from azcp_cluster.schedule import Extent, Transfer, transfer_schedule
 
@@ -44,7 +45,7 @@ class Sim:
 
     def __init__(
         self,
-        schedule: list[Transfer],
+        schedule: Sequence[Transfer],
         ranks: int,
         depth: int,
         writers: int,
@@ -211,7 +212,7 @@ class Sim:
         assert not unfinished, f"ranks {unfinished} never finished (deadlock)"
 
 
-def _schedule(seed: int, ranks: int, subset: bool) -> list[Transfer]:
+def _schedule(seed: int, ranks: int, subset: bool) -> Sequence[Transfer]:
     rng = random.Random(seed)
     sizes = [rng.choice([0, rng.randrange(1, 5000), rng.randrange(1, 200_000)]) for _ in range(rng.randrange(1, 30))]
     plan = make_plan(sizes, range(len(sizes)), ranks, 50_000)
@@ -251,6 +252,36 @@ def test_every_rank_finishes_and_writes_what_it_needs(
     # Every rank joined every agreement, none failed.
     assert all(not any(flags) and len(flags) == ranks for flags in sim.agreements)
     assert len(sim.agreements) == max(0, (len(schedule) - 1) // 4)
+
+
+@pytest.mark.parametrize("columns", [True, False])
+def test_a_long_schedule_holds_few_transfers_at_once(columns: bool) -> None:
+    """Some 1,200 transfers: each rank makes its items (and their transfers) as their turn comes
+    and drops them once done, from the schedule's columns or from a plain list alike."""
+    plan = make_plan([5_000] * 3_000, range(3_000), 3, 1 << 20)
+    schedule = transfer_schedule(plan, 12_288, 3)
+    assert len(schedule) > 10 * MAKE_AHEAD
+    listed = schedule if columns else list(schedule)
+    depth = 3
+    sim = Sim(listed, 3, depth, 2, random.Random(5), streaming=True)
+    peak = 0
+    apply = sim.apply
+
+    def counting(r: int, instructions: list[Instruction]) -> None:
+        nonlocal peak
+        apply(r, instructions)
+        peak = max(peak, *(len(rank.machine.live) for rank in sim.ranks))
+
+    sim.apply = counting  # type: ignore[method-assign]
+    sim.run()
+    assert 0 < peak <= 2 * depth + MAKE_AHEAD
+    for r, rank in enumerate(sim.ranks):
+        assert rank.finish == Finish(None, False) and not rank.machine.live
+        mine = [t for t in schedule if t.involves(r)]
+        assert rank.completed == [t.seq for t in mine]
+        assert sorted(rank.written) == sorted(
+            (e.file, e.offset, e.length) for t in mine if t.root != r for e in t.extents
+        )
 
 
 @given(

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.cli import config_from_args
 from azcp_cluster.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.devtools.faultproxy import FaultProxy, Rule, Seen
 from azcp_cluster.errors import UsageError
+from azcp_cluster.options import config_from_args
 from tests.conftest import Result, run_cli, tree_of
 
 RANKS = 4
@@ -125,6 +125,32 @@ def test_stalled_body_is_abandoned_after_the_read_timeout(faulted: dict[str, Out
     for seen in (s for s in log if s.fault == "stall"):
         retried = min(s.at for s in log if s.blob == seen.blob and s.range == seen.range and s.at > seen.at)
         assert READ_TIMEOUT <= retried - seen.at < STALL
+
+
+def test_a_failed_run_reports_the_figures_it_reached(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    # A 503 storm on one blob outlasts --max-retries: the run fails (exit 5), and its report
+    # still says what happened up to then: the retries and their cause, the bytes that did
+    # arrive, the mode, and the lines of the stages it reached before the error line.
+    container, _ = _dataset(emulator)
+    rules = [Rule("503", blob=f"d/{VICTIM}", nth=1, times=1000, retry_after=0)]
+    with FaultProxy(emulator, rules) as proxy:
+        result = run_cli(
+            [proxy.url(container, "d"), str(tmp_path / "{rank}"), *OPTIONS, "--max-retries", "2"],
+            env=emulator.key_env(),
+            json_path=tmp_path / "report.json",
+        )
+    assert result.returncode == 5, result.output
+    doc = result.json
+    assert doc is not None and doc["exit_code"] == 5 and "giving up after 2 retries" in doc["error"]
+    assert doc["retries"] >= 2 and doc["retry_causes"].get("503", 0) == doc["retries"], doc
+    assert sum(doc["retries_by_rank"]) == doc["retries"]
+    assert doc["downloaded_bytes"] > 0 and doc["overlap"] is True, doc  # the other blobs' blocks arrived
+    assert doc["stages"]["download"]["seconds"] > 0 and doc["stages"]["bcast"]["seconds"] > 0, doc["stages"]
+    lines = result.stdout.splitlines()
+    assert [line.split(" ")[0] for line in lines][:3] == ["[cluster]", "[list]", "[diff]"], result.stdout
+    assert lines[-1].startswith("[total] ") and any(line.startswith("[cluster] retries: ") for line in lines)
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    assert error == doc["error"]
 
 
 def test_blob_replaced_during_the_copy_exits_5_and_leaves_no_wrong_file(

@@ -193,3 +193,17 @@ def test_a_sync_that_fails_fails_the_copy_and_claims_nothing(dest: DestTree, mon
         run.close()
     monkeypatch.undo()
     assert journal.load(_reopen(dest), FILES, [0], ORIGIN) == {}
+
+
+def test_a_weak_etag_ties_no_block_to_its_file(dest: DestTree) -> None:
+    # A local file whose identity cannot be believed (localsource.py: a change time not yet
+    # settled, or a filesystem that does not keep one): its blocks are never resumed.
+    weak = tuple(f._replace(etag=f"W/{f.etag}") for f in FILES)
+    assert journal.tag(weak[0], ORIGIN) == "" and journal.tag(FILES[0], ORIGIN) != ""
+    fd = journal.begin(dest, weak, {}, ORIGIN)
+    assert fd is not None
+    run = journal.Journal(dest, fd, weak, ORIGIN, interval=3600)
+    _write(dest, "a.bin", 0, b"x" * MiB)
+    run.written(0, 0, MiB)
+    run.close()
+    assert journal.load(_reopen(dest), weak, [0], ORIGIN) == {}

@@ -22,6 +22,7 @@ from azcp_cluster.localfs import (
     pwritev_all,
     temp_path,
 )
+from tests.conftest import bind_mount
 
 # ---------------------------------------------------------------------------------------
 # expand_dest
@@ -210,3 +211,48 @@ def test_preadv_all_fills_the_buffer_and_stops_at_eof(tmp_path: Path) -> None:
         assert preadv_all(fd, buf, 9000) == 1240  # short only at end of file
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------
+# where a DEST is on its machine (topology.Place)
+
+
+def test_the_boot_id_names_this_kernel() -> None:
+    boot = localfs.machine_id()
+    assert boot == localfs.machine_id()
+    if os.path.exists(localfs.BOOT_ID):
+        assert len(boot) == 36 and boot.count("-") == 4
+    with mock.patch.object(localfs, "BOOT_ID", "/nonexistent/boot_id"):
+        assert localfs.machine_id() == ""
+
+
+def test_a_dest_and_a_link_to_it_are_one_directory_and_a_subdirectory_lies_inside(tmp_path: Path) -> None:
+    (tmp_path / "a" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    a = localfs.locate_dest(os.path.realpath(tmp_path / "a"))
+    assert localfs.locate_dest(os.path.realpath(tmp_path / "link")) == a
+    st = os.stat(tmp_path / "a")
+    assert a[0] == f"{st.st_dev}:{st.st_ino}:"
+    sub = localfs.locate_dest(os.path.realpath(tmp_path / "a" / "sub"))
+    assert sub[1] == a[1] and sub[2] == a[2] + "/sub" and sub[0] != a[0]
+
+
+def test_a_dest_not_made_yet_is_its_deepest_existing_directory_and_the_rest(tmp_path: Path) -> None:
+    st = os.stat(tmp_path)
+    here = localfs.locate_dest(str(tmp_path))
+    ahead = localfs.locate_dest(str(tmp_path / "x" / "y"))
+    assert ahead[0] == f"{st.st_dev}:{st.st_ino}:x/y" and ahead[1] == here[1] and ahead[2] == here[2] + "/x/y"
+
+
+def test_a_bind_mount_is_the_directory_it_shows_and_lies_where_that_one_lies(tmp_path: Path) -> None:
+    (tmp_path / "a" / "sub").mkdir(parents=True)
+    real = localfs.locate_dest(str(tmp_path / "a" / "sub"))
+    with bind_mount(tmp_path / "a" / "sub", tmp_path / "m" / "b"):
+        # Another path, but the same device and inode, and the same path inside its filesystem.
+        assert localfs.locate_dest(str(tmp_path / "m" / "b")) == real
+        assert localfs.locate_dest(str(tmp_path / "m" / "b" / "new"))[2] == real[2] + "/new"
+    assert localfs.locate_dest(str(tmp_path / "m" / "b")) != real  # unmounted: the empty directory again
+
+
+def test_mountinfo_paths_are_unescaped() -> None:
+    assert localfs._unescape(rb"/a\040b\011c\012d\134e") == "/a b\tc\nd\\e"

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
+from azcp_cluster import localsource
 from azcp_cluster.config import Config
 from azcp_cluster.errors import ListError, UsageError
-from azcp_cluster.localsource import check_overlap, list_local, local_etag, source_file
+from azcp_cluster.localsource import (
+    CTIME_KEEPING,
+    SETTLED_NS,
+    Trust,
+    as_listed,
+    check_overlap,
+    identity,
+    list_local,
+    local_etag,
+    source_file,
+    trusted,
+)
 from azcp_cluster.naming import LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX
 
 
@@ -26,7 +39,8 @@ def test_tree_is_listed_with_relative_paths_sizes_and_etags(tmp_path: Path) -> N
     listing = list_local(str(tmp_path), _cfg())
     assert [(f.path, f.size) for f in listing.files] == [("a.bin", 5), ("sub/b c.txt", 0), ("sub/deep/é.dat", 2)]
     entry = listing.files[0]
-    assert entry.name == entry.path and entry.etag == local_etag(os.stat(tmp_path / "a.bin"))
+    # Just written: its change time is not settled yet, so its ETag is weak.
+    assert entry.name == entry.path and entry.etag == local_etag(os.stat(tmp_path / "a.bin"), trusted=False)
     assert entry.content_md5 == ""
 
 
@@ -36,6 +50,77 @@ def test_etag_changes_with_mtime(tmp_path: Path) -> None:
     before = list_local(str(tmp_path), _cfg()).files[0].etag
     os.utime(f, ns=(1, 10**18))
     assert list_local(str(tmp_path), _cfg()).files[0].etag != before
+
+
+def _settled_listing(root: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ETags of a listing made as if SETTLED_NS had passed since now."""
+    later = time.time_ns() + SETTLED_NS + 10**9
+    monkeypatch.setattr(localsource.time, "time_ns", lambda: later)
+    return [f.etag for f in list_local(str(root), _cfg()).files]
+
+
+def test_a_settled_file_on_a_filesystem_that_keeps_change_times_gets_a_strong_etag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if localsource.filesystem_type(str(tmp_path)) not in CTIME_KEEPING:
+        pytest.skip("the test directory's filesystem does not keep change times")
+    (tmp_path / "a").write_bytes(b"data")
+    (etag,) = _settled_listing(tmp_path, monkeypatch)
+    st = os.stat(tmp_path / "a")
+    assert etag == identity(st) == f'"{st.st_mtime_ns:x}-{st.st_size:x}-{st.st_ctime_ns:x}-{st.st_ino:x}"'
+    assert not etag.startswith("W/")
+
+
+@pytest.mark.parametrize("how", ["in-place", "replaced"])
+def test_a_rewrite_that_keeps_size_and_mtime_changes_the_etag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    # cp -p (the same inode, rewritten) or rsync -t (a new file renamed over it): the size and
+    # mtime are those of the old file, the change time (and for a new file the inode) is not.
+    f = tmp_path / "a"
+    f.write_bytes(b"old!")
+    os.utime(f, ns=(10**18, 10**18))
+    before = os.stat(f)
+    etag = list_local(str(tmp_path), _cfg()).files[0].etag
+    time.sleep(0.01)
+    if how == "in-place":
+        f.write_bytes(b"new!")
+    else:
+        (tmp_path / "tmp").write_bytes(b"new!")
+        os.replace(tmp_path / "tmp", f)
+    os.utime(f, ns=(10**18, 10**18))
+    after = os.stat(f)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    again = list_local(str(tmp_path), _cfg()).files[0].etag
+    assert again != etag and not as_listed(after, etag) and as_listed(after, again)
+
+
+def test_trust_needs_a_filesystem_that_keeps_change_times_and_a_settled_change_time() -> None:
+    now = 10**19
+    assert trusted(0xEF53, now - SETTLED_NS, now)
+    assert not trusted(0xEF53, now - SETTLED_NS + 1, now)  # changed within the granularity
+    assert not trusted(0xEF53, now + 10**9, now)  # a change time ahead of the reader's clock
+    assert not trusted(0x65735546, 0, now)  # FUSE (blobfuse): the daemon says what it likes
+    assert not trusted(0x4D44, 0, now)  # FAT keeps no change time
+    assert not trusted(None, 0, now)  # unknown
+
+
+def test_a_file_on_a_filesystem_without_trusted_change_times_gets_a_weak_etag(tmp_path: Path) -> None:
+    (tmp_path / "a").write_bytes(b"data")
+    st = os.stat(tmp_path / "a")
+    asked: list[str] = []
+
+    def fuse(path: str) -> int:
+        asked.append(path)
+        return 0x65735546
+
+    trust = Trust(now_ns=st.st_ctime_ns + 10 * SETTLED_NS, fs_type=fuse)
+    assert trust.etag(str(tmp_path / "a"), st) == f"W/{identity(st)}"
+    assert trust.etag(str(tmp_path / "a"), st) == f"W/{identity(st)}"
+    assert asked == [str(tmp_path / "a")], "one statfs per device"
+    ext4 = Trust(now_ns=st.st_ctime_ns + 10 * SETTLED_NS, fs_type=lambda _: 0xEF53)
+    assert ext4.etag(str(tmp_path / "a"), st) == identity(st)
+    assert as_listed(st, f"W/{identity(st)}") and as_listed(st, identity(st))
 
 
 def test_single_file_is_listed_under_its_basename(tmp_path: Path) -> None:

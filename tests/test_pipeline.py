@@ -13,6 +13,7 @@ from azcp_cluster.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import tricky_tree, with_traps
 from azcp_cluster.naming import MANIFEST_NAME
+from azcp_cluster.throttle import BURST_SECONDS
 from tests.conftest import assert_copies, cached_pages, fstype, run_cli, tree_of
 
 RANKS = 4
@@ -461,14 +462,54 @@ def test_max_bandwidth_caps_the_aggregate_download(
 ) -> None:
     container, expected = dataset
     cap = 4 * MiB  # bytes per second for the whole job
-    block = 256 * 1024  # each rank may burst one block
     args = [emulator.url(container, "ckpt"), str(tmp_path / "{rank}"), "--block-size", "256KiB"]
     result = run_cli([*args, "--max-bandwidth", "4MiB/s"], env=emulator.key_env(), json_path=tmp_path / "r.json")
     assert result.returncode == 0, result.output
     doc = result.json
     assert doc is not None
-    busy = sum(1 for load in doc["plan_loads"] if load)
-    floor = (doc["downloaded_bytes"] - busy * block) / cap
+    floor = (doc["downloaded_bytes"] - BURST_SECONDS * cap) / cap  # the ranks' bursts add up to 0.1 s of the cap
     assert floor > 1.0, "the dataset must be large enough for the cap to show"
     assert doc["stages"]["download"]["seconds"] >= 0.9 * floor, doc["stages"]["download"]
+    assert doc["max_bandwidth"] == cap
+    assert doc["download_rate"] == pytest.approx(doc["downloaded_bytes"] / doc["stages"]["download"]["seconds"])
     assert_copies(tmp_path, expected)
+
+
+SHORT = 31 * MiB  # two 16 MiB blocks: under a burst of one block, a copy at line rate
+
+
+@pytest.fixture(scope="module")
+def short_blob(emulator: azurite.Emulator) -> tuple[str, bytes]:
+    container = _container()
+    data = os.urandom(SHORT)
+    azurite.upload(emulator, container, {"short/one.bin": data})
+    return container, data
+
+
+@pytest.mark.parametrize(("ranks", "workers"), [(1, 1), (2, 2)], ids=["one-rank", "two-ranks-workers"])
+def test_a_short_capped_copy_takes_its_time(
+    emulator: azurite.Emulator, short_blob: tuple[str, bytes], tmp_path: Path, ranks: int, workers: int
+) -> None:
+    """31 MiB at 8 MiB/s in 16 MiB blocks takes 31/8 = 3.9 s, less the pacers' bursts (0.1 s of
+    the cap in all): at least 3.5 s here, on one rank, or on two (a 16 MiB shard each) that
+    make their GETs in download worker processes. With a burst of one block per rank (and per
+    worker) it took 2.0 s on one rank, and 0.3 s plus the workers' start on two."""
+    container, data = short_blob
+    cap = 8 * MiB
+    args = [emulator.url(container, "short"), str(tmp_path / "{rank}"), "--block-size", "16MiB", "--no-progress"]
+    args += ["--shard-size", "16MiB"]
+    args += ["--max-bandwidth", "8MiB/s", "--download-workers", str(workers)]
+    result = run_cli(args, n=ranks, env=emulator.key_env(), json_path=tmp_path / "r.json")
+    assert result.returncode == 0, result.output
+    doc = result.json
+    assert doc is not None and doc["downloaded_bytes"] == SHORT
+    seconds = doc["stages"]["download"]["seconds"]
+    # (31 MiB - 0.1 s x 8 MiB/s) / 8 MiB/s = 3.78 s at the least; 0.28 s of slack for the clocks
+    assert seconds >= 3.5, doc["stages"]
+    assert doc["download_rate"] == pytest.approx(SHORT / seconds)
+    assert all(doc["plan_loads"]), "every rank downloads its part"
+    if workers > 1:
+        assert all(doc["worker_bytes_by_rank"]), "the GETs must be made by worker processes"
+    line = next(ln for ln in result.stdout.splitlines() if ln.startswith("[download] "))
+    assert f" cap={cap}B/s rate={doc['download_rate']:.0f}B/s (" in line, line
+    assert_copies(tmp_path, {"one.bin": data}, ranks=ranks)

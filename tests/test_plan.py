@@ -366,3 +366,47 @@ def test_plan_transfers_with_groups_downloads_only_on_owners(
         else:
             assert s.owner in owners and not holders[s.file]
     assert {s.file for s in plan.shards} == {i for i, h in enumerate(holders) if len(h) < groups}
+
+
+# ---------------------------------------------------------------------------------------
+# The plan as columns
+
+
+@given(plan_inputs(), st.data())
+@settings(max_examples=100, deadline=None)
+def test_columns_answer_as_the_shards_do(
+    args: tuple[list[int], list[int], int, int, list[int]], data: st.DataObject
+) -> None:
+    sizes, _, nranks, shard_size, owners = args
+    shard_size = max(shard_size, sum(sizes) // 2_000 + 1)  # a bounded count of pieces
+    holders = [data.draw(st.sets(st.integers(0, nranks - 1), max_size=2)) for _ in sizes]
+    plan = plan_transfers(sizes, [sorted(h) for h in holders], nranks, shard_size, owners=owners)
+    shards = plan.shards
+    assert plan.shard_count == len(shards)
+    assert plan == Plan(shards, nranks, plan.receivers)  # from tuples or from columns: one plan
+    loads = [0] * nranks
+    for s in shards:
+        loads[s.owner] += 0 if s.peer else s.length
+    assert plan.loads() == loads
+    fresh = plan_transfers(sizes, [sorted(h) for h in holders], nranks, shard_size, owners=owners)
+    for rank in range(nranks):
+        # With the tuples made (``plan``) and without (``fresh``): the same shards.
+        want = [Shard(s.file, s.offset, s.length, s.owner) for s in shards if s.owner == rank and not s.peer]
+        assert plan.owned_by(rank) == fresh.owned_by(rank) == want
+    chosen = data.draw(st.sets(st.integers(0, nranks - 1)))
+    assert plan.downloaded_files(chosen) == {s.file for s in shards if s.owner in chosen and not s.peer}
+    assert plan.files_per_rank() == [len({s.file for s in shards if s.owner == r}) for r in range(nranks)]
+
+
+def test_a_plan_is_immutable_and_equal_by_value() -> None:
+    plan = make_plan([10, 20, 30], range(3), 2, GiB)
+    with pytest.raises(AttributeError):
+        plan.nranks = 3  # type: ignore[misc]
+    with pytest.raises(ValueError):
+        plan.columns.owner[0] = 1
+    assert plan == make_plan([10, 20, 30], [2, 1, 0], 2, GiB)
+    assert plan != make_plan([10, 20, 30], range(3), 3, GiB)
+    assert plan != make_plan([10, 20, 31], range(3), 2, GiB)
+    assert "3 shards" in repr(plan)
+    with pytest.raises(TypeError):
+        hash(plan)

@@ -26,7 +26,15 @@ from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.forwardproxy import ForwardProxy, Seen
 from azcp_cluster.errors import UsageError
 from azcp_cluster.http1 import ConnectFailed, Connection, TunnelRefused, connect_bytes, request_bytes
-from azcp_cluster.proxies import Proxy, bypassed, parse_proxy, proxy_for
+from azcp_cluster.proxies import (
+    Proxy,
+    bypassed,
+    from_storage,
+    parse_proxy,
+    proxy_for,
+    proxy_refused,
+    refusal_message,
+)
 from tests.conftest import assert_copies, clean_env, mpiexec_path, run_cli
 
 # -- pure -------------------------------------------------------------------------------------
@@ -88,6 +96,15 @@ def test_a_proxy_that_cannot_be_used_is_a_usage_error(value: str, message: str) 
         ("::1", 443, "::1", True),
         ("::1", 443, "[::1]:443", True),
         ("::1", 443, "[::1]:80", False),
+        ("127.0.0.1", 10000, ":10000", True),  # a port alone: every host on it
+        ("127.0.0.1", 10000, " :10001 , *:10000", True),
+        ("127.0.0.1", 10000, ":10001", False),
+        ("acct.blob.core.windows.net", 443, ":443", True),
+        ("acct.blob.core.windows.net", 443, "*:443", True),
+        ("acct.blob.core.windows.net", 443, "*:8443", False),
+        ("::1", 443, ":443", True),
+        ("::1", 443, "[]:443", False),  # an empty bracket names no host
+        ("acct.blob.core.windows.net", 443, ":https", False),  # not a port number
         ("localhost", 80, "", False),
         ("localhost", 80, " , ,", False),
     ],
@@ -97,6 +114,23 @@ def test_no_proxy(host: str, port: int, no_proxy: str, exempt: bool) -> None:
     url = f"https://{'[' + host + ']' if ':' in host else host}:{port}/c"
     got = proxy_for(url, {"HTTPS_PROXY": "http://p:1", "no_proxy": no_proxy})
     assert (got is None) is exempt
+
+
+def test_a_refusal_without_the_services_request_id_is_the_proxys() -> None:
+    proxy = parse_proxy("http://proxy.corp:3128", "HTTP_PROXY")
+    service = {"x-ms-request-id": "1", "x-ms-error-code": "AuthorizationFailure"}
+    assert from_storage(service) and from_storage({"X-Ms-Request-Id": "1"}) and not from_storage({"server": "squid"})
+    for status in (401, 403):
+        assert proxy_refused(proxy, status, {"content-type": "text/html"})
+        assert not proxy_refused(proxy, status, service)  # the service's own: the credentials
+        assert not proxy_refused(None, status, {})  # no proxy on the way: nothing to name
+    assert proxy_refused(proxy, 407, service)  # the service never sends 407
+    assert not proxy_refused(proxy, 404, {}) and not proxy_refused(proxy, 503, {})
+    said = refusal_message(proxy, "the listing", 403, "Forbidden")
+    assert said.startswith("proxy http://proxy.corp:3128 (from HTTP_PROXY) refused the listing: HTTP 403 Forbidden")
+    assert "NO_PROXY" in said and "credentials" not in said
+    said = refusal_message(proxy, "the request", 407, "")
+    assert said.endswith("refused the request: HTTP 407; check the credentials in the proxy URL")
 
 
 def test_connect_and_absolute_requests() -> None:
@@ -157,31 +191,71 @@ def test_every_ranged_get_goes_through_http_proxy_with_credentials(
         assert "s3cr" not in result.output
 
 
+@pytest.mark.parametrize("exempt", ["localhost,127.0.0.1", ":{port}"], ids=["hosts", "port-alone"])
 def test_no_proxy_matching_the_host_sends_nothing_through_it(
-    emulator: azurite.Emulator, container: str, tmp_path: Path
+    emulator: azurite.Emulator, container: str, tmp_path: Path, exempt: str
 ) -> None:
     with ForwardProxy() as proxy:
-        env = {**emulator.key_env(), "HTTP_PROXY": proxy.url, "NO_PROXY": "localhost,127.0.0.1"}
+        env = {**emulator.key_env(), "HTTP_PROXY": proxy.url, "NO_PROXY": exempt.format(port=emulator.port)}
         result = run_cli([emulator.url(container, "d"), str(tmp_path / "{rank}"), *ARGS], n=2, env=env)
         assert result.returncode == 0, result.output
         assert_copies(tmp_path, EXPECTED, ranks=2)
         assert proxy.seen == []
 
 
+@pytest.mark.parametrize("status", [407, 403])
 def test_a_proxy_that_refuses_the_blob_gets_ends_the_run_naming_it(
-    emulator: azurite.Emulator, container: str, tmp_path: Path
+    emulator: azurite.Emulator, container: str, tmp_path: Path, status: int
 ) -> None:
     def refuse(seen: Seen) -> int | None:
-        return 407 if seen.range else None  # the listing goes through; the ranged GETs do not
+        return status if seen.range else None  # the listing goes through; the ranged GETs do not
 
     with ForwardProxy(refuse=refuse) as proxy:
-        env = {**emulator.key_env(), "HTTP_PROXY": proxy.url}
+        env = {"AZURE_STORAGE_CONNECTION_STRING": emulator.connection_string, "HTTP_PROXY": proxy.url}
         result = run_cli([emulator.url(container, "d"), str(tmp_path / "{rank}"), *ARGS], n=2, env=env)
     assert result.returncode == 5, result.output
-    errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    assert result.stderr.strip().startswith("azcp-cluster: error"), result.stderr
+    errors = result.stderr.strip().splitlines()
     assert len(errors) == 1, result.stderr
-    assert f"proxy http://127.0.0.1:{proxy.port} (from HTTP_PROXY) refused the request: HTTP 407" in errors[0]
+    shown = f"proxy http://127.0.0.1:{proxy.port} (from HTTP_PROXY)"
+    assert f"{shown} refused the request: HTTP {status} " in errors[0], errors[0]
+    assert "CONNECTION_STRING" not in errors[0] and "check the credentials;" not in errors[0]
     assert not any((tmp_path / str(r) / name).exists() for r in range(2) for name in EXPECTED)
+
+
+@pytest.mark.parametrize("status", [403, 407])
+def test_a_proxy_that_refuses_the_listing_is_named_not_the_credentials(
+    emulator: azurite.Emulator, container: str, tmp_path: Path, status: int
+) -> None:
+    """A plain-HTTP SOURCE through a proxy that answers 403 (or 407), with a page of HTML:
+    one line naming the proxy (its answer has no x-ms-request-id), not the connection string."""
+    with ForwardProxy(refuse=lambda seen: status) as proxy:
+        env = {"AZURE_STORAGE_CONNECTION_STRING": emulator.connection_string, "HTTP_PROXY": proxy.url}
+        result = run_cli([emulator.url(container, "d"), str(tmp_path / "{rank}"), *ARGS], n=2, env=env)
+    assert result.returncode == 3, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("azcp-cluster: error [list]"), result.stderr
+    reason = {403: "Forbidden", 407: "Proxy Authentication Required"}[status]
+    shown = f"proxy http://127.0.0.1:{proxy.port} (from HTTP_PROXY)"
+    assert f"{shown} refused the listing: HTTP {status} {reason}" in lines[0], lines[0]
+    assert "CONNECTION_STRING" not in lines[0] and "access denied" not in lines[0]
+
+
+def test_the_services_own_403_through_a_proxy_still_says_credentials(
+    emulator: azurite.Emulator, container: str, tmp_path: Path
+) -> None:
+    """A wrong key through a proxy that passes everything: the 403 is the service's (it has
+    x-ms-request-id), so the line names the credentials, not the proxy."""
+    wrong = emulator.connection_string.replace(azurite.ACCOUNT_KEY, base64.b64encode(b"not the key").decode())
+    with ForwardProxy() as proxy:
+        env = {"AZURE_STORAGE_CONNECTION_STRING": wrong, "HTTP_PROXY": proxy.url}
+        result = run_cli([emulator.url(container, "d"), str(tmp_path / "{rank}"), *ARGS], n=2, env=env)
+        assert proxy.seen, "the listing went through the proxy"
+    assert result.returncode == 3, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "access denied (HTTP 403" in lines[0] and "check the credentials" in lines[0], lines[0]
+    assert "AZURE_STORAGE_CONNECTION_STRING" in lines[0] and "refused" not in lines[0], lines[0]
 
 
 def test_a_proxy_that_is_not_there_is_named_in_one_line(

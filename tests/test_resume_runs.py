@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster import resume
+from azcp_cluster import localsource, resume
 from azcp_cluster.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
@@ -325,4 +325,98 @@ def test_a_copy_that_fails_verify_is_not_resumed_from_again(
     assert not any((base / str(r) / JOURNAL_DIR).exists() for r in range(RANKS)), "the journal outlived a mismatch"
     doc, _, _ = _rerun(emulator, container, base, "--verify")
     assert doc["resumed_files"] == 0 and doc["downloaded_bytes"] == 4 * SMALL_SIZE
+    _assert_copies(base, files)
+
+
+# -- a local SOURCE: its files' identity (localsource.py) ---------------------------------------
+
+LOCAL = ["--bcast-chunk", "1MiB", "--bcast-pipeline", "1"]
+LOCAL_SIZE = 4 * MiB  # four of them, read at about 6.7 MiB/s (slow_source.py): some 2.4 seconds
+SLOW_SOURCE = str(Path(__file__).parent / "programs" / "slow_source.py")
+
+
+def _stop_local(source: Path, base: Path, env: dict[str, str] | None = None) -> dict[str, int]:
+    """A run from ``source`` (read slowly) stopped with SIGKILL once each node's journal holds 40 %;
+    returns what node 0's journal claims."""
+    cmd = [mpiexec_path(), "-n", str(RANKS), sys.executable, SLOW_SOURCE, str(source), str(base / "{rank}"),
+           "--no-progress", *LOCAL]  # fmt: skip
+    first = stop_halfway(cmd, {"AZCP_SLOW_READ": "0.15", **(env or {})}, [base / str(r) for r in range(RANKS)],
+                         4 * LOCAL_SIZE, signal.SIGKILL, share=0.4)  # fmt: skip
+    assert first.returncode != 0
+    claims = journal_claims(base / "0")
+    assert claims, "the first run journalled nothing"
+    return claims
+
+
+def _local_rerun(source: Path, base: Path) -> dict:  # type: ignore[type-arg]
+    rerun = run_cli([str(source), str(base / "{rank}"), "--no-progress", "--verify", *LOCAL], n=RANKS,
+                    json_path=base.parent / f"r{uuid.uuid4().hex[:6]}.json")  # fmt: skip
+    assert rerun.returncode == 0, rerun.output
+    assert rerun.json is not None
+    return rerun.json
+
+
+@pytest.fixture()
+def local_source(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    """Four 4 MiB files whose change times have settled (localsource.SETTLED_NS): trusted."""
+    files = {f"part-{i}.bin": pseudo_random(LOCAL_SIZE, f"local{i}{tmp_path}") for i in range(4)}
+    for name, data in files.items():
+        (tmp_path / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / name).write_bytes(data)
+    time.sleep(localsource.SETTLED_NS / 1e9 + 0.2)
+    return tmp_path / "src", files
+
+
+def test_a_stopped_copy_of_an_unchanged_local_source_is_resumed(
+    local_source: tuple[Path, dict[str, bytes]], tmp_path: Path
+) -> None:
+    source, files = local_source
+    if localsource.filesystem_type(str(source)) not in localsource.CTIME_KEEPING:
+        pytest.skip("the test directory's filesystem does not keep change times: nothing is resumed there")
+    base = tmp_path / "d"
+    claims = _stop_local(source, base)
+    doc = _local_rerun(source, base)
+    assert doc["resumed_files"] >= len(claims) and doc["resumed_bytes"] >= 0.9 * sum(claims.values()), doc
+    _assert_copies(base, files)
+
+
+@pytest.mark.parametrize("how", ["in-place", "replaced"])
+def test_a_local_file_rewritten_with_its_size_and_mtime_between_the_runs_is_copied_whole(
+    local_source: tuple[Path, dict[str, bytes]], tmp_path: Path, how: str
+) -> None:
+    # The stopped run's blocks are of the old bytes; the file is rewritten with new bytes of the
+    # same size and its mtime put back: in place (cp -p over it, a build with a fixed
+    # SOURCE_DATE_EPOCH) or as a new file renamed over it (rsync -t, tar x). Resumed, the copy
+    # would be half old, half new, on every node alike (so --verify would agree).
+    source, files = local_source
+    base = tmp_path / "d"
+    claims = _stop_local(source, base)
+    for name in claims:
+        path = source / name
+        before = path.stat()
+        files[name] = pseudo_random(len(files[name]), f"rewritten{name}")
+        if how == "in-place":
+            with open(path, "r+b") as fh:
+                fh.write(files[name])
+        else:
+            (source / "new.tmp").write_bytes(files[name])
+            os.replace(source / "new.tmp", path)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    time.sleep(localsource.SETTLED_NS / 1e9 + 0.2)  # settled again: only the identity tells
+    doc = _local_rerun(source, base)
+    assert doc["resumed_files"] <= len(set(files) - set(claims)), doc
+    _assert_copies(base, files)
+
+
+def test_a_local_source_whose_change_times_cannot_be_trusted_is_never_resumed(
+    local_source: tuple[Path, dict[str, bytes]], tmp_path: Path
+) -> None:
+    # On FUSE (blobfuse, s3fs) the daemon reports the times it likes: a rewrite may leave all of
+    # them as they were. Such a file's blocks are never kept; it is copied whole.
+    source, files = local_source
+    base = tmp_path / "d"
+    _stop_local(source, base, {"AZCP_FSTYPE": "0x65735546"})
+    doc = _local_rerun(source, base)
+    assert doc["resumed_files"] == 0 and doc["resumed_bytes"] == 0, doc
     _assert_copies(base, files)

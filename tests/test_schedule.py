@@ -19,10 +19,17 @@ from azcp_cluster.schedule import (
     Extent,
     Landing,
     Transfer,
+    Transfers,
     call_slices,
+    completions,
+    files_of,
     files_written,
+    involving,
+    max_length,
+    payload,
     streamed_files,
     transfer_schedule,
+    transfers_at,
 )
 
 
@@ -279,3 +286,73 @@ def test_call_slices_cover_the_length(length: int, limit: int) -> None:
     assert slices[0][0] == 0 and slices[-1][1] == length
     assert all(b - a <= limit for a, b in slices)
     assert all(s[1] == t[0] for s, t in itertools.pairwise(slices))
+
+
+# ---------------------------------------------------------------------------------------
+# The schedule as columns (Transfers): the same answers as the list of its transfers
+
+
+@given(schedules(), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_columns_answer_as_the_list_does(
+    args: tuple[Plan, list[int], int, int, list[int], bool, bool], subset: bool
+) -> None:
+    plan, sizes, slot, groups, root_of, pack, _ = args
+    receivers_of = (lambda f, r: _subset(f, r, groups)) if subset else None
+    columns = transfer_schedule(plan, slot, groups, root_of=root_of, receivers_of=receivers_of, pack=pack)
+    listed = list(columns)
+    assert isinstance(columns, Transfers) and columns == listed and listed == columns
+    assert Transfers.of(listed, groups) == listed
+    assert completions(columns) == completions(listed)
+    assert max_length(columns) == max_length(listed) == max((t.length for t in listed), default=0)
+    assert payload(columns) == payload(listed) and files_of(columns) == files_of(listed)
+    for rank in range(groups):
+        assert involving(columns, rank).tolist() == involving(listed, rank).tolist()
+        assert files_written(columns, rank) == files_written(listed, rank)
+        assert streamed_files(columns, rank, sizes) == streamed_files(listed, rank, sizes)
+        blocks = [(s.file, s.offset, s.length) for s in plan.shards if root_of[s.owner] == rank]
+        from_columns, from_list = Landing(columns, rank, blocks), Landing(listed, rank, blocks)
+        assert (from_columns.waits, from_columns.feeds) == (from_list.waits, from_list.feeds)
+
+
+def test_transfers_index_slice_and_iterate_like_a_list() -> None:
+    sizes = [100, 200, DIRECT_MIN + 5, 7, 3 * DIRECT_MIN, 0, 50]
+    plan = make_plan(sizes, range(len(sizes)), 3, DIRECT_MIN)
+    columns = transfer_schedule(plan, DIRECT_MIN, 3)
+    listed = list(columns)
+    assert len(listed) == len(columns) > 3
+    assert [columns[i] for i in range(-len(columns), len(columns))] == listed + listed
+    for cut in (slice(None), slice(1, -1), slice(None, None, 2), slice(5, 1, -1), slice(100, 200)):
+        assert columns[cut] == listed[cut]
+    assert transfers_at(columns, [3, 0]) == [listed[3], listed[0]] == transfers_at(listed, [3, 0])
+    for bad in (len(columns), -len(columns) - 1):
+        with pytest.raises(IndexError):
+            columns[bad]
+    assert columns != listed[:-1] and columns != listed[::-1]
+    assert transfer_schedule(Plan(shards=(), nranks=2), 8, 2) == []
+
+
+def test_transfers_columns_are_read_only() -> None:
+    plan = make_plan([10, 20], range(2), 2, 1 << 20)
+    columns = transfer_schedule(plan, 1 << 20, 2)
+    with pytest.raises(ValueError):
+        columns.extents.length[0] = 1
+    with pytest.raises(ValueError):
+        columns.roots[0] = 1
+
+
+def test_transfers_of_needs_seqs_in_order() -> None:
+    extent = Extent(0, 0, 1, 0, True)
+    with pytest.raises(ValueError):
+        Transfers.of([Transfer(1, 0, (1,), (extent,), True)], 2)
+
+
+def test_transfers_asked_one_by_one_past_what_is_kept() -> None:
+    """Thousands of transfers asked for in order, and back: those kept near each other are
+    dropped as more are made, and every answer is still the transfer at that place."""
+    plan = make_plan([3] * 12_000, range(12_000), 4, 1 << 20)
+    columns = transfer_schedule(plan, 1 << 20, 4, pack=False)
+    listed = list(columns)
+    assert len(listed) == 12_000
+    assert [columns[i] for i in range(len(columns))] == listed
+    assert [columns[i] for i in reversed(range(len(columns)))] == listed[::-1]

@@ -106,10 +106,10 @@ def test_an_uninstalled_recorder_never_fires() -> None:
 def test_a_keyboard_interrupt_before_mpi_exits_130_with_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    def interrupted() -> None:
+    def interrupted(self: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_comm", interrupted)
+    monkeypatch.setattr(cli._Runtime, "comm", interrupted)
     for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
     assert cli.main([str(tmp_path), str(tmp_path / "d")]) == 130
@@ -279,7 +279,8 @@ def test_sigterm_during_the_download_stops_every_rank_and_the_rerun_finishes(
     status, out, err, after = _interrupt(cmd, emulator.key_env(), markers, _to_every_rank(signal.SIGTERM, delay=0.5))
     _check_interrupted(status, out, err, after, report, "SIGTERM", 143)
     doc = json.loads(report.read_text())
-    assert doc["stages"]["download"]["seconds"] == 0 and doc["broadcast_bytes"] == 0, "stopped in the download"
+    assert doc["downloaded_bytes"] < sum(map(len, files.values())), "stopped in the download"
+    assert doc["stages"]["download"]["seconds"] > 0, "the figures reached so far"
     _assert_nothing_partial(tmp_path / "d", files)
 
     rerun = run_cli([emulator.url(container), dest, "--no-progress"], env=emulator.key_env())

@@ -179,6 +179,26 @@ def test_verify_and_compare_etag_on_a_local_source(source_tree: tuple[Path, dict
     assert_copies(tmp_path, tree)
 
 
+def test_compare_etag_sees_a_rewrite_that_keeps_size_and_mtime(tmp_path: Path) -> None:
+    # cp -p of a new version over a file: the size and mtime are the old file's. Its change
+    # time is not, and --compare etag copies it again (with size and mtime alone it kept the old).
+    root = tmp_path / "src"
+    root.mkdir()
+    files = {"a.bin": b"old version", "b.bin": b"unchanged"}
+    for rel, data in files.items():
+        (root / rel).write_bytes(data)
+    args = [str(root), str(tmp_path / "{rank}"), "--compare", "etag"]
+    assert run_cli(args, n=2).returncode == 0
+    before = (root / "a.bin").stat()
+    files["a.bin"] = b"new version"
+    (root / "a.bin").write_bytes(files["a.bin"])
+    os.utime(root / "a.bin", ns=(before.st_atime_ns, before.st_mtime_ns))
+    again = run_cli(args, n=2)
+    assert again.returncode == 0, again.output
+    assert "[diff] 1 to transfer" in again.stdout, again.stdout
+    assert_copies(tmp_path, files, ranks=2)
+
+
 @pytest.mark.parametrize(
     ("args", "code", "words"),
     [

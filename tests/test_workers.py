@@ -1,6 +1,7 @@
 """Download worker processes (``--download-workers``): a rank's ranged GETs on several cores.
 
-Pure: how many workers (topology.workers_for) and how the blocks are dealt (workers.deal).
+Pure: how many workers (topology.workers_for), when auto hands the rest of a download to them
+(topology.handover_workers) and how the blocks are dealt (workers.deal).
 For real, under mpiexec against Azurite over HTTP and HTTPS: two workers each receive
 bodies, the copies are byte-identical; a worker's failure, and a worker killed, end the
 run with one line; a token credential's tokens come from the rank.
@@ -17,15 +18,26 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
-from azcp_cluster.download import Block
-from azcp_cluster.topology import AUTO_WORKERS_MAX, BYTES_PER_WORKER, workers_for
-from azcp_cluster.workers import deal
+from azcp_cluster.download import Block, DownloadStats
+from azcp_cluster.topology import (
+    AUTO_MIN_SHARE,
+    AUTO_WORKERS_MAX,
+    CPU_BOUND,
+    HANDOVER_GAIN,
+    WORKER_START_SECONDS,
+    handover_workers,
+    workers_for,
+)
+from azcp_cluster.workers import AutoDownloader, deal
 from tests.conftest import assert_copies, clean_env, mpiexec_path, run_cli
 
 GiB = 1 << 30
@@ -48,14 +60,53 @@ def test_explicit_counts_are_kept_and_nothing_to_fetch_needs_no_worker() -> None
         (16, 4, 100 * GiB, 4),  # the host's CPUs shared by its ranks
         (2, 4, 100 * GiB, 1),  # fewer CPUs than ranks: the ranks themselves
         (2, 1, 100 * GiB, 2),
-        (96, 1, BYTES_PER_WORKER, 1),  # a small share is not worth a process
-        (96, 1, BYTES_PER_WORKER + 1, 2),
-        (96, 1, 3 * BYTES_PER_WORKER, 3),
+        (96, 1, AUTO_MIN_SHARE - 1, 1),  # a small share: workers cannot pay for their start
+        (96, 1, AUTO_MIN_SHARE, AUTO_WORKERS_MAX),
         (96, 1, 1, 1),
     ],
 )
-def test_auto(cpus: int, on_host: int, share: int, want: int) -> None:
+def test_auto_may_start_at_most(cpus: int, on_host: int, share: int, want: int) -> None:
     assert workers_for(None, cpus, on_host, share) == want
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("left", "rate", "own", "idle", "sharing", "most", "want"),
+    [
+        (4 * GiB, 500 * MiB, 1.0, 14.0, 1, 8, 8),  # HTTPS on a 16-core node: every worker pays
+        (4 * GiB, 500 * MiB, 1.0, 14.0, 4, 8, 4),  # the idle cores shared by the host's 4 downloaders
+        (4 * GiB, 500 * MiB, 0.6, 14.0, 1, 8, 0),  # not CPU-bound: the network sets the pace
+        (4 * GiB, 500 * MiB, 1.0, 0.3, 1, 8, 0),  # no idle core (an emulator on the other one)
+        (4 * GiB, 500 * MiB, 1.0, 14.0, 1, 1, 0),  # one worker is the rank again
+        (200 * MiB, 500 * MiB, 1.0, 14.0, 1, 8, 0),  # 0.4 s left: the start costs more than it saves
+        (4 * GiB, 500 * MiB, 1.0, None, 1, 8, 0),  # idle unknown: stay
+        (4 * GiB, 500 * MiB, 1.0, 1.2, 1, 8, 2),  # two cores: the rank's own and an idle one
+    ],
+)
+def test_handover(left: int, rate: float, own: float, idle: float | None, sharing: int, most: int, want: int) -> None:
+    assert handover_workers(left, rate, own, idle, sharing, most) == want
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    left=st.integers(1, 1 << 40),
+    rate=st.floats(1e5, 1e10),
+    own=st.floats(0, 4),
+    idle=st.one_of(st.none(), st.floats(0, 128)),
+    sharing=st.integers(1, 16),
+    most=st.integers(1, 8),
+)
+def test_handover_only_when_it_is_predicted_to_pay(
+    left: int, rate: float, own: float, idle: float | None, sharing: int, most: int
+) -> None:
+    k = handover_workers(left, rate, own, idle, sharing, most)
+    assert 0 <= k <= most
+    if k:
+        assert idle is not None and own >= CPU_BOUND and k >= 2
+        assert k <= own + idle / sharing  # never more processes than cores free to it
+        assert WORKER_START_SECONDS + left / (rate * k) <= HANDOVER_GAIN * left / rate
 
 
 def test_every_block_is_dealt_once_in_order_and_the_loads_stay_within_one_block() -> None:
@@ -73,6 +124,62 @@ def test_every_block_is_dealt_once_in_order_and_the_loads_stay_within_one_block(
             assert part == sorted(part, key=blocks.index)  # a worker keeps the landing order
         loads = [sum(b.length for b in p) for p in parts]
         assert max(loads) - min(loads) <= max(b.length for b in blocks)
+
+
+class _FakePart:
+    """A part of an AutoDownloader's run: records the callbacks it was given and calls them."""
+
+    def __init__(self, name: str, events: list[str], hand_over_after: int | None = None) -> None:
+        self.name, self.events, self.hand_over_after = name, events, hand_over_after
+        self.stats = DownloadStats()
+        self.left: list[Block] = []
+        self.received = 0
+        self.peer_failed: Any = None
+        self.on_bytes: Any = None
+        self.on_landed: Any = None
+
+    def run(self, blocks: list[Block]) -> DownloadStats:
+        self.events.append(f"{self.name} runs {len(blocks)}")
+        for n, block in enumerate(blocks):
+            if self.hand_over_after is not None and n == self.hand_over_after:
+                self.left = list(blocks[n:])
+                break
+            assert not self.peer_failed()
+            self.on_bytes(block.length)
+            self.on_landed(block)
+            self.stats.bytes += block.length
+        return self.stats
+
+
+def test_auto_gives_its_parts_the_callbacks_and_adds_up_their_figures() -> None:
+    events: list[str] = []
+    landed: list[Block] = []
+    got: list[int] = []
+    blocks = [Block(0, i * 10, 10) for i in range(5)]
+    auto = AutoDownloader(
+        lambda handover: _FakePart("rank", events, hand_over_after=2),
+        lambda count: _FakePart(f"{count} workers", events),
+        4,
+        1,
+        peer_failed=lambda: False,
+        on_bytes=got.append,
+        on_landed=landed.append,
+        release=lambda: events.append("released"),
+        cpus=[0],
+        sampler=lambda cpus: None,
+    )
+    auto.workers = 3
+    assert auto.run(blocks).bytes == 50
+    assert landed == blocks and got == [10] * 5  # every block journaled and counted, once, in order
+    assert events == ["rank runs 5", "released", "3 workers runs 3"]  # the rank's buffers go first
+    # The streaming engine sets its own callbacks after construction: the parts get those.
+    later: list[Block] = []
+    auto = AutoDownloader(lambda handover: _FakePart("rank", events), lambda count: _FakePart("w", events), 4, 1,
+                          cpus=[0], sampler=lambda cpus: None)  # fmt: skip
+    auto.on_landed = later.append
+    auto.on_bytes = got.append
+    auto.run(blocks)
+    assert later == blocks
 
 
 # -- for real ---------------------------------------------------------------------------------
@@ -113,6 +220,31 @@ def test_two_workers_per_rank_over_http(
     assert_copies(tmp_path, EXPECTED, ranks=2)
     assert result.json is not None
     _both_workers_fetched(result.json, 2)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["streaming", "two-phase"])
+def test_auto_hands_the_rest_to_workers_in_the_middle_of_the_download(
+    emulator: azurite.Emulator, container: str, tmp_path: Path, overlap: bool
+) -> None:
+    # The judge is told that workers pay (tests/programs/auto_workers_pay.py): each rank fetches
+    # the first blocks itself, then two workers take the blocks no request had started.
+    paced = ["--block-size", "256KiB", "--no-progress", "--max-bandwidth", "8MiB/s"]
+    result = run_cli(
+        [emulator.url(container, "w"), str(tmp_path / "{rank}"), *paced, *([] if overlap else ["--no-overlap"])],
+        n=2,
+        env=emulator.key_env(),
+        json_path=tmp_path / "r.json",
+        program=[str(Path(__file__).parent / "programs" / "auto_workers_pay.py")],
+    )
+    assert result.returncode == 0, result.output
+    assert_copies(tmp_path, EXPECTED, ranks=2)
+    doc = result.json
+    assert doc is not None and doc["downloaded_bytes"] == sum(len(d) for d in BLOBS.values())
+    handed = [sum(got) for got in doc["worker_bytes_by_rank"]]
+    assert any(len(got) == 2 for got in doc["worker_bytes_by_rank"]), doc["worker_bytes_by_rank"]
+    share = [load for load in doc["plan_loads"]]
+    for rank, got in enumerate(handed):
+        assert got < share[rank], f"rank {rank} handed everything over: it fetched nothing itself"
 
 
 def test_two_workers_on_one_node_of_two_downloaders(emulator: azurite.Emulator, container: str, tmp_path: Path) -> None:

@@ -95,11 +95,13 @@ def running(
     key: str | None = None,
     oauth: str | None = None,
     location: str | None = None,
+    wrap: tuple[str, ...] = (),
 ) -> Iterator[Emulator]:
     """Run an in-memory emulator for the duration of the block; stop it by PID afterwards.
 
     ``location`` (a directory) keeps the emulator's database and blobs there instead of in
-    memory, so a later emulator on the same directory serves them again.
+    memory, so a later emulator on the same directory serves them again. ``wrap`` goes before
+    the command and must exec it (``ip netns exec NS``: the emulator in a network namespace).
 
     ``cpus`` pins the emulator (and every thread it starts) to those CPUs, so a benchmark can
     keep the server off the cores it measures the client on. ``cert`` and ``key`` (PEM
@@ -114,6 +116,7 @@ def running(
     pin = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
     tls = ("--cert", cert, "--key", key) if cert is not None and key is not None else ()
     args = [
+        *wrap,
         *pin,
         find_binary(),
         *(("--location", location) if location else ("--inMemoryPersistence",)),

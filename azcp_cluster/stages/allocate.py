@@ -14,12 +14,21 @@ from dataclasses import dataclass
 from azcp_cluster import journal
 from azcp_cluster.broadcast import Broadcaster
 from azcp_cluster.cluster import StageOutcome
+from azcp_cluster.cpus import allowed as allowed_cpus
 from azcp_cluster.localfs import check_space, fs_error
 from azcp_cluster.localsource import source_file
 from azcp_cluster.model import Listing
 from azcp_cluster.naming import JOURNAL_DIR
 from azcp_cluster.plan import Plan
-from azcp_cluster.schedule import DIRECT_MIN, Transfer, files_written, transfer_schedule
+from azcp_cluster.schedule import (
+    DIRECT_MIN,
+    Transfer,
+    files_of,
+    files_written,
+    max_length,
+    payload,
+    transfer_schedule,
+)
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement, available_memory
 from azcp_cluster.stages.survey import Diff, Listed
@@ -30,18 +39,19 @@ from azcp_cluster.topology import workers_for
 class Schedule:
     """The transfers between the leaders, and the files they bring to this rank's node."""
 
-    transfers: tuple[Transfer, ...]
+    # schedule.Transfers (columns; each Transfer made when read), or any list of them
+    transfers: Sequence[Transfer]
     receives: frozenset[int]  # files the schedule brings here (this and earlier rounds)
 
     @property
     def payload(self) -> int:
         """Bytes of file data in the transfers (not the alignment padding)."""
-        return sum(e.length for t in self.transfers for e in t.extents)
+        return payload(self.transfers)
 
     @property
     def files(self) -> int:
         """Files with bytes in the transfers."""
-        return len({e.file for t in self.transfers for e in t.extents})
+        return files_of(self.transfers)
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,7 @@ def schedule_for(ctx: RunContext, place: Placement, plan: Plan, earlier: Schedul
     receives = files_written(transfers, place.group)
     if earlier is not None:
         receives |= earlier.receives
-    return Schedule(tuple(transfers), frozenset(receives))
+    return Schedule(transfers, frozenset(receives))
 
 
 def writes_here(listing: Listing, diff: Diff, schedule: Schedule) -> tuple[int, ...]:
@@ -87,6 +97,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
         return Prepared(None, here)  # nothing to write: a rerun stays cheap
     cluster = ctx.cluster
     cfg = ctx.cfg
+    t0 = cluster.clock()
     outcome = StageOutcome()
     broadcaster: Broadcaster | None = None
     mine = plan.owned_by(ctx.rank)
@@ -98,7 +109,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
             from azcp_cluster.workers import WORKER_MEMORY
 
             cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency) + workers * WORKER_MEMORY)
-        if not ctx.local and mine and workers == 1:
+        if not ctx.local and mine and (workers == 1 or cfg.download_workers is None):  # auto starts alone
             from azcp_cluster.download import WritePool, blocks_for, pool_buffers_for
 
             # Mapped now, with its writer threads started: the download stage then
@@ -128,6 +139,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
             prepare_files(ctx, listed.listing, here, later, diff.kept, checked=True)
             broadcaster = make_broadcaster(ctx, place, listed, diff, schedule, later)
     ctx.explain_space(outcome)  # the files' blocks are reserved here: a full disk shows here first
+    cluster.note("allocate", t0)
     cluster.conclude(cluster.clock(), outcome)
     topo = place.topo
     if not ctx.local and any(not topo.is_leader(r) for r in topo.downloaders):
@@ -162,18 +174,22 @@ def start_journal(ctx: RunContext, listing: Listing, diff: Diff) -> None:
 def download_workers(ctx: RunContext, place: Placement, plan: Plan) -> int:
     """How many worker processes make this rank's ranged GETs (1: the rank itself; topology.workers_for).
 
-    The CPUs are those the rank may use. A rank bound to some of the machine's (Slurm's
-    ``--cpus-per-task``, ``taskset``) has them to itself; one that may use them all shares
-    them with the other downloading ranks on its host.
+    ``--download-workers N``: N. Auto: the most it may start, should they pay (workers.AutoDownloader
+    decides while the rank downloads). Never more than ``--concurrency``.
     """
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    bound = cpus < (os.cpu_count() or cpus)
     share = sum(s.length for s in plan.owned_by(ctx.rank))
-    sharing = 1 if bound else place.downloaders_on_host
-    return min(workers_for(ctx.cfg.download_workers, cpus, sharing, share), ctx.cfg.concurrency)
+    cpus = len(allowed_cpus())
+    return min(workers_for(ctx.cfg.download_workers, cpus, cpus_sharing(place), share), ctx.cfg.concurrency)
+
+
+def cpus_sharing(place: Placement) -> int:
+    """How many downloading ranks share this rank's CPUs.
+
+    A rank bound to some of the machine's CPUs (Slurm's ``--cpus-per-task``, ``taskset``) has
+    them to itself; one that may use them all shares them with the host's other downloaders.
+    """
+    bound = len(allowed_cpus()) < (os.cpu_count() or 1)
+    return 1 if bound else place.downloaders_on_host
 
 
 def prepare_files(
@@ -220,9 +236,8 @@ def made_on_arrival(
     one kept from a stopped run: it stands there already)."""
     group_of = place.topo.group_of
     # A local SOURCE's plan names its readers as owners: they read it, nobody downloads.
-    downloaded = (
-        set() if ctx.local else {s.file for s in plan.shards if not s.peer and group_of[s.owner] == place.group}
-    )
+    node = [rank for rank, group in enumerate(group_of) if group == place.group]
+    downloaded = set() if ctx.local else plan.downloaded_files(node)
     files = listing.files
     kept = kept or {}
     return [i for i in missing if 0 < files[i].size < DIRECT_MIN and i not in downloaded and i not in kept]
@@ -241,7 +256,7 @@ def make_broadcaster(
         ctx.node_comm,
         listed.listing.files,
         ctx.dest_tree(),
-        max(t.length for t in transfers),  # no slot larger than the largest transfer
+        max_length(transfers),  # no slot larger than the largest transfer
         pipeline=min(cfg.bcast_pipeline, len(transfers)),
         writers=cfg.bcast_writers,
         direct=cfg.bcast_direct,

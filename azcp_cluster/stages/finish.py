@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from itertools import compress
 
 from azcp_cluster import journal, manifest
-from azcp_cluster.cluster import StageOutcome
+from azcp_cluster.cluster import StageOutcome, StageResult
 from azcp_cluster.digests import verdict
 from azcp_cluster.errors import VerifyError
 from azcp_cluster.report import StageFigures
@@ -34,7 +34,7 @@ def sync(ctx: RunContext, place: Placement, moved: Transferred) -> None:
             files = moved.listed.listing.files
             ctx.dest_tree().sync_all([files[i].path for i in moved.here])
     ctx.explain_space(outcome)
-    result = cluster.conclude(t0, outcome)
+    result = cluster.conclude(t0, outcome, stage="sync")
     ctx.report.stages["bcast"].seconds += result.seconds
 
 
@@ -90,14 +90,17 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
                     )
         outcome.stats = {"md5": digests}
     try:
-        result = cluster.conclude(t0, outcome)
+
+        def record(result: StageResult) -> None:  # the time, also when the copies differ
+            ctx.report.stages["verify"] = StageFigures(result.seconds, ctx.report.bytes)
+
+        result = cluster.conclude(t0, outcome, record, stage="verify")
         verified = verdict(files, [(rank, result.stats[rank]["md5"]) for rank in place.topo.leaders])
     except VerifyError:
         if place.leader:  # a copy that does not match is not resumed from: the rerun moves it all
             journal.remove(ctx.dest_tree())
         raise
     ctx.report.verified_files = len(verified)
-    ctx.report.stages["verify"] = StageFigures(result.seconds, ctx.report.bytes)
     return verified
 
 
@@ -116,7 +119,7 @@ def rename(ctx: RunContext, place: Placement, moved: Transferred) -> None:
         # ru_maxrss is in KiB on Linux: the rank's peak resident memory of the whole run.
         outcome.stats = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     ctx.explain_space(outcome)
-    result = cluster.conclude(t0, outcome)
+    result = cluster.conclude(t0, outcome, stage="rename")
     ctx.report.stages["bcast"].seconds += result.seconds
     ctx.report.peak_rss_bytes = max(int(st.get("rss", 0)) for st in result.stats)
 
@@ -129,6 +132,7 @@ def record(ctx: RunContext, place: Placement, moved: Transferred, verified: Mapp
     """
     cluster = ctx.cluster
     outcome = StageOutcome()
+    t0 = cluster.clock()
     files = moved.listed.listing.files
     have = moved.diff.have
     # Only what this node has now: a file the schedule did not bring here (a subset of
@@ -149,4 +153,5 @@ def record(ctx: RunContext, place: Placement, moved: Transferred, verified: Mapp
             present = {f.path: f.size for f in compress(files, have)}
             manifest.save(tree, known, manifest.load(tree), present)
             journal.remove(tree)  # every file is under its final name: nothing to resume
+    cluster.note("record", t0)
     cluster.conclude(cluster.clock(), outcome)

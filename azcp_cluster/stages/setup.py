@@ -18,12 +18,12 @@ from azcp_cluster.config import json_inside_dest
 from azcp_cluster.destlock import DestLock, lock_backoff
 from azcp_cluster.desttree import DestTree
 from azcp_cluster.errors import LockError, ReportPathError, TopologyError, UsageError
-from azcp_cluster.localfs import ensure_dest
+from azcp_cluster.localfs import ensure_dest, locate_dest, machine_id
 from azcp_cluster.localsource import check_overlap
 from azcp_cluster.proxies import Proxy, proxy_for
 from azcp_cluster.source import parse_blob_url
 from azcp_cluster.stages.context import RunContext
-from azcp_cluster.topology import Topology, choose_reader, choose_readers, group_ranks
+from azcp_cluster.topology import Place, Topology, check_nesting, choose_reader, choose_readers, group_ranks
 
 if TYPE_CHECKING:
     from azcp_cluster.credentials import Authorizer
@@ -92,10 +92,11 @@ def setup(ctx: RunContext) -> Placement:
                 cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency))
             auth = Authorizer(source, resolve_credential(source, ctx.env, cfg.auth, ctx.credential), ctx.wall)
             proxy = proxy_for(source.endpoint, ctx.env)  # a proxy variable that cannot be used: exit 2 here
-        outcome.stats = {"place": (ctx.host, ctx.dest_identity), "sees": sees}
-    result = cluster.conclude(t0, outcome)
-    places = [st["place"] for st in result.stats]
+        outcome.stats = {"place": place_of(ctx), "sees": sees}
+    result = cluster.conclude(t0, outcome, stage="setup")
+    places = [Place(*st["place"]) for st in result.stats]
     outcome = StageOutcome()
+    t1 = cluster.clock()
     reader = 0
     readers: list[int] = []
     topo = Topology(group_of=(0,), leaders=(0,), downloaders=(0,), hosts=1)
@@ -114,6 +115,7 @@ def setup(ctx: RunContext) -> Placement:
             download_ranks=cfg.download_ranks,
             readers=readers,
         )
+        check_nesting(places, topo.group_of)  # on every rank alike: the same error everywhere
         leader = topo.is_leader(ctx.rank)
         if ctx.local:  # on every rank: each knows only its own DEST
             check_overlap(os.path.realpath(ctx.source_root), ctx.dest_identity)
@@ -122,9 +124,10 @@ def setup(ctx: RunContext) -> Placement:
         if leader:
             ensure_dest(ctx.dest, create=not cfg.dry_run)
             ctx.tree = DestTree(ctx.dest, create=not cfg.dry_run)
+    cluster.note("roles", t1)
     cluster.conclude(t0, outcome)
     if not cfg.dry_run:
-        lock_dest(ctx, leader, t0)
+        lock_dest(ctx, leader, t0, places)
     # Collective on every rank; leaders get one communicator, ordered by group.
     ctx.node_comm = cluster.comm.Split(0 if leader else 1, topo.group_of[ctx.rank])
     # Each node's own ranks, its leader first: the leader hands its downloaders the
@@ -150,7 +153,14 @@ def setup(ctx: RunContext) -> Placement:
     )
 
 
-def lock_dest(ctx: RunContext, leader: bool, t0: float) -> None:
+def place_of(ctx: RunContext) -> tuple[str, ...]:
+    """This rank's :class:`~azcp_cluster.topology.Place` (as a plain tuple, for the allgather):
+    its host, its machine, and where its DEST is on that machine."""
+    directory, mount, within = locate_dest(ctx.dest_identity)
+    return tuple(Place(ctx.host, machine_id(), directory, mount, within, ctx.dest))
+
+
+def lock_dest(ctx: RunContext, leader: bool, t0: float, places: list[Place]) -> None:
     """Every leader takes its DEST's lock, all or none (see destlock.py): try, agree, release, back off.
 
     Nobody waits while holding a lock, so jobs that share nodes in any order cannot
@@ -167,6 +177,7 @@ def lock_dest(ctx: RunContext, leader: bool, t0: float) -> None:
     waited = False
     while True:
         outcome = StageOutcome()
+        tried = cluster.clock()
         with cluster.stage(outcome):
             held_by = None
             if leader:
@@ -175,6 +186,7 @@ def lock_dest(ctx: RunContext, leader: bool, t0: float) -> None:
                     ctx.dest_lock = DestLock(ctx.tree, me)
                 held_by = ctx.dest_lock.try_acquire()
             outcome.stats = {"held_by": held_by, "me": me, "dest": ctx.dest}
+        cluster.note("lock", tried)
         result = cluster.conclude(t0, outcome)
         refused = [(rank, st) for rank, st in enumerate(result.stats) if st["held_by"] is not None]
         if not refused:
@@ -183,13 +195,9 @@ def lock_dest(ctx: RunContext, leader: bool, t0: float) -> None:
             ctx.dest_lock.release()
         rank, st = refused[0]
         ours = {other["me"]: r for r, other in enumerate(result.stats)}
-        if st["held_by"] in ours:
-            raise TopologyError(
-                f"DEST is the same directory for rank {ours[st['held_by']]} on another host (a shared "
-                "filesystem): give each node its own DEST, e.g. with {host}",
-                path=st["dest"],
-                rank=rank,
-            )
+        if st["held_by"] in ours:  # two leaders of this run: one directory, two nodes
+            other = ours[st["held_by"]]
+            raise TopologyError(shared_dest(places[rank], places[other], other), path=st["dest"], rank=rank)
         holder = f"in use by another run (host {st['held_by']})"
         if cfg.lock == "fail":
             raise LockError(f"DEST is {holder}; --lock fail", path=st["dest"], rank=rank)
@@ -207,3 +215,22 @@ def lock_dest(ctx: RunContext, leader: bool, t0: float) -> None:
         waited = True
         time.sleep(lock_backoff(attempt, rng))
         attempt += 1
+
+
+def shared_dest(here: Place, there: Place, other: int) -> str:
+    """Why two nodes' leaders met at one lock file (one DEST directory), in what is known of them.
+
+    Ranks of one machine with one DEST directory are one node, so they are on two machines (or
+    two boot ids could not be read), or the directory was swapped while they were placed.
+    """
+    if here.same_machine(there):
+        where = "on the same machine, though it was another directory when the ranks were placed"
+        where += " (replaced or mounted over?)"
+    elif here.machine and there.machine:
+        where = f"on another machine (host {there.host}): a shared filesystem"
+    else:  # a boot id that cannot be read: the host names stood in
+        where = f"on host {there.host}, which this rank cannot tell from another machine: a shared filesystem?"
+    return (
+        f"DEST is the same directory as the DEST of rank {other} {where}; give each node a DEST on "
+        "its own disk, e.g. with {host}"
+    )

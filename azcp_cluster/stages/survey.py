@@ -74,6 +74,7 @@ def list_source(ctx: RunContext, place: Placement) -> Listed:
     # (a rank must never take the other path's collectives).
     if not ctx.local and len(place.topo.downloaders) > 1 and all(cluster.allgather(place.proxy is None)):
         listing = list_in_parallel(ctx, place)
+        cluster.note("list", t0)  # the timeline's: carried by the diff's agreement
         return _listed(ctx, listing, False, cluster.clock() - t0)
     payload: bytes | None = None
     listed: Listing | None = None
@@ -96,6 +97,7 @@ def list_source(ctx: RunContext, place: Placement) -> Listed:
     # The reader keeps what it listed (decode_listing gives the others the same: 0.1 s of
     # its time on the path of every rank, 100,000 files).
     listing = listed if listed is not None else decode_listing(payload)
+    cluster.note("list", t0)
     return _listed(ctx, listing, bool(single), cluster.clock() - t0)
 
 
@@ -225,7 +227,7 @@ def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
                 kept = journal.load(tree, files, np.flatnonzero(~bits).tolist(), ctx.origin)
         spans = {i: k.spans for i, k in kept.items()}
         outcome.stats = {"present": present, "list_seconds": listed.seconds, "kept": spans}
-    result = cluster.conclude(t0, outcome)
+    result = cluster.conclude(t0, outcome, stage="diff")
     leaders = place.topo.leaders
     matrix = np.stack(
         [

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from azcp_cluster.broadcast import Broadcaster
-from azcp_cluster.cluster import StageOutcome, StageResult, as_azcp_error, error_from_payload, error_payload
+from azcp_cluster.cluster import Cluster, StageOutcome, StageResult, as_azcp_error, error_from_payload, error_payload
 from azcp_cluster.errors import AzcpError, SourceError
 from azcp_cluster.localsource import restat, source_file
 from azcp_cluster.plan import Plan, plan_transfers
 from azcp_cluster.progress import Progress
-from azcp_cluster.report import StageFigures
+from azcp_cluster.report import Report
 from azcp_cluster.stages import allocate
 from azcp_cluster.stages.allocate import Prepared, Schedule
 from azcp_cluster.stages.context import RunContext
@@ -27,7 +27,7 @@ from azcp_cluster.stages.setup import Placement
 from azcp_cluster.stages.survey import Diff, Listed
 
 if TYPE_CHECKING:
-    from azcp_cluster.download import Downloader
+    from azcp_cluster.download import Downloader, DownloadStats, Fetcher
     from azcp_cluster.workers import WorkerDownloader
 
 
@@ -75,38 +75,49 @@ def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan) -> N
     mine = plan.owned_by(ctx.rank)
     progress = Progress("download", sum(s.length for s in mine), ctx.show_progress)
     with cluster.stage(outcome):
-        stats = None
         if mine:
-            stats = downloader(ctx, place, listed, plan, progress.add).run(blocks_for(mine, ctx.cfg.block_size))
-        if stats is not None:
-            outcome.stats = {
-                "bytes": stats.bytes,
-                "retries": stats.retries,
-                "causes": dict(stats.retry_causes),
-                "refused": stats.direct_refused,
-                "workers": list(stats.worker_bytes),
-            }
+            fetcher = downloader(ctx, place, listed, plan, progress.add)
+            try:
+                fetcher.run(blocks_for(mine, ctx.cfg.block_size))
+            finally:  # what it did, also when it failed: the report has the figures so far
+                outcome.stats = download_figures(fetcher.stats)
     progress.close()
     ctx.close_write_pool()  # its memory is not needed by the fan-out
     ctx.explain_space(outcome)
     if outcome.error is not None:
         cluster.signal_failure(outcome)
-    result = cluster.conclude(t0, outcome)
-    record_download(ctx, result)
-    ctx.report.stages["download"] = StageFigures(result.seconds, ctx.report.downloaded_bytes)
+
+    def record(result: StageResult) -> None:
+        record_download(ctx, result)
+        ctx.report.record_download(result.seconds)
+
+    cluster.conclude(t0, outcome, record, stage="download")
+
+
+def download_figures(stats: DownloadStats) -> dict[str, Any]:
+    """One rank's download counters, as its stage outcome carries them to the report."""
+    return {
+        "bytes": stats.bytes,
+        "retries": stats.retries,
+        "causes": dict(stats.retry_causes),
+        "refused": stats.direct_refused,
+        "workers": list(stats.worker_bytes),
+    }
 
 
 def downloader(
     ctx: RunContext, place: Placement, listed: Listed, plan: Plan, on_bytes: Callable[[int], None]
-) -> Downloader | WorkerDownloader:
+) -> Fetcher:
     """This rank's downloader for its share of ``plan`` (paced by its share of --max-bandwidth):
-    in the rank itself, or on ``--download-workers`` processes (workers.py)."""
-    from azcp_cluster import workers as processes
+    in the rank itself, on ``--download-workers`` processes, or, auto, in the rank until it finds
+    that processes would shorten the copy (workers.py)."""
+    from azcp_cluster import workers as worker_processes
     from azcp_cluster.download import Downloader
     from azcp_cluster.throttle import Pacer, share
 
     cfg = ctx.cfg
-    assert place.auth is not None
+    auth = place.auth
+    assert auth is not None
     rate = None
     if cfg.max_bandwidth is not None:
         busy = sum(1 for load in plan.loads() if load)  # ranks that download at all
@@ -120,34 +131,50 @@ def downloader(
         if journal is not None:  # every block, once written, to this rank's journal
             journal.written(block.file, block.offset, block.length)
 
-    if workers > 1:
-        return processes.WorkerDownloader(
+    def processes(count: int) -> WorkerDownloader:
+        return worker_processes.WorkerDownloader(
             files,
             ctx.dest,
             tree.made,
             lambda i: files[i].path,
-            place.auth,
+            auth,
             cfg,
-            workers,
+            count,
             peer_failed=ctx.cluster.peer_failed,
             on_bytes=on_bytes,
             on_landed=on_landed,
             rate=rate,
             proxy=place.proxy,
         )
-    pacer = Pacer(rate, burst=cfg.block_size, clock=ctx.cluster.clock) if rate is not None else None
-    return Downloader(
-        files,
-        tree,
-        place.auth,
-        cfg,
-        peer_failed=ctx.cluster.peer_failed,
-        on_bytes=on_bytes,
-        on_landed=on_landed,
-        pacer=pacer,
-        pool=ctx.write_pool,
-        proxy=place.proxy,
-    )
+
+    def alone(handover: Callable[[], bool | None] | None = None) -> Downloader:
+        pacer = Pacer.for_rate(rate, ctx.cluster.clock) if rate is not None else None
+        return Downloader(
+            files,
+            tree,
+            auth,
+            cfg,
+            peer_failed=ctx.cluster.peer_failed,
+            on_bytes=on_bytes,
+            on_landed=on_landed,
+            pacer=pacer,
+            pool=ctx.write_pool,
+            proxy=place.proxy,
+            handover=handover,
+        )
+
+    if workers > 1 and cfg.download_workers is None:
+        return worker_processes.AutoDownloader(
+            alone,
+            processes,
+            workers,
+            allocate.cpus_sharing(place),
+            peer_failed=ctx.cluster.peer_failed,
+            on_bytes=on_bytes,
+            on_landed=on_landed,
+            release=ctx.close_write_pool,
+        )
+    return processes(workers) if workers > 1 else alone()
 
 
 def record_download(ctx: RunContext, result: StageResult) -> None:
@@ -186,7 +213,7 @@ def stream(
     topo = place.topo
     rank = ctx.rank
     t0 = cluster.clock()
-    transfers = list(schedule.transfers)
+    transfers = schedule.transfers  # columns: a transfer is made when the fan-out reads it
     downloaders = place.downloaders_here()
     blocks, landing = node_blocks(transfers, plan, place.group, downloaders, ctx.cfg.block_size, blocks_for)
     mine = [Block(*blocks.blocks[i]) for i in blocks.of_rank.get(rank, ())]
@@ -202,8 +229,12 @@ def stream(
     def since() -> float:
         return cluster.clock() - t0
 
-    def make_downloader() -> Downloader | WorkerDownloader:
-        return downloader(ctx, place, listed, plan, progress.add_download)
+    made: list[Fetcher] = []  # this rank's, once made: its figures, also after a failure
+    fanned = FanOutTally(progress.add)
+
+    def make_downloader() -> Fetcher:
+        made.append(downloader(ctx, place, listed, plan, progress.add_download))
+        return made[-1]
 
     with cluster.stage(outcome):
         done = Streamed(0.0)
@@ -215,7 +246,7 @@ def stream(
             others = [1 + members.index(r) for r in downloaders if r != rank and blocks.of_rank.get(r)]
             feed = LandingFeed(landing, ctx.group_comm, others)
             assert broadcaster is not None
-            broadcaster.on_bytes = progress.add
+            broadcaster.on_bytes = fanned.add
             broadcaster.announce = lambda: cluster.signal_failure(outcome)
             broadcaster.peer_failed = cluster.peer_failed
             own = None
@@ -228,15 +259,13 @@ def stream(
             digests.update(done.digests or {})
         elif mine:
             done = notify_while_downloading(ctx.group_comm, index, make_downloader, mine, since)
-        stats: dict[str, Any] = {"downloaded": done.downloaded}
-        if done.download is not None:
-            dstats = done.download
-            stats.update(bytes=dstats.bytes, retries=dstats.retries, causes=dict(dstats.retry_causes))
-            stats["workers"] = list(dstats.worker_bytes)
-            stats["refused"] = dstats.direct_refused
-        if done.fanout is not None and done.fanout.direct_refused:
-            stats["refused"] = done.fanout.direct_refused
-        outcome.stats = stats
+    # A rank stopped early downloaded until now (its own stop came with the stage's).
+    downloaded = done.downloaded if outcome.error is None or not made else since()
+    stats: dict[str, Any] = {"downloaded": downloaded, "fanned": fanned.bytes}
+    stats.update(download_figures(made[0].stats) if made else {})
+    if done.fanout is not None and done.fanout.direct_refused:
+        stats["refused"] = done.fanout.direct_refused
+    outcome.stats = stats
     progress.close()
     if broadcaster is not None and outcome.error is None:
         # Only after a normal end: leaving early, writes may still be queued on the shared
@@ -248,18 +277,58 @@ def stream(
         feed.finish()
     ctx.close_write_pool()
     ctx.explain_space(outcome)
-    result = cluster.conclude(t0, outcome)
-    record_download(ctx, result)
+
+    def record(result: StageResult) -> None:
+        record_download(ctx, result)
+        report.record_download(max(float(st.get("downloaded", 0.0)) for st in result.stats))
+        report.stages["bcast"].seconds += result.seconds
+
     report = ctx.report
-    report.stages["download"] = StageFigures(
-        max(float(st.get("downloaded", 0.0)) for st in result.stats), report.downloaded_bytes
-    )
-    report.overlap = True
+    report.overlap = True  # the mode, reported also when the stage fails
+    if made and done.downloaded:  # this rank's download inside the transfer: to its last byte landed
+        cluster.note("download", t0, t0 + done.downloaded)
+    fanned.conclude(cluster, t0, outcome, record, report, stage="transfer")
     report.broadcast_bytes += total
-    figures = report.stages["bcast"]
-    figures.seconds += result.seconds
-    figures.bytes += total
+    report.stages["bcast"].bytes += total
     return FannedOut((), digests)
+
+
+class FanOutTally:
+    """A leader's fan-out bytes as its transfers complete (on to the progress bar too): a stage that
+    fails reports the bytes it did broadcast."""
+
+    def __init__(self, progress: Callable[[int, int], None]) -> None:
+        self.bytes = 0
+        self._progress = progress
+
+    def add(self, nbytes: int, files: int) -> None:
+        """A transfer done here: its bytes, and the files it completed."""
+        self.bytes += nbytes
+        self._progress(nbytes, files)
+
+    def conclude(
+        self,
+        cluster: Cluster,
+        t0: float,
+        outcome: StageOutcome,
+        record: Callable[[StageResult], None],
+        report: Report,
+        stage: str,
+    ) -> StageResult:
+        """The stage's agreement; if it failed, the report's broadcast bytes are those done (the
+        most any leader did: each takes part in every transfer it receives)."""
+        seen: list[StageResult] = []
+
+        def keep(result: StageResult) -> None:
+            seen.append(result)
+            record(result)
+
+        try:
+            return cluster.conclude(t0, outcome, keep, stage=stage)
+        except AzcpError:
+            if seen:
+                report.broadcast_bytes += max(int(st.get("fanned", 0)) for st in seen[0].stats)
+            raise
 
 
 def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: Broadcaster | None) -> FannedOut:
@@ -276,31 +345,35 @@ def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: 
     progress.expect_files(schedule.files)
     outcome = StageOutcome()
     digests: dict[int, str] = {}
+    fanned = FanOutTally(progress.add)
     with cluster.stage(outcome):
         if broadcaster is not None:  # leaders only; the others wait at the agreement
-            broadcaster.on_bytes = progress.add
-            stats = broadcaster.run(list(schedule.transfers))
+            broadcaster.on_bytes = fanned.add
+            stats = broadcaster.run(schedule.transfers)
             digests.update(broadcaster.digests)
             outcome.stats = {
                 "refused": stats.direct_refused,
                 "changed": sorted(broadcaster.changed),
                 "source_bytes": stats.source_bytes,
             }
+    outcome.stats["fanned"] = fanned.bytes
     progress.close()
     if broadcaster is not None and outcome.error is None:  # (see stream)
         broadcaster.release()
     ctx.explain_space(outcome)
-    result = cluster.conclude(t0, outcome)
     report = ctx.report
+
+    def record(result: StageResult) -> None:
+        report.stages["bcast"].seconds += result.seconds
+
+    result = fanned.conclude(cluster, t0, outcome, record, report, stage="bcast")
     report.broadcast_bytes += total
     ctx.warn_direct(result.stats)
     if ctx.local:
         read = [int(st.get("source_bytes", 0)) for st in result.stats]
         before = report.source_bytes_by_rank or [0] * len(read)
         report.source_bytes_by_rank = [a + b for a, b in zip(before, read, strict=True)]
-    figures = report.stages["bcast"]  # a second round (send_again) adds to the first
-    figures.seconds += result.seconds
-    figures.bytes += total
+    report.stages["bcast"].bytes += total  # a second round (send_again) adds to the first
     return FannedOut(tuple(sorted({i for st in result.stats for i in st.get("changed", ())})), digests)
 
 

@@ -1,0 +1,480 @@
+"""A cluster in a box: N hosts on this machine, each with its own hostname and two shaped NICs.
+
+Each host is a network namespace with two interfaces: ``front`` on the frontend bridge, where
+the storage emulator listens as "Azure" (in a namespace of its own, so the bytes it serves
+are counted on its link), and ``fabric`` on the fabric bridge, which MPI is told to use. Every
+veth is shaped on both ends (``tbf``: the bridge side shapes what the host receives, the
+namespace side what it sends, so each NIC is full duplex at its rate), and ``netem`` delays
+what leaves a host (host-to-host round trip: twice the delay). A cluster is bound by these
+links, not by the client's CPU; at a few hundred Mbit/s the two cores of a small machine are
+not what binds either, so the figures measured here can be held against physical bounds.
+
+MPI ranks run as hosts through an ssh stand-in: it runs the launcher's command in the
+namespace that owns the host's address, inside ``unshare --uts`` with the namespace's name as
+hostname. MPICH (hydra, ``-launcher ssh``) uses ofi/tcp on the fabric; Open MPI (PRRTE,
+``plm_ssh_agent``) the TCP BTL on the fabric. Each host's DEST is its own directory
+(``{host}``): hosts share this machine's boot id, so only DEST's device and inode tell their
+copies apart, as on real nodes they would be told apart by the machine.
+
+Everything made carries the box's tag (``azb`` and its owner's pid in hex): namespaces, links,
+bridges and its directory. :meth:`Box.close` removes it all, killing what still runs in the
+namespaces; a box whose owner died (a crashed test, a killed benchmark) is swept by the next
+box that starts. Needs root, iproute2 (``ip``, ``tc``) and ``unshare``: :func:`unavailable`
+says why not, for a test to skip with.
+
+Nothing here is used by the tool at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from azcp_cluster.devtools import azurite
+
+PREFIX = "azb"  # every name a box makes starts with it, then the owner's pid in six hex digits
+FRONT = "front"  # each host's frontend NIC (to "Azure"), as named inside its namespace
+FABRIC = "fabric"  # each host's fabric NIC (MPI)
+EMULATOR = "az"  # the emulator's namespace: TAG + this
+OPENMPI_ENV = azurite.REPO_ROOT / "scripts" / "openmpi.env"
+
+NSEXEC = """#!/bin/sh
+# ssh stand-in for mpiexec: [ssh options] HOST COMMAND... runs COMMAND in HOST's network
+# namespace, in a UTS namespace of its own whose hostname is the namespace's name.
+while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
+host="$1"; shift
+ns=$(cat "$(dirname "$0")/hosts/$host")
+exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $ns; $*"
+"""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One network's NICs: rate in Mbit/s (None: unshaped) and the delay a packet leaving a host waits."""
+
+    mbit: float | None = None
+    delay_ms: float = 0.0
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        """The rate in bytes per second (None: unshaped)."""
+        return None if self.mbit is None else self.mbit * 1e6 / 8
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host of the box: its namespace (also its hostname) and its two addresses."""
+
+    name: str
+    front: str
+    fabric: str
+
+
+def unavailable() -> str | None:
+    """Why a box cannot be built here (a test's skip reason), or None."""
+    if os.geteuid() != 0:
+        return "needs root to make network namespaces, bridges and qdiscs"
+    missing = [tool for tool in ("ip", "tc", "unshare") if not shutil.which(tool)]
+    if missing:
+        return f"needs {', '.join(missing)} (iproute2, util-linux)"
+    return None
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=60)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(args)}: {proc.stderr.strip() or proc.returncode}")
+    return proc
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time in clock ticks since boot (field 22 of /proc/PID/stat), None if it is gone.
+
+    With the pid it names one process: a pid reused by another process has another start time.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[19]
+
+
+def _tag_of(name: str) -> str | None:
+    """The box tag a name starts with (``azb`` and six hex digits), or None."""
+    tag = name[: len(PREFIX) + 6]
+    digits = tag[len(PREFIX) :]
+    if tag.startswith(PREFIX) and len(digits) == 6 and all(ch in "0123456789abcdef" for ch in digits):
+        return tag
+    return None
+
+
+def _owner_alive(tag: str) -> bool:
+    """Whether the process that made box ``tag`` still runs (by its pid and recorded start time)."""
+    pid = int(tag[len(PREFIX) :], 16)
+    started = _start_time(pid)
+    if started is None:
+        return False
+    owner = Path(tempfile.gettempdir()) / f"azcp-box-{tag}" / "owner"
+    try:
+        recorded = owner.read_text().split()
+    except OSError:
+        return True  # no record: the pid alone says it may be alive; leave its things be
+    return recorded == [str(pid), started]
+
+
+def _kill_in(namespace: str) -> None:
+    """SIGKILL every process in a network namespace (what a box left running there), and wait for them."""
+    for _ in range(50):
+        pids = [int(p) for p in _run("ip", "netns", "pids", namespace, check=False).stdout.split()]
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def _unmount_below(directory: Path) -> None:
+    """Unmount whatever is mounted at or below ``directory`` (a tmpfs DEST), deepest first."""
+    here = str(directory)
+    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    for mount in sorted((m for m in mounts if m == here or m.startswith(here + "/")), key=len, reverse=True):
+        if _run("umount", mount, check=False).returncode != 0:
+            _run("umount", "-l", mount, check=False)
+
+
+def _remove(tag: str) -> None:
+    """Remove everything of box ``tag``: its processes, namespaces, links, mounts and directory."""
+    namespaces = [line.split()[0] for line in _run("ip", "netns", "list", check=False).stdout.splitlines() if line]
+    for ns in namespaces:
+        if _tag_of(ns) == tag:
+            _kill_in(ns)
+            _run("ip", "netns", "del", ns, check=False)  # takes its ends of the veths, and so the pairs
+    for link in _links():
+        if _tag_of(link) == tag:
+            _run("ip", "link", "del", link, check=False)
+    directory = Path(tempfile.gettempdir()) / f"azcp-box-{tag}"
+    if directory.exists():
+        _unmount_below(directory)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _links() -> list[str]:
+    """The names of this namespace's network interfaces."""
+    return sorted(os.listdir("/sys/class/net"))
+
+
+def leftovers(tag: str | None = None) -> list[str]:
+    """What boxes (or box ``tag``) left behind: namespaces, links and directories (for a test to assert on)."""
+    namespaces = [line.split()[0] for line in _run("ip", "netns", "list", check=False).stdout.splitlines() if line]
+    dirs = [p.name for p in Path(tempfile.gettempdir()).glob("azcp-box-azb*")]
+    found = [*namespaces, *_links(), *(d.removeprefix("azcp-box-") for d in dirs)]
+    return sorted(n for n in found if _tag_of(n) is not None and (tag is None or _tag_of(n) == tag))
+
+
+def sweep() -> list[str]:
+    """Remove what boxes whose owner has died left behind; returns their tags."""
+    tags = {_tag_of(name) for name in leftovers()}
+    dead = sorted(t for t in tags if t is not None and not _owner_alive(t))
+    for tag in dead:
+        _remove(tag)
+    return dead
+
+
+def _free_subnets(count: int, seed: int) -> list[ipaddress.IPv4Network]:
+    """``count`` /24 networks in 10.232.0.0/14 that no interface of this namespace uses (two boxes at once differ)."""
+    used = _run("ip", "-o", "-4", "addr", "show", check=False).stdout
+    taken = {ipaddress.IPv4Interface(word).network for word in used.split() if "/" in word and word[0].isdigit()}
+    space = list(ipaddress.IPv4Network("10.232.0.0/14").subnets(new_prefix=24))
+    found: list[ipaddress.IPv4Network] = []
+    for i in range(len(space)):
+        net = space[(seed + i) % len(space)]
+        if not any(net.overlaps(t) for t in taken):
+            found.append(net)
+            if len(found) == count:
+                return found
+    raise RuntimeError("no free /24 left in 10.232.0.0/14")
+
+
+def netem_available() -> bool:
+    """Whether this kernel has netem, the qdisc that delays packets (some kernels are built without it)."""
+    probe = f"{PREFIX}probe{os.getpid()}"
+    _run("ip", "netns", "add", probe)
+    try:
+        return _run("tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
+                    check=False).returncode == 0  # fmt: skip
+    finally:
+        _run("ip", "netns", "del", probe, check=False)
+
+
+def _shape(dev: str, link: Link, namespace: str | None = None, delay: bool = False) -> None:
+    """Shape one end of a veth: tbf at the link's rate, and (``delay``) netem below it."""
+    tc = ["tc", *(("-n", namespace) if namespace else ()), "qdisc"]
+    parent = ["root"]
+    if link.mbit is not None:
+        rate = link.mbit * 1e6 / 8
+        # The bucket holds at least a jiffy's worth at the rate (tbf's rule) and 256 KiB, so
+        # TSO's 64 KiB segments pass; 50 ms of queue before it drops.
+        burst = max(256 * 1024, int(rate / 100))
+        _run(*tc, "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", f"{link.mbit}mbit",
+             "burst", str(burst), "latency", "50ms")  # fmt: skip
+        parent = ["parent", "1:1"]
+    if delay and link.delay_ms > 0:
+        _run(*tc, "add", "dev", dev, *parent, "handle", "10:", "netem", "delay", f"{link.delay_ms}ms",
+             "limit", "100000")  # fmt: skip
+
+
+class Box:
+    """N hosts with a frontend and a fabric NIC each; use as a context manager (see the module).
+
+    ``front``, ``fabric``: every host's NIC on that network; ``azure``: the emulator's own NIC
+    (the storage account's egress limit; unshaped by default). ``tmpfs_dest``: the hosts'
+    DESTs on a tmpfs of the box's own (the disk taken out, to show whether it binds).
+    """
+
+    def __init__(
+        self,
+        hosts: int,
+        *,
+        front: Link = Link(),
+        fabric: Link = Link(),
+        azure: Link = Link(),
+        tmpfs_dest: bool = False,
+    ) -> None:
+        self.hosts_count = hosts
+        self.front, self.fabric, self.azure = front, fabric, azure
+        self.tmpfs_dest = tmpfs_dest
+        self.tag = ""  # PREFIX and the owner's pid, once started
+        self.dir = Path()  # the box's directory (the ssh stand-in, the host map, DEST)
+        self.hosts: list[Host] = []
+        self.front_net = ipaddress.IPv4Network("10.232.0.0/24")  # chosen free at start
+        self.fabric_net = ipaddress.IPv4Network("10.232.1.0/24")
+        self._made = False
+
+    def __enter__(self) -> Box:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- names ---------------------------------------------------------------------------
+
+    @property
+    def emulator_ns(self) -> str:
+        """The namespace the emulator runs in."""
+        return self.tag + EMULATOR
+
+    @property
+    def emulator_address(self) -> str:
+        """The emulator's address on the frontend network."""
+        return str(self.front_net.network_address + 2)
+
+    @property
+    def front_bridge(self) -> str:
+        """The frontend bridge (its address is this namespace's way onto the network)."""
+        return self.tag + "fe"
+
+    @property
+    def fabric_bridge(self) -> str:
+        """The fabric bridge (mpiexec's own address for its hosts is on it)."""
+        return self.tag + "fab"
+
+    @property
+    def dest_template(self) -> str:
+        """A DEST for the tool: each host writes its own directory below the box's."""
+        return str(self.dir / "dest" / "{host}")
+
+    def dest_of(self, host: Host) -> Path:
+        """Where ``host``'s copy lands with :attr:`dest_template`."""
+        return self.dir / "dest" / host.name
+
+    # -- making and removing -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Sweep what dead boxes left, then make this one's bridges, hosts and directory."""
+        reason = unavailable()
+        if reason:
+            raise RuntimeError(reason)
+        sweep()
+        if any(link.delay_ms > 0 for link in (self.front, self.fabric, self.azure)) and not netem_available():
+            raise RuntimeError("this kernel has no netem (CONFIG_NET_SCH_NETEM): links cannot be delayed here")
+        self.tag = f"{PREFIX}{os.getpid():06x}"  # pids stay below 2**22
+        if leftovers(self.tag):
+            raise RuntimeError(f"box {self.tag} is already up in this process (one box per process)")
+        self.dir = Path(tempfile.gettempdir()) / f"azcp-box-{self.tag}"
+        self.dir.mkdir(mode=0o755)
+        started = _start_time(os.getpid())
+        (self.dir / "owner").write_text(f"{os.getpid()} {started}\n")
+        self._made = True
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        self.front_net, self.fabric_net = _free_subnets(2, os.getpid())
+        (self.dir / "hosts").mkdir()
+        (self.dir / "dest").mkdir()
+        if self.tmpfs_dest:
+            _run("mount", "-t", "tmpfs", "-o", "mode=0755", f"{self.tag}dest", str(self.dir / "dest"))
+        script = self.dir / "nsexec"
+        script.write_text(NSEXEC)
+        script.chmod(0o755)
+        for bridge, net in ((self.front_bridge, self.front_net), (self.fabric_bridge, self.fabric_net)):
+            _run("ip", "link", "add", bridge, "type", "bridge")
+            _run("ip", "addr", "add", f"{net.network_address + 1}/{net.prefixlen}", "dev", bridge)
+            _run("ip", "link", "set", bridge, "up")
+        self._namespace(self.emulator_ns)
+        self._attach(self.emulator_ns, self.tag + "az", FRONT, self.front_bridge, self.emulator_address,
+                     self.front_net, self.azure)  # fmt: skip
+        for i in range(self.hosts_count):
+            ns = f"{self.tag}h{i}"
+            host = Host(ns, str(self.front_net.network_address + 10 + i), str(self.fabric_net.network_address + 10 + i))
+            self._namespace(ns)
+            self._attach(ns, f"{self.tag}f{i}", FRONT, self.front_bridge, host.front, self.front_net, self.front)
+            self._attach(ns, f"{self.tag}b{i}", FABRIC, self.fabric_bridge, host.fabric, self.fabric_net, self.fabric)
+            (self.dir / "hosts" / host.fabric).write_text(ns)
+            (self.dir / "hosts" / host.name).write_text(ns)
+            self.hosts.append(host)
+
+    @staticmethod
+    def _namespace(ns: str) -> None:
+        _run("ip", "netns", "add", ns)
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+
+    @staticmethod
+    def _attach(
+        ns: str, outside: str, inside: str, bridge: str, address: str, net: ipaddress.IPv4Network, link: Link
+    ) -> None:
+        """A veth from ``bridge`` into ``ns`` (named ``inside`` there, with ``address``), shaped both ways."""
+        _run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside, "netns", ns)
+        _run("ip", "link", "set", outside, "master", bridge, "up")
+        _run("ip", "-n", ns, "addr", "add", f"{address}/{net.prefixlen}", "dev", inside)
+        _run("ip", "-n", ns, "link", "set", inside, "up")
+        _shape(outside, link)  # what the host receives
+        _shape(inside, link, ns, delay=True)  # what it sends, delayed
+
+    def close(self) -> None:
+        """Kill what runs in the box's namespaces; remove them, the bridges, mounts and the directory."""
+        if self._made:
+            _remove(self.tag)
+            self._made = False
+            self.hosts = []
+
+    def processes(self) -> list[int]:
+        """The pids of what runs in the box's namespaces now (the emulator, ranks, MPI's daemons)."""
+        namespaces = [self.emulator_ns, *(h.name for h in self.hosts)]
+        return sorted(int(p) for ns in namespaces for p in _run("ip", "netns", "pids", ns, check=False).stdout.split())
+
+    # -- counters ------------------------------------------------------------------------
+
+    def emulator_sent(self) -> int:
+        """Bytes the emulator has sent on its link so far (IP packets: bodies, headers, TCP/IP overhead)."""
+        return self._counter(self.tag + "az", "rx")  # the bridge's end receives what the emulator sends
+
+    def fabric_bytes(self) -> int:
+        """Bytes the hosts have received on their fabric NICs so far."""
+        return sum(self._counter(f"{self.tag}b{i}", "tx") for i in range(len(self.hosts)))
+
+    def front_bytes(self) -> int:
+        """Bytes the hosts have received on their frontend NICs so far."""
+        return sum(self._counter(f"{self.tag}f{i}", "tx") for i in range(len(self.hosts)))
+
+    @staticmethod
+    def _counter(dev: str, direction: str) -> int:
+        return int(Path(f"/sys/class/net/{dev}/statistics/{direction}_bytes").read_text())
+
+    # -- the emulator --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def emulator(self, env: Mapping[str, str] | None = None) -> Iterator[azurite.Emulator]:
+        """An in-memory emulator in its own namespace on the frontend network ("Azure")."""
+        with azurite.running(
+            host=self.emulator_address,
+            port=10000,  # the emulator's namespace is its own: every port is free there
+            wrap=("ip", "netns", "exec", self.emulator_ns),
+            env=env,
+        ) as emu:
+            yield emu
+
+    # -- MPI -----------------------------------------------------------------------------
+
+    def mpiexec(self, mpiexec: str, flavour: str, argv: Sequence[str], per_host: int = 1) -> list[str]:
+        """The command that runs ``argv`` on ``per_host`` ranks of every host, MPI over the fabric.
+
+        ``flavour``: "mpich" (hydra; ofi/tcp on the fabric NIC) or "openmpi" (PRRTE; the TCP BTL on
+        the fabric network). Run it with :meth:`env` added to the environment.
+        """
+        script = str(self.dir / "nsexec")
+        hosts = ",".join(f"{h.fabric}:{per_host}" for h in self.hosts)
+        count = str(per_host * len(self.hosts))
+        if flavour == "mpich":
+            return [mpiexec, "-launcher", "ssh", "-launcher-exec", script, "-iface", self.fabric_bridge,
+                    "-hosts", hosts, "-n", count, *argv]  # fmt: skip
+        if flavour == "openmpi":
+            return [mpiexec, "--prtemca", "plm_ssh_agent", script, "--host", hosts, "-n", count, *argv]
+        raise ValueError(f"unknown MPI flavour {flavour!r} (mpich or openmpi)")
+
+    def env(self, flavour: str) -> dict[str, str]:
+        """What the ranks' environment needs on top of the caller's: MPI between hosts over the fabric only.
+
+        MPICH: the ofi netmod with its tcp provider, on the fabric NIC (by default it would use
+        shared memory between the namespaces: they are one machine). Open MPI: ob1 with the TCP
+        BTL on the fabric network, and PRRTE's own connections there too; plus
+        scripts/openmpi.env (root, oversubscription, start-up).
+        """
+        net = str(self.fabric_net)
+        if flavour == "mpich":
+            return {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": FABRIC}
+        if flavour == "openmpi":
+            env = openmpi_env()
+            env.update({
+                "OMPI_MCA_btl_tcp_if_include": net,
+                "PRTE_MCA_oob_tcp_if_include": net,
+                "PMIX_MCA_ptl_tcp_if_include": net,
+                # Fill each host's slots in turn (openmpi.env's oversubscription put every rank on the first).
+                "PRTE_MCA_rmaps_default_mapping_policy": "slot",
+            })  # fmt: skip
+            return env
+        raise ValueError(f"unknown MPI flavour {flavour!r} (mpich or openmpi)")
+
+
+def openmpi_env() -> dict[str, str]:
+    """The variables of scripts/openmpi.env (KEY=VALUE lines): Open MPI as root, oversubscribed, quick to start."""
+    env = {}
+    for line in OPENMPI_ENV.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, sep, value = line.partition("=")
+            if not sep or not key.isidentifier():
+                raise ValueError(f"{OPENMPI_ENV}: not KEY=VALUE: {line!r}")
+            env[key] = value
+    return env
+
+
+def flavour_of(mpiexec: str) -> str:
+    """What ``mpiexec --version`` says: "openmpi", "mpich" or "unknown"."""
+    try:
+        proc = subprocess.run(
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    text = proc.stdout + proc.stderr
+    if "Open MPI" in text or "OpenRTE" in text:
+        return "openmpi"
+    if "HYDRA" in text or "MPICH" in text:
+        return "mpich"
+    return "unknown"

@@ -1,0 +1,362 @@
+"""A cluster in a box: the tool on 2, 4 and 8 hosts with shaped links, against physical bounds.
+
+    python -m benchmarks.cluster [--quick] [--hosts 2,4,8] [--bytes N] [--front MBIT] [--fabric MBIT]
+                                 [--ranks-per-host K] [--repeats R] [--cases ...] [--tmpfs] [--json FILE]
+
+Each host is a network namespace of a box (azcp_cluster/devtools/box.py) with a frontend NIC
+of ``--front`` Mbit/s towards the emulator ("Azure", in a namespace of its own) and a fabric
+NIC of ``--fabric`` Mbit/s for MPI (B), both shaped both ways. The dataset: S bytes in four
+files, on the emulator and in a local directory. The cases, on every host count N:
+
+* ``local``: the tool from the local directory, one reader (rank 0): bound S/B (the reader's
+  fabric link carries every byte once).
+* ``stream`` and ``two-phase``: the tool from the emulator, streaming and ``--no-overlap``:
+  bound max(S/(N·fe), S·(N−1)/(N·B)) (each host downloads 1/N of it over its frontend; each
+  receives the other (N−1)/N over its fabric); ``bound_parts`` has both, and their sum.
+* ``ibcast`` and ``chain``: raw fan-outs of S bytes from rank 0, no disk and no tool
+  (benchmarks/raw_fanout.py: pipelined Ibcast, and a pipelined point-to-point chain, of
+  ``--piece`` pieces): bound S/B.
+* ``every-node``: the way users do it today, every host downloading everything itself through
+  the same emulator (the tool alone on each host, one process each, no MPI between them):
+  bound S/fe, and the emulator sends N·S.
+
+Per row: ``tool_s`` = total − list (the report's; for the raw patterns their own timing;
+every-node: the slowest host's), ``ratio`` = tool_s / bound_s, ``egress_bytes`` (what the
+emulator sent, counted on its link: the tool's is S, whatever N), ``fabric_bytes`` and
+``front_bytes`` (what the hosts received on each network), ``wall_s`` (the whole mpiexec),
+and the stage timeline from the JSON report, in seconds since mpiexec was started: each
+stage from its first rank's start to its last rank's end, ``run_start`` (the first rank's
+run started: interpreter, imports, MPI) and ``run_end`` (rank 0's report's total). Medians
+of ``--repeats`` runs (the cases alternate); every sample is kept.
+
+``--quick``: 32 MiB, one run each (about 2 minutes). The full run: 128 MiB, 3 runs each.
+Needs root (network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from azcp_cluster.config import MiB
+from azcp_cluster.devtools import azurite, box
+from azcp_cluster.devtools.box import Box, Link
+from azcp_cluster.devtools.datasets import pseudo_random
+from benchmarks.run import mpiexec
+
+REPO = Path(__file__).resolve().parents[1]
+CASES = ("local", "stream", "two-phase", "ibcast", "chain", "every-node")
+CONTAINER = "bench"
+FILES = 4
+TIMEOUT = 600
+
+
+def dataset(size: int) -> dict[str, bytes]:
+    """S bytes in FILES files (checkpoint shards), incompressible."""
+    sizes = [size // FILES + (1 if i < size % FILES else 0) for i in range(FILES)]
+    return {f"model-{i:05d}-of-{FILES:05d}.bin": pseudo_random(n, f"cluster-{i}") for i, n in enumerate(sizes)}
+
+
+def bounds(case: str, size: int, hosts: int, front: Link, fabric: Link) -> dict[str, float]:
+    """The physical bound of a case (``bound_s``) and its parts, from the link rates."""
+    fe, b = front.bytes_per_s, fabric.bytes_per_s
+    assert fe is not None and b is not None
+    if case in ("local", "ibcast", "chain"):
+        return {"bound_s": size / b, "link_s": size / b}
+    if case == "every-node":
+        return {"bound_s": size / fe, "download_s": size / fe}
+    download, fanout = size / (hosts * fe), size * (hosts - 1) / (hosts * b)
+    return {"bound_s": max(download, fanout), "download_s": download, "fanout_s": fanout, "sum_s": download + fanout}
+
+
+def clear_dest(bx: Box) -> None:
+    """Every host's DEST removed (the next copy starts from nothing)."""
+    for host in bx.hosts:
+        shutil.rmtree(bx.dest_of(host), ignore_errors=True)
+
+
+def compact_timeline(report: dict[str, Any], launched: float) -> dict[str, Any]:
+    """The report's timeline in seconds since mpiexec started: each stage from its first rank's
+    start to its last rank's end; when the first rank's run started, when rank 0's ended."""
+    origins = report.get("timeline_origin") or []
+    if not origins:
+        return {}
+    stages = []
+    for entry in report["timeline"]:
+        starts = [origins[r] + s for r, s in enumerate(entry["start"]) if s is not None]
+        ends = [origins[r] + e for r, e in enumerate(entry["end"]) if e is not None]
+        stages.append({"stage": entry["stage"], "start": round(min(starts) - launched, 3),
+                       "end": round(max(ends) - launched, 3)})  # fmt: skip
+    return {
+        "run_start": round(min(origins) - launched, 3),
+        "run_end": round(origins[0] + report["stages"]["total"]["seconds"] - launched, 3),
+        "stages": stages,
+    }
+
+
+class Bench:
+    """One box, its emulator and dataset, and the runs of each case on it."""
+
+    def __init__(self, bx: Box, emu: azurite.Emulator, source: Path, size: int, args: argparse.Namespace) -> None:
+        self.bx, self.emu, self.source, self.size, self.args = bx, emu, source, size, args
+        self.mpiexec = args.mpiexec or mpiexec()
+        self.flavour = box.flavour_of(self.mpiexec)
+        self.work = bx.dir / "bench"
+        self.work.mkdir(exist_ok=True)
+
+    def env(self) -> dict[str, str]:
+        """The ranks' environment: this one, the box's MPI settings, the emulator's key; no proxy."""
+        env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
+        if self.flavour == "openmpi":
+            env.update({k: v for k, v in box.openmpi_env().items() if k not in env})
+        env.update(self.bx.env(self.flavour))
+        env.update(self.emu.key_env())
+        env["PATH"] = f"{Path(self.mpiexec).parent}:{env.get('PATH', '')}"
+        return env
+
+    def counters(self) -> tuple[int, int, int]:
+        return self.bx.emulator_sent(), self.bx.fabric_bytes(), self.bx.front_bytes()
+
+    def run(self, case: str) -> dict[str, Any]:
+        """One run of ``case``: its figures (a sample of the row)."""
+        clear_dest(self.bx)
+        subprocess.run(["sync"], check=True)  # the last run's writes are not this one's
+        before = self.counters()
+        launched = time.time()
+        if case == "every-node":
+            sample = self.every_node(launched)
+        elif case in ("ibcast", "chain"):
+            sample = self.raw(case)
+        else:
+            sample = self.tool(case, launched)
+        sample["wall_s"] = round(time.time() - launched, 3)
+        after = self.counters()
+        sample["egress_bytes"], sample["fabric_bytes"], sample["front_bytes"] = (
+            a - b for a, b in zip(after, before, strict=True)
+        )
+        return sample
+
+    def tool(self, case: str, launched: float) -> dict[str, Any]:
+        report = self.work / "report.json"
+        source = str(self.source) if case == "local" else self.emu.url(CONTAINER)
+        extra = ["--no-overlap"] if case == "two-phase" else []
+        argv = [sys.executable, "-m", "azcp_cluster", source, self.bx.dest_template, "--json", str(report),
+                "--no-progress", *extra]  # fmt: skip
+        cmd = self.bx.mpiexec(self.mpiexec, self.flavour, argv, per_host=self.args.ranks_per_host)
+        proc = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{case} on {len(self.bx.hosts)} hosts: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+        doc = json.loads(report.read_text())
+        stages = {name: figures["seconds"] for name, figures in doc["stages"].items()}
+        inside = stages["list"] + stages["download"] + stages["bcast"] if case == "two-phase" else None
+        return {
+            "tool_s": round(stages["total"] - stages["list"], 3),
+            "total_s": round(stages["total"], 3),
+            "stages": {k: round(v, 3) for k, v in stages.items()},
+            # The time outside the list, download and broadcast stages (two phases: they do not overlap).
+            "outside_s": round(stages["total"] - inside, 3) if inside is not None else None,
+            "timeline": compact_timeline(doc, launched),
+        }
+
+    def raw(self, case: str) -> dict[str, Any]:
+        out = self.work / "raw.json"
+        argv = [sys.executable, str(REPO / "benchmarks" / "raw_fanout.py"), "--pattern", case, "--bytes",
+                str(self.size), "--piece", str(self.args.piece), "--json", str(out)]  # fmt: skip
+        cmd = self.bx.mpiexec(self.mpiexec, self.flavour, argv, per_host=1)
+        proc = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{case} on {len(self.bx.hosts)} hosts: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+        figures = json.loads(out.read_text())
+        if not figures["intact"]:
+            raise RuntimeError(f"{case}: a rank's bytes differ from rank 0's")
+        return {"tool_s": round(figures["seconds"], 3)}
+
+    def every_node(self, launched: float) -> dict[str, Any]:
+        """Every host downloads everything itself, all at once: one process of the tool each, no MPI between them."""
+        procs = []
+        for host in self.bx.hosts:
+            report = self.work / f"every-{host.name}.json"
+            argv = [sys.executable, "-m", "azcp_cluster", self.emu.url(CONTAINER), str(self.bx.dest_of(host)),
+                    "--json", str(report), "--no-progress"]  # fmt: skip
+            cmd = [str(self.bx.dir / "nsexec"), host.name, shlex.join(argv)]
+            procs.append((host, report, subprocess.Popen(cmd, env=self.env(), cwd=REPO, stdout=subprocess.DEVNULL,
+                                                         stderr=subprocess.PIPE, text=True)))  # fmt: skip
+        tool_s, totals = [], []
+        for host, report, proc in procs:
+            _, err = proc.communicate(timeout=TIMEOUT)
+            if proc.returncode != 0:
+                raise RuntimeError(f"every-node on {host.name}: exit {proc.returncode}\n{err[-3000:]}")
+            stages = json.loads(report.read_text())["stages"]
+            tool_s.append(stages["total"]["seconds"] - stages["list"]["seconds"])
+            totals.append(stages["total"]["seconds"])
+        return {
+            "tool_s": round(max(tool_s), 3),
+            "total_s": round(max(totals), 3),
+            "by_host_s": [round(t, 3) for t in tool_s],
+        }
+
+
+def row(case: str, hosts: int, samples: list[dict[str, Any]], size: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The row of one case on ``hosts`` hosts: the median sample's figures, its bound, every sample."""
+    front, fabric = Link(args.front), Link(args.fabric)
+    median = statistics.median(s["tool_s"] for s in samples)
+    chosen = min(samples, key=lambda s: abs(s["tool_s"] - median))  # the sample closest to the median
+    bound = bounds(case, size, hosts, front, fabric)
+    return {
+        "case": case,
+        "hosts": hosts,
+        "ranks_per_host": 1 if case in ("ibcast", "chain", "every-node") else args.ranks_per_host,
+        "bytes": size,
+        "front_mbit": args.front,
+        "fabric_mbit": args.fabric,
+        "dest": "tmpfs" if args.tmpfs else "disk",
+        "mpi": box.flavour_of(args.mpiexec or mpiexec()),
+        "bound_s": round(bound["bound_s"], 3),
+        "bound_parts": {k: round(v, 3) for k, v in bound.items() if k != "bound_s"},
+        "tool_s": round(median, 3),
+        "ratio": round(median / bound["bound_s"], 2),
+        "egress_bytes": chosen["egress_bytes"],
+        "egress_ratio": round(chosen["egress_bytes"] / size, 3),
+        "fabric_bytes": chosen["fabric_bytes"],
+        "front_bytes": chosen["front_bytes"],
+        "wall_s": chosen["wall_s"],
+        "total_s": chosen.get("total_s"),
+        "outside_s": chosen.get("outside_s"),
+        "stages": chosen.get("stages"),
+        "timeline": chosen.get("timeline"),
+        "samples": [s["tool_s"] for s in samples],
+    }
+
+
+def bench_hosts(hosts: int, files: dict[str, bytes], source: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every case on a box of ``hosts`` hosts, ``args.repeats`` times, alternating."""
+    size = sum(len(d) for d in files.values())
+    rows = []
+    with (
+        Box(hosts, front=Link(args.front), fabric=Link(args.fabric), tmpfs_dest=args.tmpfs) as bx,
+        bx.emulator() as emu,
+    ):
+        azurite.upload(emu, CONTAINER, files)
+        bench = Bench(bx, emu, source, size, args)
+        samples: dict[str, list[dict[str, Any]]] = {case: [] for case in args.cases}
+        for _ in range(args.repeats):
+            for case in args.cases:
+                samples[case].append(bench.run(case))
+                print(f"# {hosts} hosts {case}: {samples[case][-1]['tool_s']:.2f} s", file=sys.stderr, flush=True)
+        for case in args.cases:
+            rows.append(row(case, hosts, samples[case], size, args))
+    return rows
+
+
+STYLE = {  # case: (label, marker); the bounds are dashed in the colour of their case
+    "local": ("tool, local SOURCE, one reader", "o"),
+    "stream": ("tool, blob SOURCE, streaming", "s"),
+    "two-phase": ("tool, blob SOURCE, --no-overlap", "D"),
+    "ibcast": ("raw pipelined Ibcast", "^"),
+    "chain": ("raw point-to-point chain", "v"),
+    "every-node": ("every host downloads it all (today)", "x"),
+}
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """Time against hosts for every case, with the bounds; and the emulator's egress over S (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["rows"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [2, 1]})
+    for case, (label, marker) in STYLE.items():
+        mine = sorted((r for r in rows if r["case"] == case), key=lambda r: r["hosts"])
+        if not mine:
+            continue
+        hosts = [r["hosts"] for r in mine]
+        (line,) = left.plot(hosts, [r["tool_s"] for r in mine], marker=marker, label=label)
+        if case in ("local", "stream", "every-node"):  # one bound line per kind of bound
+            name = {"local": "bound S/B", "stream": "bound max(S/(N·fe), S(N-1)/(N·B))", "every-node": "bound S/fe"}
+            left.plot(hosts, [r["bound_s"] for r in mine], linestyle="--", color=line.get_color(), label=name[case])
+        if case in ("stream", "two-phase", "every-node"):
+            right.plot(hosts, [r["egress_ratio"] for r in mine], marker=marker, color=line.get_color(), label=label)
+    first = rows[0]
+    size = f"{first['bytes'] / 2**20:.0f} MiB"
+    left.set(xlabel="hosts", ylabel="seconds (total − list)", xticks=sorted({r["hosts"] for r in rows}),
+             title=f"{size}, frontend {first['front_mbit']:g} Mbit/s, fabric {first['fabric_mbit']:g} Mbit/s, "
+             f"{first['mpi']}, DEST on {first['dest']}")  # fmt: skip
+    left.set_ylim(bottom=0)
+    left.legend(fontsize=7)
+    right.set(xlabel="hosts", ylabel="bytes the emulator sent / S", xticks=sorted({r["hosts"] for r in rows}),
+              title="egress from \"Azure\"")  # fmt: skip
+    right.set_ylim(bottom=0)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the cases on each host count; print (and with --json write) {"rows": [...]}."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="32 MiB, one run of each case")
+    parser.add_argument("--hosts", default="2,4,8")
+    parser.add_argument("--bytes", type=int, help="S (default 128 MiB; --quick 32 MiB)")
+    parser.add_argument("--front", type=float, default=100.0, help="each host's frontend NIC, Mbit/s (fe)")
+    parser.add_argument("--fabric", type=float, default=400.0, help="each host's fabric NIC, Mbit/s (B)")
+    parser.add_argument("--ranks-per-host", type=int, default=1)
+    parser.add_argument("--piece", type=int, default=4 * MiB, help="the raw patterns' piece size")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--tmpfs", action="store_true", help="each host's DEST on a tmpfs (the disk taken out)")
+    parser.add_argument("--mpiexec", help="the MPI launcher (default: the one next to this interpreter)")
+    parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--plot", metavar="PNG", help="plot the rows (needs the 'bench' extra: matplotlib)")
+    parser.add_argument("--from", dest="source", metavar="JSON", help="plot this earlier result instead of running")
+    args = parser.parse_args(argv)
+    if args.source:
+        plot(json.loads(Path(args.source).read_text()), args.plot or "cluster.png")
+        return 0
+    reason = box.unavailable()
+    if reason:
+        print(f"benchmarks.cluster: {reason}", file=sys.stderr)
+        return 2
+    args.cases = [c for c in args.cases.split(",") if c]
+    unknown = set(args.cases) - set(CASES)
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    size = args.bytes or (32 * MiB if args.quick else 128 * MiB)
+    files = dataset(size)
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="azcp-cluster-bench-") as tmp:
+        source = Path(tmp) / "src"
+        source.mkdir()
+        for name, data in files.items():
+            (source / name).write_bytes(data)
+        rows = []
+        for hosts in (int(h) for h in args.hosts.split(",")):
+            rows += bench_hosts(hosts, files, source, args)
+    doc = {"rows": rows, "quick": args.quick, "repeats": args.repeats, "cpus": os.cpu_count(),
+           "seconds": round(time.time() - started, 1)}  # fmt: skip
+    for r in rows:
+        print(f"{r['hosts']} hosts {r['case']:>10}: {r['tool_s']:6.2f} s, bound {r['bound_s']:5.2f} s, "
+              f"ratio {r['ratio']:5.2f}, egress {r['egress_ratio']:.2f} x S")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    if args.plot:
+        plot(doc, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

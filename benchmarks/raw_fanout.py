@@ -1,0 +1,95 @@
+"""Raw fan-out patterns, no disk and no tool: run under mpiexec with one rank per host.
+
+    mpiexec ... python benchmarks/raw_fanout.py --pattern ibcast|chain --bytes N --piece P [--inflight K] --json OUT
+
+* ibcast: rank 0's ``--bytes`` in ``--piece`` pieces, each a nonblocking ``MPI_Ibcast``, up
+  to ``--inflight`` at once (the oldest completed before the next is posted): the pattern the
+  tool's fan-out uses.
+* chain: a pipelined point-to-point chain 0 -> 1 -> ... -> N-1: each rank pre-posts
+  ``--inflight`` receives from the rank before it and forwards every piece to the rank after it
+  as soon as it has arrived. Every link carries the bytes once, so on links of one rate it
+  takes about S/B, whatever N.
+
+Rank 0 writes the seconds between two barriers (the slowest rank's) as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+
+def ibcast(comm: Any, buf: np.ndarray, pieces: list[tuple[int, int]], inflight: int) -> None:
+    """Every piece from rank 0 by Ibcast, ``inflight`` at once."""
+    window: deque[Any] = deque()
+    for offset, length in pieces:
+        if len(window) == inflight:
+            window.popleft().Wait()
+        window.append(comm.Ibcast([buf[offset : offset + length], MPI.BYTE], root=0))
+    MPI.Request.Waitall(list(window))
+
+
+def chain(comm: Any, buf: np.ndarray, pieces: list[tuple[int, int]], inflight: int) -> None:
+    """Every piece along the chain 0 -> 1 -> ... -> N-1, receives pre-posted ``inflight`` deep."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    before, after = rank - 1, rank + 1 if rank + 1 < size else None
+    sends: list[Any] = []
+
+    def receive(i: int) -> Any:
+        offset, length = pieces[i]
+        return comm.Irecv([buf[offset : offset + length], MPI.BYTE], source=before, tag=i)
+
+    posted: deque[Any] = deque(receive(i) for i in range(min(inflight, len(pieces)))) if rank else deque()
+    for i, (offset, length) in enumerate(pieces):
+        if rank:
+            posted.popleft().Wait()
+            if i + inflight < len(pieces):
+                posted.append(receive(i + inflight))
+        if after is not None:
+            sends.append(comm.Isend([buf[offset : offset + length], MPI.BYTE], dest=after, tag=i))
+            if len(sends) > inflight:  # completed in order: the oldest is the first to finish
+                sends.pop(0).Wait()
+    MPI.Request.Waitall(sends)
+
+
+def main() -> int:
+    """Time one pattern; rank 0 writes its figures (seconds, every rank's CPU seconds) as JSON."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pattern", choices=("ibcast", "chain"), required=True)
+    parser.add_argument("--bytes", type=int, required=True)
+    parser.add_argument("--piece", type=int, default=4 << 20)
+    parser.add_argument("--inflight", type=int, default=4)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    buf = np.zeros(args.bytes, dtype=np.uint8)
+    if comm.Get_rank() == 0:
+        buf[:] = np.frombuffer(np.random.default_rng(1).bytes(args.bytes), dtype=np.uint8)
+    pieces = [(off, min(args.piece, args.bytes - off)) for off in range(0, args.bytes, args.piece)]
+    run = ibcast if args.pattern == "ibcast" else chain
+    comm.Barrier()
+    started, cpu = time.perf_counter(), time.process_time()
+    run(comm, buf, pieces, args.inflight)
+    comm.Barrier()
+    seconds = comm.allreduce(time.perf_counter() - started, op=MPI.MAX)
+    # Every rank's CPU time: an MPI that busy-polls while it waits takes all it is given.
+    cpu_seconds = comm.allreduce(time.process_time() - cpu, op=MPI.SUM)
+    # Every rank holds rank 0's bytes (a pattern that lost or reordered a piece is no ceiling).
+    digest = int(np.bitwise_xor.reduce(buf.view(np.uint64)))
+    same = len(set(comm.allgather(digest))) == 1
+    if comm.Get_rank() == 0:
+        figures = {"pattern": args.pattern, "bytes": args.bytes, "piece": args.piece, "inflight": args.inflight,
+                   "ranks": comm.Get_size(), "seconds": seconds, "cpu_s": cpu_seconds, "intact": same}  # fmt: skip
+        Path(args.json).write_text(json.dumps(figures) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
