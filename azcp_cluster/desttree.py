@@ -179,20 +179,21 @@ class DestTree:
         first failing batch, whatever the threads did."""
         names = list(rels)
         found: list[os.stat_result | None] = [None] * len(names)
-        by_dir: dict[tuple[str, ...], list[tuple[int, str]]] = defaultdict(list)
+        # Grouped by the directory's name, split into its components once per directory.
+        by_dir: dict[str, list[tuple[int, str]]] = defaultdict(list)
         for index, rel in enumerate(names):
-            parts, base = split(rel)
-            by_dir[tuple(parts)].append((index, base))
+            head, _, base = rel.rpartition("/")
+            by_dir[head].append((index, base))
         batches = [
-            (folder, entries[at : at + STAT_BATCH])
-            for folder, entries in by_dir.items()
+            (head.split("/") if head else [], entries[at : at + STAT_BATCH])
+            for head, entries in by_dir.items()
             for at in range(0, len(entries), STAT_BATCH)
         ]
 
-        def stat_batch(batch: tuple[tuple[str, ...], list[tuple[int, str]]]) -> int:
+        def stat_batch(batch: tuple[list[str], list[tuple[int, str]]]) -> int:
             folder, entries = batch
             try:
-                dfd = self._open_dir(list(folder), create=False)
+                dfd = self._open_dir(folder, create=False)
             except (FileNotFoundError, NotADirectoryError, LocalFSError):
                 return 1  # missing, a link or not a directory: nothing of ours below it
             try:

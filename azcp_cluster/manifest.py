@@ -12,9 +12,9 @@ import base64
 import hashlib
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,9 +30,9 @@ HASH_CHUNK = 8 * 1024 * 1024
 MANIFEST_LIMIT = 1 << 30
 
 
-@dataclass(frozen=True)
-class Recorded:
-    """One file as the manifest remembers it."""
+class Recorded(NamedTuple):
+    """One file as the manifest remembers it (a named tuple: a manifest of 100,000 files is
+    read in every rerun, and these cost a third of a frozen dataclass to make)."""
 
     size: int
     etag: str
@@ -63,17 +63,29 @@ def same_etag(recorded: str, listed: str) -> bool:
     return recorded.removeprefix("W/") == listed.removeprefix("W/")
 
 
-def save(tree: DestTree, files: Sequence[FileEntry], previous: dict[str, Recorded]) -> None:
-    """Record ``files`` (all present now), keeping earlier entries whose files still exist."""
-    still = tree.present_all((p, r.size) for p, r in previous.items())
-    entries = {p: r for (p, r), ok in zip(previous.items(), still, strict=True) if ok}
+def save(
+    tree: DestTree, files: Sequence[FileEntry], previous: dict[str, Recorded], present: Mapping[str, int] | None = None
+) -> None:
+    """Record ``files`` (all present now), keeping earlier entries whose files still exist.
+
+    ``present``: path -> size of the files this run's compare found in DEST (and left
+    there): an earlier entry of one of these, of that size, is kept without looking again
+    (a no-op rerun of 100,000 files: 100,000 stat calls fewer). The others are looked at.
+    """
+    known = present or {}
+    unsure = [(p, r.size) for p, r in previous.items() if known.get(p) != r.size]
+    gone = {p for (p, _), ok in zip(unsure, tree.present_all(unsure), strict=True) if not ok}
+    entries = {p: r for p, r in previous.items() if p not in gone}
+    changed = bool(gone)
     for f in files:
         md5 = f.content_md5
         old = previous.get(f.path)
         if not md5 and old is not None and old.size == f.size and same_etag(old.etag, f.etag):
             md5 = old.md5  # the same version: an MD5 found earlier (by --verify) still holds
-        entries[f.path] = Recorded(f.size, f.etag, md5)
-    if entries == previous and tree.lstat(MANIFEST_NAME) is not None:
+        entry = Recorded(f.size, f.etag, md5)
+        changed = changed or entries.get(f.path) != entry
+        entries[f.path] = entry
+    if not changed and tree.lstat(MANIFEST_NAME) is not None:
         return  # a rerun that changed nothing writes nothing (and syncs nothing)
     doc = {"version": 1, "files": {p: [r.size, r.etag, r.md5] for p, r in sorted(entries.items())}}
     tree.write_atomic(MANIFEST_NAME, json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))

@@ -58,7 +58,10 @@ def encode_listing(listing: Listing) -> bytes:
         "mtime": [f.last_modified for f in files],
     }
     raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    return zlib.compress(raw, 6)
+    # Level 1: a third of level 6's time for 7/8 of its gain (100,000 local files: 0.06 s
+    # against 0.16 s, 5.3 against 6.1 times smaller), on the reader's path before anyone
+    # can start the compare.
+    return zlib.compress(raw, 1)
 
 
 def decode_listing(blob: bytes) -> Listing:

@@ -351,3 +351,55 @@ def test_names_too_long_for_the_filesystem_are_refused() -> None:
         with pytest.raises(ListError, match="too long for the filesystem"):
             check_relative_path(bad, bad)
     assert len("/".join(["x" * 200] * 16)) > MAX_PATH_BYTES
+
+
+# ---------------------------------------------------------------------------------------
+# The rules checked once per directory give what they give one name at a time
+
+
+def _refusal(path: str, checked: set[str] | None) -> str:
+    try:
+        return check_relative_path(path, path, checked)
+    except ListError as exc:
+        return f"refused: {exc}"
+
+
+any_segment = st.one_of(
+    safe_segment, bad_segment, st.sampled_from([MANIFEST_NAME, LOCK_NAME, "x" + TEMP_SUFFIX, "a" * 260])
+)
+
+
+@given(st.lists(st.lists(any_segment, min_size=1, max_size=5).map("/".join), min_size=1, max_size=30))
+@settings(max_examples=300, deadline=None)
+def test_the_directories_checked_once_refuse_and_keep_what_each_name_alone_would(names: list[str]) -> None:
+    checked: set[str] = set()
+    for path in names:
+        assert _refusal(path, checked) == _refusal(path, None)
+    # Only directories found safe are remembered.
+    assert all(_refusal(d, None) == d for d in checked if d)
+
+
+def _collision(files: list[FileEntry]) -> str:
+    try:
+        check_collisions(files)
+        return ""
+    except ListError as exc:
+        return str(exc)
+
+
+def _collision_name_by_name(files: list[FileEntry]) -> str:
+    paths = {f.path for f in files}
+    for f in files:
+        parts = f.path.split("/")
+        for depth in range(1, len(parts)):
+            if "/".join(parts[:depth]) in paths:
+                return f"'{'/'.join(parts[:depth])}' is both a file and the directory of '{f.path}'"
+    return ""
+
+
+@given(st.lists(st.lists(st.sampled_from("abc"), min_size=1, max_size=4).map("/".join), max_size=30, unique=True))
+@settings(max_examples=300, deadline=None)
+def test_collisions_found_once_per_directory_are_those_found_name_by_name(names: list[str]) -> None:
+    files = [entry(name) for name in names]  # in any order
+    found, expected = _collision(files), _collision_name_by_name(files)
+    assert found.startswith(expected) and bool(found) == bool(expected)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import resource
 from collections.abc import Mapping
+from itertools import compress
 
 from azcp_cluster import journal, manifest
 from azcp_cluster.cluster import StageOutcome, StageResult
@@ -148,7 +149,9 @@ def record(ctx: RunContext, place: Placement, moved: Transferred, verified: Mapp
     with cluster.stage(outcome):
         if place.leader:
             tree = ctx.dest_tree()
-            manifest.save(tree, known, manifest.load(tree))
+            # What the compare found here (and the run left alone): no new look at its entries.
+            present = {f.path: f.size for f in compress(files, have)}
+            manifest.save(tree, known, manifest.load(tree), present)
             journal.remove(tree)  # every file is under its final name: nothing to resume
     cluster.note("record", t0)
     cluster.conclude(cluster.clock(), outcome)

@@ -77,6 +77,7 @@ def list_source(ctx: RunContext, place: Placement) -> Listed:
         cluster.note("list", t0)  # the timeline's: carried by the diff's agreement
         return _listed(ctx, listing, False, cluster.clock() - t0)
     payload: bytes | None = None
+    listed: Listing | None = None
     outcome = StageOutcome()
     if ctx.rank == place.reader:
         with cluster.stage(outcome), cluster.abandonable():  # a signal stops the listing at once
@@ -93,7 +94,9 @@ def list_source(ctx: RunContext, place: Placement) -> Listed:
     payload, failure, single = cluster.bcast_object(message, root=place.reader)
     if failure is not None:
         raise error_from_payload(failure)
-    listing = decode_listing(payload)
+    # The reader keeps what it listed (decode_listing gives the others the same: 0.1 s of
+    # its time on the path of every rank, 100,000 files).
+    listing = listed if listed is not None else decode_listing(payload)
     cluster.note("list", t0)
     return _listed(ctx, listing, bool(single), cluster.clock() - t0)
 
