@@ -93,7 +93,7 @@ def _read_all(tree: DestTree) -> list[list[resume.Record]]:
         _warn(tree, "the block journal is not a directory of this user's own that only it may write; ignored")
         return []
     journals: list[list[resume.Record]] = []
-    unreadable = 0
+    unreadable = older = 0
     try:
         with tree.directory([JOURNAL_DIR]) as dfd:
             for name in sorted(os.listdir(dfd)):
@@ -102,7 +102,9 @@ def _read_all(tree: DestTree) -> list[list[resume.Record]]:
                     unreadable += 1
                     continue
                 records, readable = resume.decode(data)
-                if not readable:
+                if not readable and data.startswith(resume.MAGIC[:-1]):
+                    older += 1  # another version's: never believed
+                elif not readable:
                     unreadable += 1
                 journals.append(records)
     except OSError as exc:
@@ -110,6 +112,8 @@ def _read_all(tree: DestTree) -> list[list[resume.Record]]:
         return []
     if unreadable:
         _warn(tree, f"{unreadable} file(s) of the block journal cannot be read (garbled, or not the tool's own)")
+    if older:
+        _warn(tree, f"{older} file(s) of the block journal come from another version of the tool; their blocks are copied again")
     return journals
 
 

@@ -28,7 +28,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from itertools import pairwise
 from typing import NamedTuple
 
-MAGIC = b"AZCPJNL1"
+# Version 2: version 1 journals were written by builds whose fan-out receivers could record
+# a failed root's unfilled slot (zeros) as kept (fanout.Post.intact); they claim nothing.
+MAGIC = b"AZCPJNL2"
 # Held ranges start and end on multiples of this (but for a file's end): the alignment of
 # the plan's shard boundaries (plan.SHARD_ALIGN), so a missing range is a shard's range.
 RESUME_ALIGN = 4096

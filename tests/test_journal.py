@@ -207,3 +207,17 @@ def test_a_weak_etag_ties_no_block_to_its_file(dest: DestTree) -> None:
     run.written(0, 0, MiB)
     run.close()
     assert journal.load(_reopen(dest), weak, [0], ORIGIN) == {}
+
+
+def test_a_journal_of_the_first_version_claims_nothing(dest: DestTree, capsys: pytest.CaptureFixture[str]) -> None:
+    """Version 1 journals came from builds whose fan-out could record a failed root's unfilled
+    slot as kept (fanout.Post.intact): the same records under the old magic are not believed."""
+    run = _running(dest)
+    run.written(0, 0, MiB)
+    run.close()
+    assert journal.load(_reopen(dest), FILES, [0], ORIGIN) != {}  # believed under today's magic
+    journal_file = Path(dest.real) / JOURNAL_DIR / "rank-0"
+    data = journal_file.read_bytes()
+    journal_file.write_bytes(b"AZCPJNL1" + data[len(resume.MAGIC) :])
+    assert journal.load(_reopen(dest), FILES, [0], ORIGIN) == {}
+    assert "another version of the tool" in capsys.readouterr().err

@@ -3,6 +3,9 @@
 Tiny data, so what is tested is the control plane: every rank lists nothing but receives the
 listing, plans the same plan, takes part in every agreement, and ends; ranks with nothing to
 download wait without hanging; 64 nodes' copies (one DEST per rank) are byte-identical.
+
+About 50 s on 2 cores (64 interpreters start there): marked slow, run by CI's own step
+(.ci/run), not by the default suite.
 """
 
 from __future__ import annotations
@@ -11,12 +14,15 @@ import hashlib
 import uuid
 from pathlib import Path
 
+import pytest
+
 from azcp_cluster.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from tests.conftest import run_cli, tree_of
 
 RANKS = 64
+pytestmark = pytest.mark.slow
 
 
 def test_sixty_four_ranks_copy_a_small_tree_byte_identical(emulator: azurite.Emulator, tmp_path: Path) -> None:

@@ -122,12 +122,12 @@ def test_schedule_properties(args: tuple[Plan, list[int], int, int, list[int], b
     plan, sizes, slot, groups, root_of, pack, subset = args
     receivers_of = (lambda f, r: _subset(f, r, groups)) if subset else None
     schedule = transfer_schedule(plan, slot, groups, root_of=root_of, receivers_of=receivers_of, pack=pack)
-    assert [t.seq for t in schedule] == list(range(len(schedule)))
+    transfers = list(schedule)  # each Transfer made once (the schedule makes them as read)
+    assert [t.seq for t in transfers] == list(range(len(schedule)))
     covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    root_of_byte: dict[tuple[int, int], int] = {}
-    for shard in plan.shards:
-        root_of_byte[(shard.file, shard.offset)] = root_of[shard.owner]
-    for t in schedule:
+    # Per file, its extents in schedule order: (offset, root, transfer).
+    extents_of: dict[int, list[tuple[int, int, Transfer]]] = defaultdict(list)
+    for t in transfers:
         assert t.extents and 0 < t.length <= slot  # no slot overflows
         assert 0 <= t.root < groups and t.root not in t.receivers
         assert list(t.receivers) == sorted(set(t.receivers))
@@ -138,6 +138,7 @@ def test_schedule_properties(args: tuple[Plan, list[int], int, int, list[int], b
         for e in t.extents:
             assert e.length > 0
             covered[e.file].append((e.offset, e.length))
+            extents_of[e.file].append((e.offset, t.root, t))
             if e.length >= DIRECT_MIN and e.offset % ALIGN == 0:
                 assert e.at % ALIGN == 0 and e.direct  # O_DIRECT-capable extents stay aligned
             want = _subset(e.file, t.root, groups) if subset else tuple(range(groups))
@@ -151,41 +152,38 @@ def test_schedule_properties(args: tuple[Plan, list[int], int, int, list[int], b
             position += length
         assert position == size
     for shard in plan.shards:
-        inside = [
-            t.root
-            for t in schedule
-            for e in t.extents
-            if e.file == shard.file and shard.offset <= e.offset < shard.offset + shard.length
-        ]
+        end = shard.offset + shard.length
+        inside = [root for offset, root, _ in extents_of[shard.file] if shard.offset <= offset < end]
         assert set(inside) == {root_of[shard.owner]}
     # Each root's pieces keep plan order (its downloads land in that order).
     by_root: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for t in schedule:
+    for t in transfers:
         by_root[t.root].extend((e.file, e.offset) for e in t.extents)
     for pieces_of_root in by_root.values():
         assert pieces_of_root == sorted(pieces_of_root)
     # last_of_file: exactly the last extent of each file from each root, in schedule order.
     last: dict[tuple[int, int], tuple[int, int]] = {}
-    for t in schedule:
+    for t in transfers:
         for i, e in enumerate(t.extents):
             last[(t.root, e.file)] = (t.seq, i)
-    flagged = {(t.seq, i) for t in schedule for i, e in enumerate(t.extents) if e.last_of_file}
+    flagged = {(t.seq, i) for t in transfers for i, e in enumerate(t.extents) if e.last_of_file}
     assert flagged == set(last.values())
     # files_written and streamed_files against a direct reading of the schedule.
     for rank in range(groups):
-        mine = [t for t in schedule if t.root == rank or rank in t.receivers]
+        mine = [t for t in transfers if t.root == rank or rank in t.receivers]
         assert files_written(schedule, rank) == {e.file for t in mine for e in t.extents}
         streamed = streamed_files(schedule, rank, sizes)
         for index in streamed:
-            extents = [e for t in schedule for e in t.extents if e.file == index]
-            assert all(t.involves(rank) for t in schedule for e in t.extents if e.file == index)
-            assert [e.offset for e in extents] == sorted(e.offset for e in extents)
+            offsets = [offset for offset, _, _ in extents_of[index]]
+            assert all(t.involves(rank) for _, _, t in extents_of[index])
+            assert offsets == sorted(offsets)
     if groups == 1 or not subset:
         # One copy per rank, every rank in every transfer: files come in offset order when
         # their shards share a root.
-        single = {s.file for s in plan.shards} - {
-            s.file for s in plan.shards for o in plan.shards if o.file == s.file and o.owner != s.owner
-        }
+        owners: dict[int, set[int]] = defaultdict(set)
+        for shard in plan.shards:
+            owners[shard.file].add(shard.owner)
+        single = {file for file, who in owners.items() if len(who) == 1}
         for rank in range(groups):
             assert single <= streamed_files(schedule, rank, sizes)
 

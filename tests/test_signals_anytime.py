@@ -113,7 +113,7 @@ def _run(
         if sig is not None:
             target = proc.pid if rank is None else _rank_pid(tag, rank, started + 30)
             if at is None:
-                while proc.poll() is None and not _copies_complete(base):
+                while proc.poll() is None and not _all_renamed(base):
                     time.sleep(0.002)
             else:
                 time.sleep(max(0.0, started + at - time.monotonic()))
@@ -131,6 +131,19 @@ def _run(
             proc.communicate()
     doc = json.loads(report.read_text()) if report.exists() else None
     return Outcome(proc.returncode, out, err, doc, sent_at)
+
+
+def _all_renamed(base: Path) -> bool:
+    """Whether every file is under its final name at its size in every copy (stat calls only:
+    cheap to poll while the run renames; the bytes are compared once it has ended)."""
+    for r in range(RANKS):
+        for name, data in FILES.items():
+            try:
+                if (base / str(r) / name).stat().st_size != len(data):
+                    return False
+            except FileNotFoundError:
+                return False
+    return True
 
 
 def _copies_complete(base: Path) -> bool:
