@@ -113,7 +113,7 @@ def _read_all(tree: DestTree) -> list[list[resume.Record]]:
     if unreadable:
         _warn(tree, f"{unreadable} file(s) of the block journal cannot be read (garbled, or not the tool's own)")
     if older:
-        _warn(tree, f"{older} file(s) of the block journal come from another version of the tool; their blocks are copied again")
+        _warn(tree, f"{older} file(s) of the block journal come from another version of the tool; not resumed from")
     return journals
 
 
