@@ -201,7 +201,8 @@ def _unexpected(exc: BaseException, comm: Any, interrupts: Interrupts) -> int:
 def _say(line: str) -> None:
     """One line on stderr, flushed; a closed stderr loses it, nothing more."""
     with contextlib.suppress(OSError, ValueError):
-        print(line, file=sys.stderr, flush=True)
+        sys.stderr.write(line + "\n")  # one write (report.say: lines of two ranks never run together)
+        sys.stderr.flush()
 
 
 def launcher_rank() -> int:

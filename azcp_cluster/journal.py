@@ -23,7 +23,6 @@ import errno
 import fcntl
 import os
 import stat
-import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from azcp_cluster.interrupts import shield
 from azcp_cluster.localfs import fs_error, temp_name
 from azcp_cluster.model import FileEntry
 from azcp_cluster.naming import JOURNAL_DIR
+from azcp_cluster.report import say
 
 # Seconds between two appends of a running journal: what a SIGKILL can lose at most.
 INTERVAL = 1.0
@@ -73,11 +73,7 @@ def _own(st: os.stat_result, kind: Callable[[int], bool]) -> bool:
 
 
 def _warn(tree: DestTree, what: str) -> None:
-    print(
-        f"azcp-cluster: warning: {what} ({tree.shown(JOURNAL_DIR)}); the files it covers are copied whole",
-        file=sys.stderr,
-        flush=True,
-    )
+    say(f"azcp-cluster: warning: {what} ({tree.shown(JOURNAL_DIR)}); the files it covers are copied whole")
 
 
 def _read_all(tree: DestTree) -> list[list[resume.Record]]:

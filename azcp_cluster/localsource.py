@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -35,6 +34,7 @@ from azcp_cluster.errors import ListError, SourceError, UsageError
 from azcp_cluster.localfs import filesystem_type
 from azcp_cluster.model import FileEntry, Listing
 from azcp_cluster.naming import JOURNAL_DIR, LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX, RawEntry, select
+from azcp_cluster.report import say
 from azcp_cluster.syscalls import CallPool
 
 # A file's identity is believed only once its change time is this far behind the reader's
@@ -235,11 +235,9 @@ def list_local(root: str, cfg: Config) -> Listing:
     entries, not_data, dangling = _walk(root, top, trust)
     listing = select("", None, entries, cfg.include, cfg.exclude)
     if dangling:
-        print(
+        say(
             f"azcp-cluster: warning: skipped {len(dangling)} dangling symbolic link(s) in SOURCE "
-            f"(e.g. {dangling[0]!r}: its target does not exist)",
-            file=sys.stderr,
-            flush=True,
+            f"(e.g. {dangling[0]!r}: its target does not exist)"
         )
     skipped = not_data + len(dangling)
     return Listing(files=listing.files, markers_skipped=0, filtered_out=listing.filtered_out + skipped)

@@ -148,13 +148,22 @@ def write_json_document(doc: dict[str, Any], path: str, durable: bool = True) ->
         raise
 
 
+def say(line: str) -> None:
+    """``line`` on stderr in one write, flushed (a closed stderr loses it, nothing more).
+
+    One write: under ``PYTHONUNBUFFERED`` print() writes the text and its newline apart, and
+    two ranks' lines on one launcher's stderr then run together on one line."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
 def write_json_report(report: Report, path: str) -> None:
     """The JSON report at ``path``; one that cannot be written is a warning, not a failed copy."""
     try:
         report.write_json(path)
     except OSError as exc:
-        with contextlib.suppress(OSError, ValueError):
-            print(f"azcp-cluster: warning: cannot write the JSON report to {path}: {exc.strerror}", file=sys.stderr)
+        say(f"azcp-cluster: warning: cannot write the JSON report to {path}: {exc.strerror}")
 
 
 def gbps(nbytes: int, seconds: float) -> str:

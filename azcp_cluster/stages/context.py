@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -21,7 +20,7 @@ from azcp_cluster.desttree import DestTree
 from azcp_cluster.errors import AzcpError, LocalFSError
 from azcp_cluster.localfs import expand_dest, free_bytes
 from azcp_cluster.progress import wants_progress
-from azcp_cluster.report import Report
+from azcp_cluster.report import Report, say
 from azcp_cluster.source import is_url
 
 if TYPE_CHECKING:
@@ -141,9 +140,7 @@ class RunContext:
         self._warned_direct = True
         if self.rank == 0:
             ranks = ", ".join(str(r) for r, _ in refused)
-            print(
+            say(
                 f"azcp-cluster: warning: the filesystem of DEST refuses O_DIRECT on rank(s) {ranks} "
-                f"(e.g. {refused[0][1]}): writing through the page cache there",
-                file=sys.stderr,
-                flush=True,
+                f"(e.g. {refused[0][1]}): writing through the page cache there"
             )

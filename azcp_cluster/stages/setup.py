@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,6 +20,7 @@ from azcp_cluster.errors import LockError, ReportPathError, TopologyError, Usage
 from azcp_cluster.localfs import ensure_dest, locate_dest, machine_id
 from azcp_cluster.localsource import check_overlap
 from azcp_cluster.proxies import Proxy, proxy_for
+from azcp_cluster.report import say
 from azcp_cluster.source import parse_blob_url
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.topology import Place, Topology, check_nesting, choose_reader, choose_readers, group_ranks
@@ -206,11 +206,9 @@ def lock_dest(ctx: RunContext, leader: bool, t0: float, places: list[Place]) -> 
                 f"DEST is still {holder} after --lock-timeout {cfg.lock_timeout:g} s", path=st["dest"], rank=rank
             )
         if not waited and ctx.rank == 0:
-            print(
+            say(
                 f"azcp-cluster: notice: rank {rank}: DEST {st['dest']} is {holder}; waiting for it to end "
-                "(--lock fail exits instead)",
-                file=sys.stderr,
-                flush=True,
+                "(--lock fail exits instead)"
             )
         waited = True
         time.sleep(lock_backoff(attempt, rng))

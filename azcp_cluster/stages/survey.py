@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import sys
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from azcp_cluster.cluster import StageOutcome, error_from_payload, error_payload
 from azcp_cluster.localsource import list_local
 from azcp_cluster.model import FileEntry, Listing, decode_listing, encode_listing
 from azcp_cluster.naming import Selected, merge, prefilter
-from azcp_cluster.report import StageFigures
+from azcp_cluster.report import StageFigures, say
 from azcp_cluster.resume import Segment, segments, total
 from azcp_cluster.source import parse_blob_url
 from azcp_cluster.stages.context import RunContext
@@ -205,7 +204,7 @@ def _listed(ctx: RunContext, listing: Listing, single: bool, seconds: float) -> 
     if not listing.files and ctx.rank == 0:
         # Not an error (an empty prefix is a valid, finished copy), but rarely intended.
         what = "filters left no file" if listing.filtered_out else "SOURCE matched no files"
-        print(f"azcp-cluster: warning: {what}; nothing to copy", file=sys.stderr, flush=True)
+        say(f"azcp-cluster: warning: {what}; nothing to copy")
     return Listed(listing, single, seconds)
 
 
