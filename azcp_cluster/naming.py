@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from itertools import chain
+from itertools import chain, pairwise
 from typing import NamedTuple
 
 from azcp_cluster.errors import ListError
@@ -200,14 +200,37 @@ def prefilter(prefix: str, children: Iterable[RawEntry], include: Sequence[str],
 
 def merge(parts: Sequence[Selected]) -> Listing:
     """The listing from its :func:`prefilter`-ed parts: in name order (the same whichever part
-    held which object), with no file that is another's directory."""
+    held which object), each name once, with no file that is another's directory.
+
+    A name listed twice (a service that repeats a directory prefix across delimiter pages,
+    so a directory is listed from two places) is kept once when both say the same; two
+    different versions of one name mean the blob changed while it was listed: an error."""
     files = sorted(chain.from_iterable(part.files for part in parts), key=lambda f: f.name)
+    files = _once(files)
     check_collisions(files)
     return Listing(
         files=tuple(files),
         markers_skipped=sum(part.markers for part in parts),
         filtered_out=sum(part.filtered for part in parts),
     )
+
+
+def _once(files: list[FileEntry]) -> list[FileEntry]:
+    """``files`` (in name order) with each name once (see :func:`merge`)."""
+    if all(a.name != b.name for a, b in pairwise(files)):
+        return files  # the usual case: one pass, nothing made
+    kept: list[FileEntry] = []
+    for entry in files:
+        if kept and kept[-1].name == entry.name:
+            if kept[-1] != entry:
+                raise ListError(
+                    "listed twice with different sizes or versions: it changed while the container was "
+                    "listed; run again",
+                    path=entry.name,
+                )
+            continue
+        kept.append(entry)
+    return kept
 
 
 def _to_file(raw: RawEntry, path: str) -> FileEntry:

@@ -403,3 +403,17 @@ def test_collisions_found_once_per_directory_are_those_found_name_by_name(names:
     files = [entry(name) for name in names]  # in any order
     found, expected = _collision(files), _collision_name_by_name(files)
     assert found.startswith(expected) and bool(found) == bool(expected)
+
+
+def test_a_name_listed_twice_is_kept_once() -> None:
+    """A directory listed from two places (a service that repeats a directory prefix across
+    delimiter pages) gives its blobs twice: each is kept once, and the order holds."""
+    listing = select("", None, [*raw("a/x", "b/y"), *raw("a/x", "c")])
+    assert paths(listing.files) == ["a/x", "b/y", "c"]
+
+
+def test_two_versions_of_one_name_in_a_listing_are_an_error() -> None:
+    entries = [RawEntry("a/x", 5, etag="0x1"), RawEntry("a/x", 5, etag="0x2")]
+    with pytest.raises(ListError, match="listed twice") as caught:
+        select("", None, entries)
+    assert caught.value.path == "a/x"
