@@ -84,14 +84,7 @@ def test_the_listing_is_the_same_however_deep_it_descends(
 
     monkeypatch.setattr(bloblist, "MAX_DESCENT", levels)
     monkeypatch.setattr(bloblist, "PAGE", 2)
-    calls: list[tuple[str, str]] = []
-    original = bloblist._Lister.everything
-
-    async def counted(self: bloblist._Lister, prefix: str, delimiter: str = "", **more: int | str) -> tuple:  # type: ignore[type-arg]
-        calls.append((prefix, delimiter))
-        return await original(self, prefix, delimiter, **more)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(bloblist._Lister, "everything", counted)
+    calls = counted_listings(monkeypatch)
     lean, sdk = _both(emulator, emulator.url(container))
     assert lean == sdk and len(lean.files) == len(NAMES)  # type: ignore[attr-defined]
     # The top's listing with the delimiter (its pages), then (levels > 0) levels down with it too.
@@ -136,3 +129,18 @@ def test_parse_page_reads_encoded_names_prefixes_and_the_marker() -> None:
     ]
     assert entries[0].content_md5 == "q83vEjRWeJA=" and entries[0].last_modified == 1796119200.0
     assert prefixes == ["dir/"] and marker == "2!ABC"
+
+
+def counted_listings(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Record the (prefix, delimiter) of every listing request of bloblist._Lister."""
+    from azcp_cluster import bloblist
+
+    calls: list[tuple[str, str]] = []
+    original = bloblist._Lister.everything
+
+    async def counted(self: bloblist._Lister, prefix: str, delimiter: str = "", **more: int | str) -> tuple:  # type: ignore[type-arg]
+        calls.append((prefix, delimiter))
+        return await original(self, prefix, delimiter, **more)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bloblist._Lister, "everything", counted)
+    return calls

@@ -34,6 +34,7 @@ from azcp_cluster.model import Listing
 from azcp_cluster.naming import RawEntry
 from azcp_cluster.source import BlobSource, parse_blob_url
 from tests.conftest import assert_copies, clean_env, mpiexec_path, run_cli
+from tests.test_bloblist import counted_listings
 
 BLOBS = 120
 
@@ -116,7 +117,7 @@ def test_the_first_pages_whole_directories_are_not_listed_again(
     # 25 directories of 5 blobs (d00/ to d19/) or 4, pages of 22: the first page holds d00/
     # to d03/ whole and the start of d04/ (its last name). Only d04/ onwards are listed again.
     monkeypatch.setattr(bloblist, "PAGE", 22)
-    calls = _counted(monkeypatch)
+    calls = counted_listings(monkeypatch)
     url = emulator.url(containers["25 directories"])
     assert _lean(url, emulator.key_env()) == _sdk(url, emulator.key_env())
     assert calls[:2] == [("", ""), ("", "/")]  # the first flat page, then the top's directories
@@ -132,24 +133,11 @@ def test_a_directory_the_first_page_shows_big_is_not_probed(
     # part-00/ to part-03/ are whole on it.
     monkeypatch.setattr(bloblist, "PAGE", 50)
     monkeypatch.setattr(bloblist, "PROBE", 3)
-    calls = _counted(monkeypatch)
+    calls = counted_listings(monkeypatch)
     url = emulator.url(containers["one directory"])
     assert _lean(url, emulator.key_env()) == _sdk(url, emulator.key_env())
     assert ("train/", "") not in calls and ("train/", "/") in calls
     assert not any(prefix.startswith(f"train/part-0{d}/") for prefix, _ in calls for d in range(4)), calls
-
-
-def _counted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
-    """Record the (prefix, delimiter) of every listing request of bloblist._Lister."""
-    calls: list[tuple[str, str]] = []
-    original = bloblist._Lister.everything
-
-    async def counted(self: bloblist._Lister, prefix: str, delimiter: str = "", **more: int | str) -> tuple:  # type: ignore[type-arg]
-        calls.append((prefix, delimiter))
-        return await original(self, prefix, delimiter, **more)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(bloblist._Lister, "everything", counted)
-    return calls
 
 
 def test_four_ranks_list_one_flat_page_with_one_request(emulator: azurite.Emulator, tmp_path: Path) -> None:
