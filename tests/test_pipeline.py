@@ -194,6 +194,9 @@ def test_ranks_sharing_a_dest_on_one_host_have_one_writer(
     assert (doc["nodes"], doc["ranks"], doc["writers"], doc["download_ranks"]) == (1, 4, 1, 4)
     # Every rank downloaded a share, straight into the one copy; nothing was sent twice.
     assert all(load > 0 for load in doc["plan_loads"]) and doc["downloaded_bytes"] == doc["bytes"]
+    # One node: no fan-out at all (no slots, nothing read back to send to nobody).
+    assert doc["broadcast_bytes"] == 0 and doc["overlap"] is False
+    assert not {"transfer", "bcast"} & {t["stage"] for t in doc["timeline"]}
     assert tree_of(tmp_path / "one-node") == expected
     again = run_cli(args, env=emulator.key_env(), json_path=tmp_path / "r2.json")
     assert again.returncode == 0 and again.json is not None and again.json["downloaded_bytes"] == 0

@@ -11,6 +11,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from azcp_cluster import journal
 from azcp_cluster.broadcast import Broadcaster
 from azcp_cluster.cluster import StageOutcome
@@ -23,6 +25,7 @@ from azcp_cluster.plan import Plan
 from azcp_cluster.schedule import (
     DIRECT_MIN,
     Transfer,
+    Transfers,
     files_of,
     files_written,
     max_length,
@@ -68,8 +71,16 @@ def schedule_for(ctx: RunContext, place: Placement, plan: Plan, earlier: Schedul
     ``earlier``: a first round's schedule, whose files this node still receives.
     """
     topo = place.topo
-    transfers = transfer_schedule(plan, ctx.cfg.bcast_chunk, topo.groups, root_of=topo.group_of)
-    receives = files_written(transfers, place.group)
+    if topo.groups == 1 and not ctx.local:
+        # One node: the download writes every byte where it belongs and nobody receives, so
+        # nothing is fanned out (no slots, no read-back). A local SOURCE still goes through
+        # the fan-out: its reader's copy is the one the fan-out writes.
+        c = plan.columns
+        receives = set(np.unique(c.file[c.length > 0]).tolist())
+        transfers = Transfers.of([], 1)
+    else:
+        transfers = transfer_schedule(plan, ctx.cfg.bcast_chunk, topo.groups, root_of=topo.group_of)
+        receives = files_written(transfers, place.group)
     if earlier is not None:
         receives |= earlier.receives
     return Schedule(transfers, frozenset(receives))
@@ -116,7 +127,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
             # measures the transfer, not page faults and thread start-up. No more
             # buffers than this rank's requests can fill at once.
             blocks = len(blocks_for(mine, cfg.block_size))
-            if place.leader and cfg.overlap:
+            if place.leader and cfg.overlap and schedule.transfers:
                 # Streaming: this rank's download and its fan-out write at once; one
                 # set of writer threads for both (diskwriter.py).
                 from azcp_cluster.diskwriter import DiskWriter

@@ -53,7 +53,8 @@ def move(
     ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan: Plan, schedule: Schedule, prepared: Prepared
 ) -> Transferred:
     """Download this rank's share and fan every byte out; a local file that changed is sent again."""
-    if not ctx.local and ctx.cfg.overlap and any(plan.loads()):
+    # Streaming needs something to fan out: a one-node run only downloads (see schedule_for).
+    if not ctx.local and ctx.cfg.overlap and any(plan.loads()) and schedule.transfers:
         done = stream(ctx, place, listed, plan, schedule, prepared.broadcaster)
     else:
         if not ctx.local:
