@@ -20,7 +20,7 @@ from azcp_cluster.report import Report, check_json_path
 _SIZES = ("block_size", "bcast_chunk", "shard_size")
 _INTS = ("concurrency", "bcast_pipeline", "bcast_writers", "max_retries", "source_readers", *_SIZES)
 _OPTIONAL_INTS = ("source_rank", "download_ranks", "download_workers")
-_BOOLS = ("bcast_direct", "dry_run", "progress", "overlap", "resume")
+_BOOLS = ("bcast_direct", "dry_run", "overlap", "resume")
 _FLOATS = ("read_timeout", "connect_timeout")
 _OPTIONAL_FLOATS = ("lock_timeout",)
 _STRINGS = ("compare", "auth", "lock")
@@ -40,6 +40,10 @@ def _convert(name: str, value: Any) -> Any:
         return None
     if name == "verify" and isinstance(value, bool):
         return "disk" if value else ""  # verify=True: the default mode, as a bare --verify
+    if name == "progress" and isinstance(value, bool):
+        return "auto" if value else "none"
+    if name == "progress" and isinstance(value, str):
+        return value
     if name == "verify" and isinstance(value, str):
         return value
     if name in _GLOBS:

@@ -40,6 +40,8 @@ COMPARE_MODES = ("none", "size", "etag", "md5")
 VERIFY_MODES = ("disk", "stream")
 # --lock: "wait" for another run on the same DEST to finish (up to --lock-timeout), "fail" at once (exit 9).
 LOCK_MODES = ("wait", "fail")
+# --progress: the bar on a terminal, status lines elsewhere (auto); either; nothing.
+PROGRESS_MODES = ("auto", "bar", "lines", "none")
 
 # The range of every numeric option, checked by Config.validate (the CLI and the API alike).
 # Below these minimums a run makes absurdly many requests or MPI calls (64 KiB in 1-byte
@@ -212,7 +214,9 @@ class Config:
     # fsync and hash it) or "stream" (hash the bytes as they stream). Truthy: some verification.
     verify: str = ""
     json_path: str | None = None
-    progress: bool = True
+    # What rank 0 shows while a stage runs: one of PROGRESS_MODES (progress.py): "auto" is the
+    # bar on a terminal and status lines elsewhere (a launcher's pipe, a Slurm log).
+    progress: str = "auto"
     # A local SOURCE: the rank that reads it (default: the lowest rank that sees it).
     source_rank: int | None = None
     # A local SOURCE on a shared filesystem: this many reader ranks on different nodes.
@@ -242,6 +246,8 @@ class Config:
 
     def validate(self) -> Config:
         """Check ranges and combinations; raise :class:`UsageError` naming the option."""
+        if self.progress not in PROGRESS_MODES:
+            raise UsageError(f"--progress must be one of {', '.join(PROGRESS_MODES)}, not {self.progress!r}")
         if self.compare not in COMPARE_MODES:
             raise UsageError(f"--compare must be one of {', '.join(COMPARE_MODES)}, not {self.compare!r}")
         if self.auth not in AUTH_METHODS:

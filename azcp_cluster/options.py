@@ -29,6 +29,7 @@ from azcp_cluster.config import (
     MIN_BLOCK_SIZE,
     MIN_SHARD_SIZE,
     MIN_TIMEOUT,
+    PROGRESS_MODES,
     VERIFY_MODES,
     Config,
     parse_rate,
@@ -298,7 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
         dest="json_path",
         help="write the report as JSON to PATH (rank 0); not a directory, not inside DEST",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal anyway)")
+    p.add_argument(
+        "--progress",
+        choices=PROGRESS_MODES,
+        default="auto",
+        help="rank 0's progress on stderr: 'bar' (one redrawn line), 'lines' (a status line each 5%% or "
+        "10 s, for logs), 'none'; default auto: the bar on a terminal, lines otherwise (mpiexec, srun, a log)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="the same as --progress none")
     p.add_argument(
         "--auth",
         choices=AUTH_METHODS,
@@ -330,7 +338,7 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
         dry_run=args.dry_run,
         verify=args.verify,
         json_path=args.json_path,
-        progress=not args.no_progress,
+        progress="none" if args.no_progress else args.progress,
         auth=args.auth,
         source_rank=args.source_rank,
         source_readers=args.source_readers,

@@ -21,7 +21,7 @@ from azcp_cluster.cluster import Cluster
 from azcp_cluster.config import Config, format_bytes
 from azcp_cluster.errors import AzcpError, ReportPathError
 from azcp_cluster.plan import Plan, plan_transfers
-from azcp_cluster.report import Report, report_lines, write_json_report
+from azcp_cluster.report import Report, write_json_report
 from azcp_cluster.stages import allocate, finish, setup, survey, transfer
 from azcp_cluster.stages.context import RunContext
 
@@ -82,9 +82,7 @@ def run(
     if cluster.rank == 0:
         if cfg.json_path and not isinstance(failed, ReportPathError):
             write_json_report(report, cfg.json_path)
-        lines = report_lines(report, failed=failed is not None)
-        after_diff = next((i + 1 for i, line in enumerate(lines) if line.startswith("[diff] ")), len(lines))
-        _print_lines([*lines[:after_diff], *plan_lines, *lines[after_diff:]], out)
+        ctx.lines.rest(failed is not None, plan_lines)
     if failed is not None:
         raise failed from None
     return report
@@ -121,12 +119,15 @@ def execute(ctx: RunContext) -> list[str]:
     """
     cfg = ctx.cfg
     place = setup.setup(ctx)
+    ctx.lines.through("cluster")
     if ctx.rank == 0 and cfg.json_path:  # its place checked by setup (not inside DEST)
         ctx.cluster.interrupts.on_first = _report_at_signal(ctx.report, cfg.json_path, ctx.cluster.clock, ctx.started)
     # The listing, the plan and the schedule: up to millions of objects kept for the run.
     with collector.paused() as ctx.heap:
         listed = survey.list_source(ctx, place)
+        ctx.lines.through("list")
         diff = survey.diff(ctx, place, listed)
+        ctx.lines.through("diff")
         topo = place.topo
         owners = list(place.readers) if ctx.local else list(topo.downloaders)
         plan = plan_transfers(
@@ -150,9 +151,11 @@ def execute(ctx: RunContext) -> list[str]:
     prepared = allocate.allocate(ctx, place, listed, diff, plan, schedule)
     moved = transfer.move(ctx, place, listed, diff, plan, schedule, prepared)
     del prepared  # the fan-out's slots are released; nothing below needs them
+    ctx.lines.through("transfer")
     finish.sync(ctx, place, moved)
     # Before the rename: a mismatch leaves no final name.
     verified = finish.verify(ctx, place, moved) if cfg.verify else {}
+    ctx.lines.through("verify")
     # Every byte is durable everywhere (and verified): the renames and the manifest follow, and
     # a signal from now on changes nothing (a stop halfway would leave a complete copy reported
     # as stopped, with no manifest).
@@ -176,13 +179,3 @@ def plan_lines(ctx: RunContext, transfer: list[int], plan: Plan) -> list[str]:
         ),
         f"[plan] spread {plan.spread() * 100:.2f}% (busiest rank over the mean)",
     ]
-
-
-def _print_lines(lines: list[str], out: TextIO) -> None:
-    """The report's lines on ``out``; a reader that went away (``| head``, a dead ``tee``) loses them, nothing more.
-
-    A closed pipe must not turn a finished copy into a failure.
-    """
-    with contextlib.suppress(OSError, ValueError):
-        out.write("".join(f"{line}\n" for line in lines))  # one write: a reader of the first line gets them all
-        out.flush()

@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -186,12 +187,69 @@ def _s(count: int) -> str:
     return "" if count == 1 else "s"
 
 
+# The report's sections in the order they are printed; rank 0 prints each as soon as its stage
+# ends (report_sections), so that a person watching a launcher's output sees the run move.
+SECTIONS = ("cluster", "list", "diff", "transfer", "verify", "end")
+
+
+class ReportPrinter:
+    """Rank 0's report lines on ``out``, each section once, as soon as its stage has ended.
+
+    Under a launcher the run's output is a pipe or a log: ``[cluster]`` and ``[list]``, known in
+    the first second, should not wait for the end of a copy of hours. A reader that went away
+    (``| head``, a dead ``tee``) loses the lines, nothing more: a closed pipe must not fail a copy.
+    """
+
+    def __init__(self, report: Report, out: Any, enabled: bool) -> None:
+        self.report = report
+        self.out = out
+        self.enabled = enabled
+        self.printed: set[str] = set()
+
+    def through(self, section: str) -> None:
+        """Print every section up to and including ``section`` not printed yet."""
+        if self.enabled:
+            upto = SECTIONS[: SECTIONS.index(section) + 1]
+            self._print(report_sections(self.report), set(upto))
+
+    def rest(self, failed: bool, after_diff: Sequence[str] = ()) -> None:
+        """At the end: the sections not printed yet (a failed run: those of the stages it
+        reached), with ``after_diff`` (the dry run's plan) after ``[diff]``."""
+        if not self.enabled:
+            return
+        sections = report_sections(self.report, failed)
+        lines = [line for section, line in sections if section not in self.printed]
+        if after_diff:
+            at = next((i + 1 for i, line in enumerate(lines) if line.startswith("[diff] ")), 0)
+            lines[at:at] = after_diff
+        self.printed.update(SECTIONS)
+        _write_lines(lines, self.out)
+
+    def _print(self, sections: list[tuple[str, str]], wanted: set[str]) -> None:
+        lines = [line for section, line in sections if section in wanted and section not in self.printed]
+        self.printed.update(wanted)
+        _write_lines(lines, self.out)
+
+
+def _write_lines(lines: list[str], out: Any) -> None:
+    """``lines`` on ``out`` in one write (a reader of the first gets them all); a reader gone loses them."""
+    if lines:
+        with contextlib.suppress(OSError, ValueError):
+            out.write("".join(f"{line}\n" for line in lines))
+            out.flush()
+
+
 def report_lines(report: Report, failed: bool = False) -> list[str]:
     """The stable report lines (a contract: scripts parse them).
 
     ``failed``: the run stopped early; only the lines of the stages it reached (their figures
     so far), the retries and ``[total]``.
     """
+    return [line for _, line in report_sections(report, failed)]
+
+
+def report_sections(report: Report, failed: bool = False) -> list[tuple[str, str]]:
+    """The report lines, each with its section (:data:`SECTIONS`); see :func:`report_lines`."""
     lines = _lines(report)
     if not failed:
         return lines
@@ -203,12 +261,12 @@ def report_lines(report: Report, failed: bool = False) -> list[str]:
         "[download] ": st["download"].seconds > 0 or report.downloaded_bytes > 0,
         "[bcast] ": st["bcast"].seconds > 0 or report.broadcast_bytes > 0,
     }
-    return [line for line in lines if reached.get(line[: line.index(" ") + 1], True)]
+    return [(section, line) for section, line in lines if reached.get(line[: line.index(" ") + 1], True)]
 
 
-def _lines(report: Report) -> list[str]:
+def _lines(report: Report) -> list[tuple[str, str]]:
     st = report.stages
-    lines = [
+    head = [
         f"[cluster] {report.nodes} node{_s(report.nodes)}, {report.ranks} rank{_s(report.ranks)}, "
         f"{report.writers} writer{_s(report.writers)}, "
         + (
@@ -225,18 +283,27 @@ def _lines(report: Report) -> list[str]:
         + (f", {report.resumed_files} resumed ({report.resumed_bytes} bytes kept)" if report.resumed_files else "")
         + f" T={st['diff'].seconds:.3f}s",
     ]
+    lines = list(zip(SECTIONS[:3], head, strict=True))
     if not report.dry_run:
         lines += [
-            f"[download] {report.downloaded_bytes} bytes T={st['download'].seconds:.3f}s "
-            f"BW={gbps(report.downloaded_bytes, st['download'].seconds)}" + _against_cap(report),
-            f"[bcast] {report.broadcast_shards} shards {report.broadcast_bytes} bytes T={st['bcast'].seconds:.3f}s "
-            f"BW={gbps(report.broadcast_bytes, st['bcast'].seconds)}",
+            (
+                "transfer",
+                f"[download] {report.downloaded_bytes} bytes T={st['download'].seconds:.3f}s "
+                f"BW={gbps(report.downloaded_bytes, st['download'].seconds)}" + _against_cap(report),
+            ),
+            (
+                "transfer",
+                f"[bcast] {report.broadcast_shards} shards {report.broadcast_bytes} bytes T={st['bcast'].seconds:.3f}s "
+                f"BW={gbps(report.broadcast_bytes, st['bcast'].seconds)}",
+            ),
         ]
         if report.verified_files:
-            lines.append(f"[verify] {report.verified_files} files T={st['verify'].seconds:.3f}s: all copies match")
+            lines.append(
+                ("verify", f"[verify] {report.verified_files} files T={st['verify'].seconds:.3f}s: all copies match")
+            )
         if report.retries:
             causes = ", ".join(f"{k}={v}" for k, v in sorted(report.retry_causes.items()))
             ranks = ", ".join(f"{rank}:{n}" for rank, n in enumerate(report.retries_by_rank) if n)
-            lines.append(f"[cluster] retries: {report.retries} ({causes}) by rank {ranks}")
-    lines.append(f"[total] T={st['total'].seconds:.3f}s")
+            lines.append(("end", f"[cluster] retries: {report.retries} ({causes}) by rank {ranks}"))
+    lines.append(("end", f"[total] T={st['total'].seconds:.3f}s"))
     return lines

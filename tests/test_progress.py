@@ -1,53 +1,121 @@
-"""The progress bar (azcp_cluster/progress.py): what one line says, and when it is drawn."""
+"""Progress (azcp_cluster/progress.py): the bar on a terminal, status lines elsewhere, and what
+a person sees under a launcher (stage lines as their stages end)."""
 
 from __future__ import annotations
 
 import io
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
-from azcp_cluster.progress import Progress, wants_progress
+import pytest
+
+from azcp_cluster.config import MiB
+from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.progress import LINE_SECONDS, LINE_STEP, Progress, resolve_mode
+from tests.conftest import MPI_TIMEOUT, clean_env, mpiexec_path
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _bar(total: int, width: int = 200, mode: str = "bar") -> tuple[Progress, io.StringIO, _Clock]:
+    out, clock = io.StringIO(), _Clock()
+    return Progress("transfer", total, mode, stream=out, clock=clock, width=width), out, clock
 
 
 def test_the_streaming_bar_shows_fan_out_download_files_rate_and_eta() -> None:
-    bar = Progress("transfer", 4 << 20, enabled=True, stream=io.StringIO())
-    bar.expect_download(2 << 20)
+    bar, _, clock = _bar(4 * MiB)
+    bar.expect_download(2 * MiB)
     bar.expect_files(10)
-    bar.started = 100.0
-    bar.done, bar.downloaded, bar.files_done = 1 << 20, 1 << 20, 3
-    line = bar.line(101.0)  # one second in: 1 MiB/s, 3 MiB to go
-    assert line.startswith("transfer  [#######.......................]  25.0% ")
-    assert "1.00 MiB / 4.00 MiB 1.00 MiB/s" in line
-    assert "downloaded here 1.00 MiB / 2.00 MiB" in line
-    assert "3/10 files" in line and "ETA 3s" in line
+    bar.done, bar.downloaded, bar.files_done = MiB, MiB, 3
+    line = bar.bar(clock.now + 1.0)  # one second in: 1 MiB/s fanned, 3 MiB to go
+    assert line.startswith("transfer [") and " 50.0%, " in line  # half of the download landed
+    assert "1.00 MiB / 4.00 MiB, 1.00 MiB/s, ETA 3s" in line
+    assert line.endswith(", downloaded 1.00 MiB / 2.00 MiB, 3/10 files")
 
 
-def test_a_plain_bar_has_no_download_or_files_and_no_eta_when_done() -> None:
-    bar = Progress("bcast", 100, enabled=True, stream=io.StringIO())
-    bar.started = 0.0
-    bar.done = 100
-    line = bar.line(2.0)
-    assert "100.0%" in line and "downloaded" not in line and "files" not in line and "ETA" not in line
+def test_an_eta_from_the_first_second_while_only_the_download_moves() -> None:
+    bar, _, clock = _bar(8 * MiB)
+    bar.expect_download(4 * MiB)
+    bar.downloaded = MiB  # nothing fanned out yet
+    line = bar.bar(clock.now + 1.0)
+    assert " 25.0%, 0 B / 8.00 MiB, 1.00 MiB/s, ETA 3s" in line
 
 
-def test_it_draws_at_most_hz_times_a_second_and_ends_its_line() -> None:
-    out = io.StringIO()
-    bar = Progress("bcast", 1000, enabled=True, stream=out, hz=1e-3)
-    bar.last = -1e9  # long ago: the first add draws
+@pytest.mark.parametrize("width", [40, 60, 80, 120, 160])
+def test_the_bar_fits_the_terminal_with_one_column_spare(width: int) -> None:
+    bar, _, clock = _bar(400 * 1024 * MiB, width=width)
+    bar.expect_download(100 * 1024 * MiB)
+    bar.expect_files(123_456)
+    bar.done, bar.downloaded, bar.files_done = 3 * 1024 * MiB, 50 * 1024 * MiB, 9_999
+    line = bar.bar(clock.now + 30.0)
+    assert len(line) <= width - 1, line
+    assert "%, " in line and "ETA" in line  # the least useful parts go first, the ETA last of them
+    if width >= 120:
+        assert "[" in line and "downloaded" in line
+    if width >= 160:
+        assert "files" in line
+
+
+def test_drawn_at_most_four_times_a_second_and_ended_clean() -> None:
+    bar, out, clock = _bar(1000)
     for _ in range(50):
+        clock.now += 0.01
         bar.add(1, files=1)
-    assert out.getvalue().count("\r") == 1  # the first add draws; the next may not for a long time
-    bar.add(950)  # the end always draws
-    assert out.getvalue().count("\r") == 2 and bar.files_done == 50
+    assert out.getvalue().count("\r") == 2  # 0.5 s: at 0.01 s (the first), then 0.25 s later
+    clock.now += 1.0
+    bar.add(950)
     bar.close()
-    assert out.getvalue().endswith("\n")
+    text = out.getvalue()
+    last = text.rsplit("\r", 1)[1]
+    assert text.endswith("\x1b[K\n") and "100.0%" in last and "ETA" not in last and bar.files_done == 50
 
 
-def test_nothing_is_drawn_when_disabled_or_off_rank_zero() -> None:
-    out = io.StringIO()
-    bar = Progress("bcast", 10, enabled=False, stream=out)
-    bar.add(10)
-    bar.close()
+def test_status_lines_each_step_or_each_interval_and_a_last_one() -> None:
+    lines, out, clock = _bar(100, mode="lines")
+    clock.now += 0.5
+    lines.add(10)  # 10 % but within the first second: not yet
     assert out.getvalue() == ""
-    assert not wants_progress(True, 1, io.StringIO()) and not wants_progress(True, 0, io.StringIO())
+    clock.now += 0.6
+    lines.add(1)  # 11 %, a second in: a line
+    clock.now += 1.0
+    lines.add(int(LINE_STEP * 100) - 1)  # less than a step more: none
+    assert out.getvalue().count("\n") == 1
+    clock.now += LINE_SECONDS
+    lines.add(0)  # a stalled stage still says where it is
+    clock.now += 1.0
+    lines.add(100 - lines.done)
+    lines.close()
+    got = out.getvalue().splitlines()
+    assert len(got) == 3, got
+    assert all(line.startswith("[progress] transfer ") and "\r" not in line for line in got)
+    assert got[0].startswith("[progress] transfer  11.0%, 11 B / 100 B, ") and "ETA" in got[0]
+    assert "100.0%" in got[-1] and "ETA" not in got[-1]
+
+
+def test_the_mode_follows_the_rank_and_the_stream() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert resolve_mode("auto", 0, Tty()) == "bar"
+    assert resolve_mode("auto", 0, io.StringIO()) == "lines"  # a launcher's pipe, a log
+    assert resolve_mode("bar", 0, io.StringIO()) == "lines"  # carriage returns are noise in a file
+    assert resolve_mode("lines", 0, Tty()) == "lines"
+    assert resolve_mode("none", 0, Tty()) == "none"
+    assert resolve_mode("auto", 1, Tty()) == "none"  # rank 0 only
+    assert Progress("x", 0, "bar", stream=Tty()).mode == "none"  # nothing to count
 
 
 class _Gone(io.StringIO):
@@ -55,9 +123,99 @@ class _Gone(io.StringIO):
         raise OSError(5, "Input/output error")
 
 
-def test_a_terminal_that_is_gone_ends_the_bar_not_the_copy() -> None:
-    bar = Progress("bcast", 10, enabled=True, stream=_Gone())
-    bar.add(5)  # the write fails: the bar turns itself off
+def test_a_terminal_that_is_gone_ends_the_progress_not_the_copy() -> None:
+    bar = Progress("bcast", 10, "bar", stream=_Gone())
+    bar.add(5)  # the write fails: the progress turns itself off
     assert not bar.enabled
     bar.add(5)
     bar.close()
+
+
+def _stamped(proc: subprocess.Popen[str]) -> dict[str, list[tuple[float, str]]]:
+    """Every line of the process's stdout and stderr with the time it arrived."""
+    got: dict[str, list[tuple[float, str]]] = {"out": [], "err": []}
+
+    def read(name: str, stream: io.TextIOBase) -> None:
+        for line in stream:
+            got[name].append((time.monotonic(), line.rstrip("\n")))
+
+    threads = [
+        threading.Thread(target=read, args=(name, stream))
+        for name, stream in (("out", proc.stdout), ("err", proc.stderr))
+    ]
+    for t in threads:
+        t.start()
+    proc.wait(timeout=MPI_TIMEOUT)
+    for t in threads:
+        t.join()
+    return got
+
+
+def test_under_mpiexec_a_pipe_sees_stage_lines_as_they_end_and_status_lines_meanwhile(
+    emulator: azurite.Emulator, tmp_path: Path
+) -> None:
+    container = "progress-lines"
+    azurite.upload(emulator, container, {f"p/{i}.bin": pseudo_random(6 * MiB, f"pl{i}") for i in range(4)})
+    # 24 MiB at 4 MB/s: about 6 s of download, long enough for status lines on the way.
+    cmd = [
+        mpiexec_path(),
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "azcp_cluster",
+        emulator.url(container, "p"),
+        str(tmp_path / "{rank}"),
+        "--max-bandwidth",
+        "4MB/s",
+        "--block-size",
+        "1MiB",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=clean_env(emulator.key_env()), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    got = _stamped(proc)
+    assert proc.returncode == 0, got
+    out = dict((line.split(" ", 1)[0], at) for at, line in got["out"])
+    assert list(out) == ["[cluster]", "[list]", "[diff]", "[download]", "[bcast]", "[total]"], got["out"]
+    # The first three as soon as they are known, seconds before the end.
+    assert out["[total]"] - out["[diff]"] > 3.0, got["out"]
+    status = [(at, line) for at, line in got["err"] if line.startswith("[progress] ")]
+    assert len(status) >= 3, got["err"]
+    assert all(out["[diff]"] <= at <= out["[bcast]"] for at, _ in status), (status, out)
+    assert status[-1][0] - status[0][0] > 2.0  # spread over the copy, not printed at its end
+    assert all(", ETA " in line or "100.0%" in line for _, line in status[1:]), status
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_in_an_80_column_terminal_the_bar_is_one_line_that_ends_clean(tmp_path: Path) -> None:
+    # A local SOURCE read by one rank, without a launcher: the bar draws on a real terminal.
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"f{i}.bin").write_bytes(pseudo_random(2 * MiB, f"tm{i}"))
+    log = tmp_path / "screen.txt"
+    socket = f"azcp-{os.getpid()}"
+    tool = f"{sys.executable} -m azcp_cluster {src} {tmp_path / 'dest'} --progress bar --max-bandwidth 8MB/s"
+    script = tmp_path / "run.sh"
+    script.write_text(f"cd {os.getcwd()}\n{tool} >/dev/null\necho done-$?\nsleep 30\n")
+    tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
+    env = clean_env()
+    subprocess.run([*tmux, "new-session", "-d", "-x", "80", "-y", "24", "bash", str(script)], env=env, check=True)
+    try:
+        deadline = time.monotonic() + MPI_TIMEOUT
+        screen = ""
+        while time.monotonic() < deadline and "done-" not in screen:
+            time.sleep(0.2)
+            screen = subprocess.run(
+                [*tmux, "capture-pane", "-p", "-t", "0"], env=env, capture_output=True, text=True
+            ).stdout
+        log.write_text(screen)
+    finally:
+        subprocess.run([*tmux, "kill-server"], env=env, check=False)
+    rows = [row for row in screen.splitlines() if row.strip()]
+    assert rows[-1] == "done-0", screen
+    bars = rows[:-1]
+    assert len(bars) == 1, screen  # one line: redrawn in place, never wrapped or stacked
+    assert bars[0].startswith("bcast ") and "100.0%" in bars[0] and "ETA" not in bars[0], screen
+    assert len(bars[0]) <= 79

@@ -19,8 +19,8 @@ from azcp_cluster.config import Config
 from azcp_cluster.desttree import DestTree
 from azcp_cluster.errors import AzcpError, LocalFSError
 from azcp_cluster.localfs import expand_dest, free_bytes
-from azcp_cluster.progress import wants_progress
-from azcp_cluster.report import Report, say
+from azcp_cluster.progress import resolve_mode
+from azcp_cluster.report import Report, ReportPrinter, say
 from azcp_cluster.source import is_url
 
 if TYPE_CHECKING:
@@ -51,6 +51,8 @@ class RunContext:
         self.env = env
         self.wall = wall
         self.out = out
+        # Rank 0 prints each report section as its stage ends (the rest at the end: pipeline.run).
+        self.lines = ReportPrinter(report, out, enabled=cluster.rank == 0)
         self.host = host
         self.started = started
         self.credential = credential  # the Python API's credential=, else None
@@ -59,7 +61,7 @@ class RunContext:
         self.dest = os.path.join(os.getcwd(), expand_dest(cfg.dest, self.rank, host))
         # Symlinks and "..": two spellings of one directory are still one directory.
         self.dest_identity = os.path.realpath(self.dest)
-        self.show_progress = wants_progress(cfg.progress, self.rank)
+        self.show_progress = resolve_mode(cfg.progress, self.rank)  # bar, lines or none
         # A SOURCE without a scheme is a path: the readers read it, the others receive it.
         self.local = not is_url(cfg.source)
         self.source_root = os.path.abspath(cfg.source) if self.local else ""
