@@ -99,16 +99,21 @@ AUTH_METHODS = (
     "anonymous",
 )
 
-# Rates: bits per second in decimal units as networks count them (Gbps, Gb/s), or bytes per
-# second (MB/s decimal, MiB/s binary); a plain number is bytes per second.
+UNITS = (
+    "Units: bytes are binary, in sizes and rates alike (64M = 64MB = 64MiB = 64 x 2**20 bytes; "
+    "3GB/s = 3GiB/s); bits are decimal, as networks count them (25Gbps = 25Gb/s = 25 x 10**9 bits/s)."
+)
+# One unit convention (UNITS, stated in --help and the README): bytes are binary, K, M, G, T
+# with or without B or iB (MB = MiB = 2**20), in sizes and in rates alike; bits (a lowercase b:
+# Gbps, Gb/s) are decimal, as networks count them. A plain number is bytes (per second).
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*?)(?:/s|ps)?\s*$")
 _RATE_UNITS: dict[str, Fraction | int] = {
     "": 1,
     "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
+    "KB": KiB,
+    "MB": MiB,
+    "GB": GiB,
+    "TB": TiB,
     "KiB": KiB,
     "MiB": MiB,
     "GiB": GiB,

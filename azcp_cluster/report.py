@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import stat
 import sys
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from azcp_cluster.config import format_bytes
 from azcp_cluster.errors import UsageError
 
 STAGES = ("list", "diff", "download", "bcast", "verify", "total")
@@ -168,10 +170,22 @@ def write_json_report(report: Report, path: str) -> None:
 
 
 def gbps(nbytes: int, seconds: float) -> str:
-    """Bandwidth in the reference's ``x.xx Gb/s`` form."""
-    if seconds <= 0:
+    """Bandwidth in the reference's ``x.xx Gb/s`` form (below 0.01, three significant digits:
+    a small copy's rate is not ``0.00``)."""
+    if seconds <= 0 or nbytes <= 0:
         return "0.00 Gb/s"
-    return f"{nbytes * 8 / seconds / 1e9:.2f} Gb/s"
+    rate = nbytes * 8 / seconds / 1e9
+    # The reference's two decimals; below 0.01, three significant digits (never 1e-06).
+    decimals = 2 if rate >= 0.01 else 2 - math.floor(math.log10(rate))
+    return f"{rate:.{decimals}f} Gb/s"
+
+
+def _human(nbytes: int, seconds: float | None = None) -> str:
+    """The figures in people's units, after a line's exact ones: `` (1.50 GiB at 1.20 GiB/s)``."""
+    if nbytes <= 0:
+        return ""
+    rate = f" at {format_bytes(nbytes / seconds)}/s" if seconds else ""
+    return f" ({format_bytes(nbytes)}{rate})"
 
 
 def _against_cap(report: Report) -> str:
@@ -276,7 +290,7 @@ def _lines(report: Report) -> list[tuple[str, str]]:
             if report.source_rank is not None
             else f"{report.download_ranks} downloading"
         ),
-        f"[list] {report.files} files, {report.bytes} bytes T={st['list'].seconds:.3f}s",
+        f"[list] {report.files} files, {report.bytes} bytes T={st['list'].seconds:.3f}s" + _human(report.bytes),
         f"[diff] {report.transfer_files} to transfer ({report.peer_files} peer, {report.azure_files} "
         f"{'azure' if report.source_rank is None else 'source'}), "
         f"{report.skipped_files} skipped"
@@ -289,14 +303,22 @@ def _lines(report: Report) -> list[tuple[str, str]]:
             (
                 "transfer",
                 f"[download] {report.downloaded_bytes} bytes T={st['download'].seconds:.3f}s "
-                f"BW={gbps(report.downloaded_bytes, st['download'].seconds)}" + _against_cap(report),
-            ),
-            (
-                "transfer",
-                f"[bcast] {report.broadcast_shards} shards {report.broadcast_bytes} bytes T={st['bcast'].seconds:.3f}s "
-                f"BW={gbps(report.broadcast_bytes, st['bcast'].seconds)}",
+                f"BW={gbps(report.downloaded_bytes, st['download'].seconds)}"
+                + _against_cap(report)
+                + _human(report.downloaded_bytes, st["download"].seconds),
             ),
         ]
+        # One node copying from Azure sends nothing: no broadcast line (a local SOURCE's copy is
+        # its reader's fan-out, reported as one).
+        if report.writers != 1 or report.source_rank is not None or report.source_readers:
+            lines.append(
+                (
+                    "transfer",
+                    f"[bcast] {report.broadcast_shards} shards {report.broadcast_bytes} bytes "
+                    f"T={st['bcast'].seconds:.3f}s BW={gbps(report.broadcast_bytes, st['bcast'].seconds)}"
+                    + _human(report.broadcast_bytes, st["bcast"].seconds),
+                )
+            )
         if report.verified_files:
             lines.append(
                 ("verify", f"[verify] {report.verified_files} files T={st['verify'].seconds:.3f}s: all copies match")

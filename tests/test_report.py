@@ -1,0 +1,78 @@
+"""The report's lines (azcp_cluster/report.py): people's units beside the exact figures, what a
+one-node run says, and each section printed once, as soon as its stage ends."""
+
+from __future__ import annotations
+
+import io
+
+from azcp_cluster.config import MiB
+from azcp_cluster.report import Report, ReportPrinter, StageFigures, gbps, report_lines
+
+
+def _report(writers: int, **fields: object) -> Report:
+    report = Report(ranks=writers, nodes=writers, writers=writers, download_ranks=writers, files=3, bytes=512 * MiB)
+    report.downloaded_bytes = report.broadcast_bytes = 512 * MiB
+    report.broadcast_shards = 3
+    report.stages["list"] = StageFigures(0.05, 0)
+    report.stages["diff"] = StageFigures(0.01, 0)
+    report.stages["download"] = StageFigures(0.5, 512 * MiB)
+    report.stages["bcast"] = StageFigures(2.0, 512 * MiB)
+    report.stages["total"] = StageFigures(2.5, 0)
+    for name, value in fields.items():
+        setattr(report, name, value)
+    return report
+
+
+def test_exact_figures_first_then_people_units() -> None:
+    lines = report_lines(_report(2))
+    assert "[list] 3 files, 536870912 bytes T=0.050s (512.00 MiB)" in lines
+    assert "[download] 536870912 bytes T=0.500s BW=8.59 Gb/s (512.00 MiB at 1.00 GiB/s)" in lines
+    assert "[bcast] 3 shards 536870912 bytes T=2.000s BW=2.15 Gb/s (512.00 MiB at 256.00 MiB/s)" in lines
+
+
+def test_a_small_copy_has_a_rate_not_zero() -> None:
+    assert gbps(1000, 2.0) == "0.00000400 Gb/s"
+    assert gbps(1_000_000, 1.0) == "0.00800 Gb/s"
+    assert gbps(20_000_000, 1.0) == "0.16 Gb/s"
+    assert gbps(10**9, 1.0) == "8.00 Gb/s"
+    assert gbps(0, 1.0) == gbps(10, 0.0) == "0.00 Gb/s"
+
+
+def test_one_node_from_azure_has_no_broadcast_line_but_a_local_source_does() -> None:
+    one = report_lines(_report(1))
+    assert not any(line.startswith("[bcast]") for line in one) and any(line.startswith("[download]") for line in one)
+    local = report_lines(_report(1, source_rank=0, download_ranks=0))
+    assert any(line.startswith("[bcast]") for line in local)
+    assert any(line.startswith("[bcast]") for line in report_lines(_report(2)))
+
+
+def test_each_section_is_printed_once_as_its_stage_ends_and_the_rest_at_the_end() -> None:
+    report, out = _report(2), io.StringIO()
+    printer = ReportPrinter(report, out, enabled=True)
+    printer.through("cluster")
+    assert out.getvalue().splitlines() == [report_lines(report)[0]]
+    printer.through("diff")
+    printer.through("diff")  # once
+    assert [line.split()[0] for line in out.getvalue().splitlines()] == ["[cluster]", "[list]", "[diff]"]
+    report.stages["total"] = StageFigures(9.0, 0)  # the end's figures are those at the end
+    printer.rest(failed=False, after_diff=["[plan] x"])  # the dry run's plan: at once after [diff]
+    got = out.getvalue().splitlines()
+    assert [line.split()[0] for line in got] == ["[cluster]", "[list]", "[diff]", "[plan]", "[download]",
+                                                 "[bcast]", "[total]"]  # fmt: skip
+    assert got[-1] == "[total] T=9.000s"
+
+
+def test_a_failed_run_prints_the_rest_it_reached_and_other_ranks_print_nothing() -> None:
+    report, out = _report(2), io.StringIO()
+    report.stages["download"] = StageFigures()
+    report.stages["bcast"] = StageFigures()
+    report.downloaded_bytes = report.broadcast_bytes = 0
+    printer = ReportPrinter(report, out, enabled=True)
+    printer.through("list")
+    printer.rest(failed=True)
+    assert [line.split()[0] for line in out.getvalue().splitlines()] == ["[cluster]", "[list]", "[diff]", "[total]"]
+    silent = io.StringIO()
+    other = ReportPrinter(report, silent, enabled=False)
+    other.through("diff")
+    other.rest(failed=False)
+    assert silent.getvalue() == ""
