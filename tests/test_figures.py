@@ -76,6 +76,11 @@ def test_a_changed_datum_makes_a_stale_figure(render: ModuleType, tmp_path: Path
     assert render.render("bench-listing", out).read_bytes() == (FIGURES / "bench-listing.svg").read_bytes()
 
 
+def test_every_figure_is_shown(render: ModuleType) -> None:
+    text = "\n".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *ROOT.glob("docs/*.md")])
+    assert [n for n in render.FIGURES if f"figures/{n}.svg" not in text] == []
+
+
 def test_small_files_figures_are_the_benchmarks_docs() -> None:
     """docs/figures/small-files.json transcribes docs/benchmarks.md: every number of it is there."""
     data = json.loads((FIGURES / "small-files.json").read_text(encoding="utf-8"))
