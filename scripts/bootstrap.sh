@@ -28,7 +28,7 @@ if ! { [ -f "$py_stamp" ] && [ "$(cat "$py_stamp")" = "$py_want" ] && [ -x .venv
     if [ -x .venv/bin/python ]; then
         say "pyproject.toml changed: updating .venv, $what: about 30 s"
     else
-        say "creating .venv and installing $what: about 1 minute"
+        say "creating .venv and installing $what: 1 to 2 minutes"
         "$python" -m venv .venv
     fi
     .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
@@ -42,10 +42,10 @@ node_stamp="node_modules/.azcp-bootstrap"
 node_want="$(cat package.json package-lock.json 2>/dev/null | sha256sum | cut -d' ' -f1)"
 if ! { [ -f "$node_stamp" ] && [ "$(cat "$node_stamp")" = "$node_want" ] && [ -x node_modules/.bin/azurite-blob ]; }; then
     if [ -f package-lock.json ]; then
-        say "installing the Azure Storage emulator (Azurite, pinned in package-lock.json) into node_modules with npm ci: about 30 s"
+        say "installing the Azure Storage emulator (Azurite, pinned in package-lock.json) into node_modules with npm ci: 20 to 40 s"
         npm ci --no-audit --no-fund --loglevel=error
     else
-        say "installing the Azure Storage emulator (Azurite) into node_modules with npm install: about 30 s"
+        say "installing the Azure Storage emulator (Azurite) into node_modules with npm install: 20 to 40 s"
         npm install --no-audit --no-fund --loglevel=error
     fi
     echo "$node_want" > "$node_stamp"

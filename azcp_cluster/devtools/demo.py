@@ -164,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== kept (--keep), in {work}:")
                 print(f"   the copies: {work}/node0 .. node{args.ranks - 1}")
                 print(f"   the emulator's data: {emulator_data}; the emulator still serves it on {emu.host}:{emu.port}")
-                print("   the command again (nothing moves; remove a node directory and it is copied anew):")
+                print(
+                    f"   the command again, from {os.getcwd()} (nothing moves; remove a node directory "
+                    "and it is copied anew):"
+                )
                 print(f"   . {shlex.quote(str(env_file))}    # exports {CREDENTIAL_VARIABLE}")
                 print(f"   {shlex.join(cmd)}")
                 print(f"   stop the emulator: kill {emu.pid}")
