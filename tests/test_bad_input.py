@@ -81,7 +81,10 @@ CASES: dict[str, Case] = {
     "zero-concurrency": Case(_url(), 2, "--concurrency must be between 1 and 4096", args=["--concurrency", "0"]),
     "zero-bandwidth": Case(_url(), 2, "--max-bandwidth", args=["--max-bandwidth", "0"]),
     "bad-size-unit": Case(_url(), 2, "invalid size unit", args=["--shard-size", "3parsecs"]),
-    "unknown-option": Case(_url(), 2, "unrecognized arguments: --frobnicate", args=["--frobnicate"]),
+    "unknown-option": Case(_url(), 2, "unrecognized option --frobnicate (see --help)", args=["--frobnicate"]),
+    "misspelled-option": Case(
+        _url(), 2, "unrecognized option --bcast-chunks (did you mean --bcast-chunk?)", args=["--bcast-chunks", "1MiB"]
+    ),
     # Within the options' ranges (16 GiB x 256 slots), beyond any machine's memory:
     "beyond-memory": Case(_url(), 2, "available", args=["--bcast-chunk", "16GiB", "--bcast-pipeline", "256"]),
     "bad-compare": Case(_url(), 2, "--compare", args=["--compare", "sha1"]),
