@@ -289,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"{MIN_TIMEOUT:g}, at most {MAX_LOCK_TIMEOUT:.0f} (7 days) (default: no limit)",
     )
     p.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="a SOURCE (prefix, directory, --include/--exclude) that yields no file is a finished, empty copy "
+        "(exit 0 with a warning); default: exit 3 naming it, as a typo in a job script should",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="list, compare and print the plan (files and bytes per rank); write nothing",
@@ -345,6 +351,7 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
         max_bandwidth=args.max_bandwidth,
         lock=args.lock,
         lock_timeout=args.lock_timeout,
+        allow_empty=args.allow_empty,
     ).validate()
     check_json_path(cfg.json_path)
     return cfg

@@ -88,7 +88,10 @@ CASES: dict[str, Case] = {
     # Within the options' ranges (16 GiB x 256 slots), beyond any machine's memory:
     "beyond-memory": Case(_url(), 2, "available", args=["--bcast-chunk", "16GiB", "--bcast-pipeline", "256"]),
     "bad-compare": Case(_url(), 2, "--compare", args=["--compare", "sha1"]),
-    "empty-prefix": Case(_url("nothing-here"), 0, "matched no files", warning=True),
+    # A prefix or filters that yield nothing: a typo in a job script, exit 3 naming it (issue 25).
+    "empty-prefix": Case(_url("nothing-here"), 3, "(prefix 'nothing-here') holds no file to copy; a typo in SOURCE?"),
+    "filters-leave-nothing": Case(_url(), 3, "--include *.nope left none of its 1 files", args=["--include", "*.nope"]),
+    "empty-prefix-allowed": Case(_url("nothing-here"), 0, "matched no files", args=["--allow-empty"], warning=True),
     # Every numeric option has a range (issue 13): below it a run crawls, above it something
     # overflows later; refused at once, in one line.
     "block-size-one-byte": Case(_url(), 2, "--block-size must be between 64.00 KiB", args=["--block-size", "1"]),
