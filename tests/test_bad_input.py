@@ -60,6 +60,12 @@ CASES: dict[str, Case] = {
     "malformed-url": Case(lambda e, c: "http://[::1/x/y", 2, "malformed"),
     "unknown-scheme": Case(lambda e, c: f"ftp://127.0.0.1/{azurite.ACCOUNT}/{c}", 2, "scheme"),
     "missing-account": Case(lambda e, c: f"http://{e.host}:{e.port}/", 2, "account"),
+    "endpoint-refused": Case(
+        lambda e, c: f"http://127.0.0.1:{azurite.free_port()}/{azurite.ACCOUNT}/{c}",
+        3,
+        "): connection refused",
+        args=["--max-retries", "0"],
+    ),
     "missing-container": Case(lambda e, c: e.url("no-such-container-" + c[:8]), 3, "not found"),
     "no-credentials": Case(_url(), 3, "access denied", env=lambda e: {}),
     "wrong-key": Case(
