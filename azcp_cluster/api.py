@@ -20,7 +20,7 @@ from azcp_cluster.report import Report, check_json_path
 _SIZES = ("block_size", "bcast_chunk", "shard_size")
 _INTS = ("concurrency", "bcast_pipeline", "bcast_writers", "max_retries", "source_readers", *_SIZES)
 _OPTIONAL_INTS = ("source_rank", "download_ranks", "download_workers")
-_BOOLS = ("bcast_direct", "dry_run", "overlap", "resume")
+_BOOLS = ("bcast_direct", "dry_run", "overlap", "resume", "allow_empty")
 _FLOATS = ("read_timeout", "connect_timeout")
 _OPTIONAL_FLOATS = ("lock_timeout",)
 _STRINGS = ("compare", "auth", "lock")

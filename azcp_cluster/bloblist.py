@@ -42,6 +42,7 @@ from azcp_cluster.errors import ListError
 from azcp_cluster.keyspace import ascending, cut_points, in_piece, order
 from azcp_cluster.model import Listing
 from azcp_cluster.naming import RawEntry, directory_prefix, select
+from azcp_cluster.netfailure import host_port, network_cause
 from azcp_cluster.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
 from azcp_cluster.source import API_VERSION, BlobSource
 from azcp_cluster.tls import ssl_context
@@ -386,7 +387,7 @@ def _run(source: BlobSource, auth: Authorizer, cfg: Config, work: Callable[[_Lis
     except _Refused as exc:
         raise _explain(exc.status, exc.code, source, auth.credential.origin) from None
     except _Unreachable as exc:
-        raise ListError(f"cannot reach {source.endpoint}: {exc}") from None
+        raise ListError(f"cannot reach {host_port(source.endpoint)} ({source.endpoint}): {exc}") from None
     except (ET.ParseError, ValueError) as exc:
         raise ListError(f"{source.redacted()}: the listing's answer cannot be read ({type(exc).__name__})") from None
 
@@ -693,6 +694,6 @@ class _Lister:
                 retry_after = parse_retry_after(got.get("Retry-After"), time.time())
             except failures as exc:
                 if attempt >= self.cfg.max_retries:
-                    raise _Unreachable(type(exc).__name__) from None
+                    raise _Unreachable(network_cause(exc) or type(exc).__name__) from None
             await asyncio.sleep(backoff_delay(attempt, retry_after, self.rng))
             attempt += 1

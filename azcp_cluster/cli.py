@@ -18,14 +18,16 @@ start-up comes before any line of this module: the ``azcp-cluster`` command
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 
 TYPE_CHECKING = False  # typing's own costs an import before the handlers are in (mypy reads it as True)
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Callable, Iterator, Mapping, Sequence
     from typing import Any
 
+    from azcp_cluster.errors import TopologyError
     from azcp_cluster.interrupts import Interrupts
 
 
@@ -72,7 +74,6 @@ def _flush_streams() -> None:
 
     Otherwise the interpreter's own flush at exit fails again and turns the exit code into 120.
     """
-    import os
 
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -156,6 +157,18 @@ def _main(argv: Sequence[str] | None, interrupts: Interrupts, mpi: _Runtime) -> 
                     write_json_report(Report(exit_code=exc.exit_code, error=exc.one_line()), json_path)
             return exc.exit_code
         comm = mpi.comm()
+        mismatch = launcher_mismatch(os.environ, comm.Get_size(), _mpi_library)
+        if mismatch is not None:
+            # Every task is rank 0 of a world of its own: the launcher's rank 0 speaks.
+            if launcher_rank() == 0:
+                _say(mismatch.one_line())
+                if cfg.json_path:
+                    from azcp_cluster.report import Report, write_json_report
+
+                    write_json_report(
+                        Report(ranks=1, exit_code=mismatch.exit_code, error=mismatch.one_line()), cfg.json_path
+                    )
+            return mismatch.exit_code
         from azcp_cluster.pipeline import run
 
         try:
@@ -207,10 +220,68 @@ def _say(line: str) -> None:
 
 def launcher_rank() -> int:
     """This process's rank as the launcher set it (hydra, PMIx, Open MPI, Slurm), without initialising MPI."""
-    import os
-
     for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         value = os.environ.get(var)
         if value and value.isdigit():
             return int(value)
     return 0
+
+
+# What each launcher sets in every task it starts: the number of tasks, and who set it. Only a
+# job step's own variables count: a batch script of a many-task allocation has SLURM_NTASKS
+# too, and a plain `python` there is one process, rightly a world of one.
+_LAUNCHED_TASKS = (
+    ("SLURM_STEP_NUM_TASKS", "srun"),  # set by srun in each task of the step (with SLURM_STEP_ID)
+    ("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
+    ("PMI_SIZE", "a PMI launcher (MPICH's or Intel MPI's mpiexec, srun --mpi=pmi2)"),
+)
+
+
+def launched_tasks(env: Mapping[str, str]) -> tuple[int, str, str] | None:
+    """How many tasks the launcher says it started, the variable that says so and the launcher.
+
+    None when no launcher's variable says more than one (a plain process, ``srun -n 1``).
+    """
+    for var, launcher in _LAUNCHED_TASKS:
+        if var == "SLURM_STEP_NUM_TASKS" and "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env:
+            continue
+        value = env.get(var, "").strip()
+        if value.isascii() and value.isdigit() and int(value) > 1:
+            return int(value), var, launcher
+    return None
+
+
+def launcher_mismatch(env: Mapping[str, str], world: int, library: Callable[[], str]) -> TopologyError | None:
+    """The error when the launcher started several tasks but MPI's world has one rank; else None.
+
+    Each task is then a one-rank job of its own (``srun`` with an ``--mpi`` plugin this MPI
+    does not speak, or the ``mpiexec`` of another MPI): each would copy the whole dataset
+    alone and exit 0, the cost the tool exists to avoid. ``library``: the MPI mpi4py uses.
+    """
+    from azcp_cluster.errors import TopologyError
+
+    launched = launched_tasks(env)
+    if world != 1 or launched is None:
+        return None
+    tasks, var, launcher = launched
+    if var == "SLURM_STEP_NUM_TASKS":
+        fix = "run srun with the PMI plugin of that MPI, e.g. srun --mpi=pmix or --mpi=pmi2"
+        fix += " (srun --mpi=list shows them)"
+    else:
+        fix = "launch it with the mpiexec of that MPI"
+    return TopologyError(
+        f"{launcher} started {tasks} tasks ({var}={tasks}) but MPI's world has 1 rank: each task is a "
+        f"one-rank job of its own and would copy everything alone; mpi4py uses {library()}: {fix}"
+    )
+
+
+def _mpi_library() -> str:
+    """The first line of the MPI library's version (the MPI mpi4py was built against)."""
+    from mpi4py import MPI
+
+    try:
+        text = MPI.Get_library_version()
+    except Exception:  # an MPI without MPI_Get_library_version: named by mpi4py's build instead
+        return "an unknown MPI library"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return " ".join(first.split()) or "an unknown MPI library"

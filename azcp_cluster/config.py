@@ -248,6 +248,9 @@ class Config:
     # or "fail" at once; either way, one that is still there ends the run with exit 9.
     lock: str = "wait"
     lock_timeout: float | None = None
+    # A SOURCE (prefix, directory, filters) that yields no file: exit 3 unless allowed (then
+    # a finished, empty copy with a warning).
+    allow_empty: bool = False
 
     def validate(self) -> Config:
         """Check ranges and combinations; raise :class:`UsageError` naming the option."""

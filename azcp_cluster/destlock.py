@@ -84,6 +84,9 @@ class DestLock:
             if self._at_the_name():
                 break
             os.close(self.fd)
+            self.fd = -1
+            if self.tree.removed:  # the run before removed DEST itself (it made it, and failed)
+                return "the run that made DEST, which has just removed it"
             self._open()
         self.held = True
         with contextlib.suppress(OSError):  # who holds it is for the others' notice only

@@ -95,6 +95,16 @@ class DestTree:
         """Whether DEST existed when opened (a dry run's DEST may not)."""
         return self.fd >= 0
 
+    @property
+    def removed(self) -> bool:
+        """Whether DEST was removed since it was opened (another run that made it removed it, empty)."""
+        if self.fd < 0:
+            return False
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return False
+
     def close(self) -> None:
         """Close the root descriptor."""
         if self.fd >= 0:

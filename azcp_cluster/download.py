@@ -35,6 +35,7 @@ from azcp_cluster.errors import DownloadError
 from azcp_cluster.http1 import ConnectFailed, Connection, Head, ProtocolError, TunnelRefused, request_bytes
 from azcp_cluster.localfs import fs_error
 from azcp_cluster.model import FileEntry
+from azcp_cluster.netfailure import network_cause
 from azcp_cluster.plan import Shard, round_up
 from azcp_cluster.proxies import Proxy, proxy_refused, refusal_message
 from azcp_cluster.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
@@ -327,7 +328,7 @@ class Downloader:
             except OSError as exc:
                 # Reset connections, TLS failures: retried, on a new connection. The cause is
                 # the class name only (an OSError's text can carry a URL).
-                cause, retry_after, detail = type(exc).__name__, None, ""
+                cause, retry_after, detail = type(exc).__name__, None, network_cause(exc) or ""
             if attempt >= self.cfg.max_retries:
                 raise DownloadError(
                     f"giving up after {attempt} retries of bytes {block.offset}-{block.offset + block.length - 1}: "

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
+from azcp_cluster.netfailure import network_cause
+
 if TYPE_CHECKING:
     from azcp_cluster.proxies import Proxy
 
@@ -53,9 +55,11 @@ class ConnectFailed(OSError):
     """A connection could not be made; says to what (the endpoint or the proxy) and why, in one line."""
 
     def __init__(self, cause: BaseException, what: str) -> None:
-        detail = getattr(cause, "strerror", None) or str(cause) or type(cause).__name__
-        super().__init__(f"{type(cause).__name__} connecting to {what}: {detail}")
-        self.cause_name = type(cause).__name__
+        detail = network_cause(cause) or getattr(cause, "strerror", None) or str(cause) or type(cause).__name__
+        if isinstance(cause, TimeoutError) and str(cause):
+            detail += f" ({cause})"  # "no connection within 30 s"
+        super().__init__(f"cannot reach {what}: {detail}")
+        self.cause_name = type(cause).__name__  # the retry counts' key
 
 
 class TunnelRefused(Exception):

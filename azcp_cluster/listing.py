@@ -14,6 +14,7 @@ from azcp_cluster.credentials import Authorizer
 from azcp_cluster.errors import ListError
 from azcp_cluster.model import Listing
 from azcp_cluster.naming import RawEntry, directory_prefix, select
+from azcp_cluster.netfailure import host_port, network_cause
 from azcp_cluster.proxies import Proxy, proxy_refused, refusal_message
 from azcp_cluster.source import BlobSource
 from azcp_cluster.tls import sdk_verify
@@ -90,7 +91,8 @@ def _explain(exc: Exception, source: BlobSource, origin: str = "", proxy: Proxy 
         if proxy is not None and refused:
             return ListError(f"proxy {proxy.shown} refused the tunnel to {source.endpoint}: HTTP {refused}")
         through = f" through proxy {proxy.shown}" if proxy is not None else ""
-        return ListError(f"cannot reach {source.endpoint}{through}: {type(exc).__name__}")
+        cause = network_cause(exc) or type(exc).__name__
+        return ListError(f"cannot reach {host_port(source.endpoint)} ({source.endpoint}){through}: {cause}")
     return ListError(f"{where}: listing failed ({type(exc).__name__})")
 
 

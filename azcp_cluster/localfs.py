@@ -8,6 +8,7 @@ DEST is opened through :class:`azcp_cluster.desttree.DestTree`, never by a path 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -151,8 +152,57 @@ def check_space(dest: str, needed: int) -> None:
         )
 
 
-def ensure_dest(dest: str, create: bool = True) -> None:
-    """Make sure DEST is a writable directory (created with parents when ``create``)."""
+class Made:
+    """The directories a run made for DEST, the deepest last, each held open (so that its inode
+    cannot be reused by another directory while the run lasts)."""
+
+    def __init__(self) -> None:
+        self.dirs: list[tuple[str, int]] = []  # (path, an O_DIRECTORY descriptor of what was made)
+        self.shared: set[str] = set()  # directories the run's other writers on this machine made
+
+    def __bool__(self) -> bool:
+        return bool(self.dirs)
+
+    @property
+    def paths(self) -> list[str]:
+        return [path for path, _ in self.dirs]
+
+    def remove(self) -> None:
+        """Remove them, the deepest first, each only if it is still the directory made (not
+        followed through a link) and empty; what cannot be removed stays. Then the parents
+        above that the run's other writers on this machine made, each if empty: the last
+        writer to remove its DEST removes them. Never raises."""
+        own = dict(self.dirs)
+        above = {path for path in self.shared if any(mine.startswith(path.rstrip("/") + "/") for mine in own)}
+        for path in sorted(set(own) | above, key=lambda p: p.count("/"), reverse=True):
+            try:
+                st = os.lstat(path)
+                if not stat.S_ISDIR(st.st_mode):
+                    continue
+                if path in own:
+                    made = os.fstat(own[path])
+                    if (st.st_dev, st.st_ino) != (made.st_dev, made.st_ino):
+                        continue  # another directory at the name now: not this run's
+                os.rmdir(path)  # only an empty directory: anything put in it keeps it
+            except OSError:
+                continue
+        self.close()
+
+    def close(self) -> None:
+        """Let them be (the run succeeded, or wrote into DEST)."""
+        dirs, self.dirs = self.dirs, []
+        for _, fd in dirs:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def ensure_dest(dest: str, create: bool = True) -> Made:
+    """Make sure DEST is a writable directory (created with parents when ``create``).
+
+    Returns the directories this call made, the deepest last: a run that fails before it
+    writes anything removes them again if they are still empty (:meth:`Made.remove`), and
+    nothing else; otherwise :meth:`Made.close`.
+    """
     try:
         st = os.stat(dest)
     except FileNotFoundError:
@@ -162,18 +212,47 @@ def ensure_dest(dest: str, create: bool = True) -> None:
                 path=dest,
             ) from None
         if not create:
-            return
+            return Made()
         try:
-            os.makedirs(dest, exist_ok=True)
+            return _make_dirs(dest)
         except OSError as exc:
             raise fs_error(exc, dest, "create DEST") from None
-        return
     except OSError as exc:
         raise fs_error(exc, dest, "inspect DEST") from None
     if not stat.S_ISDIR(st.st_mode):
         raise LocalFSError("DEST exists and is not a directory", path=dest)
     if create and not os.access(dest, os.W_OK | os.X_OK):
         raise LocalFSError("DEST is not writable", path=dest)
+    return Made()
+
+
+def _make_dirs(dest: str) -> Made:
+    """``os.makedirs(dest)`` one directory at a time: those this call made (a directory that
+    another process made meanwhile is theirs, not listed)."""
+    missing = []
+    path = dest.rstrip("/") or "/"  # not normalised: "link/.." is where the kernel says
+    while path and not os.path.lexists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    made = Made()
+    try:
+        for path in reversed(missing):
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue  # replaced at once: not ours to remove
+            made.dirs.append((path, fd))
+    except BaseException:
+        made.close()
+        raise
+    return made
 
 
 def _load_fallocate() -> Callable[[int, int, int, int], int] | None:

@@ -6,6 +6,7 @@ The entry point (signals, MPI's start and end, errors into exit codes) is :mod:`
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -289,6 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"{MIN_TIMEOUT:g}, at most {MAX_LOCK_TIMEOUT:.0f} (7 days) (default: no limit)",
     )
     p.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="a SOURCE (prefix, directory, --include/--exclude) that yields no file is a finished, empty copy "
+        "(exit 0 with a warning); default: exit 3 naming it, as a typo in a job script should",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="list, compare and print the plan (files and bytes per rank); write nothing",
@@ -319,7 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: Sequence[str] | None) -> Config:
     """Parse the command line into a validated :class:`Config`."""
-    args = build_parser().parse_args(normalise_verify(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    argv = normalise_verify(sys.argv[1:] if argv is None else argv)
+    check_option_names(argv, parser)
+    args = parser.parse_args(argv)
     cfg = Config(
         source=args.source,
         dest=args.dest,
@@ -349,9 +359,33 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
         max_bandwidth=args.max_bandwidth,
         lock=args.lock,
         lock_timeout=args.lock_timeout,
+        allow_empty=args.allow_empty,
     ).validate()
     check_json_path(cfg.json_path)
     return cfg
+
+
+def check_option_names(argv: Sequence[str], parser: argparse.ArgumentParser) -> None:
+    """Refuse an option name the parser does not know, naming it and the closest known one.
+
+    argparse alone would take the misspelled option's value for SOURCE and report the real
+    DEST as the unrecognized argument (``--bcast-chunks 64MiB URL DEST``). A name that starts
+    a known option (an abbreviation, ambiguous or not) is left to argparse; nothing after
+    ``--`` is an option.
+    """
+    known = sorted({name for action in parser._actions for name in action.option_strings if name.startswith("--")})
+    for token in argv:
+        if token == "--":
+            return
+        if not token.startswith("--"):
+            continue
+        name = token.split("=", 1)[0]
+        if name in known or any(option.startswith(name) for option in known):
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "see --help"
+        label = name if name.isprintable() and len(name) <= 64 else shown(name)
+        raise UsageError(f"unrecognized option {label} ({hint})")
 
 
 def normalise_verify(argv: Sequence[str]) -> list[str]:

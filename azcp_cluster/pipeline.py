@@ -70,6 +70,7 @@ def run(
         cluster.interrupts.on_first = None  # the outcome is decided: the report below says it
         try:
             ctx.close()
+            ctx.let_dest_be(remove=failed is not None)  # a failed run's DEST, made and still empty, goes
             cluster.close()
         finally:
             ctx.heap.end()  # what the run froze goes back to the collector

@@ -60,6 +60,12 @@ CASES: dict[str, Case] = {
     "malformed-url": Case(lambda e, c: "http://[::1/x/y", 2, "malformed"),
     "unknown-scheme": Case(lambda e, c: f"ftp://127.0.0.1/{azurite.ACCOUNT}/{c}", 2, "scheme"),
     "missing-account": Case(lambda e, c: f"http://{e.host}:{e.port}/", 2, "account"),
+    "endpoint-refused": Case(
+        lambda e, c: f"http://127.0.0.1:{azurite.free_port()}/{azurite.ACCOUNT}/{c}",
+        3,
+        "): connection refused",
+        args=["--max-retries", "0"],
+    ),
     "missing-container": Case(lambda e, c: e.url("no-such-container-" + c[:8]), 3, "not found"),
     "no-credentials": Case(_url(), 3, "access denied", env=lambda e: {}),
     "wrong-key": Case(
@@ -81,11 +87,17 @@ CASES: dict[str, Case] = {
     "zero-concurrency": Case(_url(), 2, "--concurrency must be between 1 and 4096", args=["--concurrency", "0"]),
     "zero-bandwidth": Case(_url(), 2, "--max-bandwidth", args=["--max-bandwidth", "0"]),
     "bad-size-unit": Case(_url(), 2, "invalid size unit", args=["--shard-size", "3parsecs"]),
-    "unknown-option": Case(_url(), 2, "unrecognized arguments: --frobnicate", args=["--frobnicate"]),
+    "unknown-option": Case(_url(), 2, "unrecognized option --frobnicate (see --help)", args=["--frobnicate"]),
+    "misspelled-option": Case(
+        _url(), 2, "unrecognized option --bcast-chunks (did you mean --bcast-chunk?)", args=["--bcast-chunks", "1MiB"]
+    ),
     # Within the options' ranges (16 GiB x 256 slots), beyond any machine's memory:
     "beyond-memory": Case(_url(), 2, "available", args=["--bcast-chunk", "16GiB", "--bcast-pipeline", "256"]),
     "bad-compare": Case(_url(), 2, "--compare", args=["--compare", "sha1"]),
-    "empty-prefix": Case(_url("nothing-here"), 0, "matched no files", warning=True),
+    # A prefix or filters that yield nothing: a typo in a job script, exit 3 naming it (issue 25).
+    "empty-prefix": Case(_url("nothing-here"), 3, "(prefix 'nothing-here') holds no file to copy; a typo in SOURCE?"),
+    "filters-leave-nothing": Case(_url(), 3, "--include *.nope left none of its 1 files", args=["--include", "*.nope"]),
+    "empty-prefix-allowed": Case(_url("nothing-here"), 0, "matched no files", args=["--allow-empty"], warning=True),
     # Every numeric option has a range (issue 13): below it a run crawls, above it something
     # overflows later; refused at once, in one line.
     "block-size-one-byte": Case(_url(), 2, "--block-size must be between 64.00 KiB", args=["--block-size", "1"]),

@@ -423,6 +423,32 @@ def test_cli_refuses_out_of_range_values_in_one_short_line(extra: list[str], wor
     assert len(line) < 300 and "\n" not in line
 
 
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        # The misspelled option before SOURCE: argparse alone took 64MiB for SOURCE and blamed DEST.
+        (["--bcast-chunks", "64MiB", *ARGS], "unrecognized option --bcast-chunks (did you mean --bcast-chunk?)"),
+        ([*ARGS, "--bcast-chunks=64MiB"], "unrecognized option --bcast-chunks (did you mean --bcast-chunk?)"),
+        ([*ARGS, "--no-overlaps"], "unrecognized option --no-overlaps (did you mean --no-overlap?)"),
+        ([*ARGS, "--jsonpath", "r.json"], "unrecognized option --jsonpath (did you mean --json?)"),
+        ([*ARGS, "--frobnicate"], "unrecognized option --frobnicate (see --help)"),
+        ([*ARGS, "--bcast", "1"], "ambiguous option: --bcast could match"),  # an abbreviation: argparse's word
+    ],
+)
+def test_cli_names_a_misspelled_option_and_its_closest_match(argv: list[str], words: str) -> None:
+    with pytest.raises(UsageError) as info:
+        config_from_args(argv)
+    line = info.value.one_line()
+    assert line == f"azcp-cluster: error [arguments]: {words}" or words in line, line
+    assert ARGS[1] not in line  # DEST is not the culprit
+
+
+def test_cli_takes_abbreviations_and_leaves_what_follows_double_dash() -> None:
+    assert config_from_args(["--bcast-chu", "1MiB", *ARGS]).bcast_chunk == 1 << 20
+    with pytest.raises(UsageError, match="unrecognized arguments: --bcast-chunks"):
+        config_from_args([*ARGS, "--", "--bcast-chunks"])  # a third positional, not an option
+
+
 def test_cli_refuses_a_json_path_that_is_a_directory(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="is a directory"):
         config_from_args([*ARGS, "--json", str(tmp_path)])

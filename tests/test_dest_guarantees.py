@@ -517,3 +517,24 @@ def test_verify_records_the_md5_a_local_source_lacks_so_compare_md5_can_skip(tmp
     assert again.returncode == 0 and again.json is not None and again.json["transfer_files"] == 1
     for rank in range(RANKS):
         assert tree_of(tmp_path / "d" / str(rank)) == files
+
+
+@pytest.mark.parametrize("source", ["unreachable", "empty-directory"])
+def test_a_failed_listing_leaves_no_dest_behind(source: str, tmp_path: Path) -> None:
+    """DEST and the parents the run made go again when it fails before writing (issue 25); one
+    that was there stays, and so does anything in it."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    src = "http://127.0.0.1:1/acct/container/p" if source == "unreachable" else str(empty)
+    code = 3
+    made = run_cli([src, str(tmp_path / "jobs" / "run1" / "{rank}"), "--max-retries", "0"], n=2)
+    assert made.returncode == code, made.output
+    assert len(_errors(made.stderr)) == 1, made.stderr
+    assert not (tmp_path / "jobs").exists(), list((tmp_path / "jobs").rglob("*"))
+    (tmp_path / "there" / "1").mkdir(parents=True)
+    (tmp_path / "there" / "1" / "old.bin").write_bytes(b"kept")
+    kept = run_cli([src, str(tmp_path / "there" / "{rank}"), "--max-retries", "0"], n=2)
+    assert kept.returncode == code, kept.output
+    assert (tmp_path / "there" / "1" / "old.bin").read_bytes() == b"kept"
+    assert sorted(p.name for p in (tmp_path / "there").iterdir()) == ["1"]  # 0 made and removed, 1 kept
+    assert sorted(p.name for p in (tmp_path / "there" / "1").iterdir()) == ["old.bin"]  # no lock file left

@@ -521,3 +521,23 @@ def test_files_below_a_mount_point_in_dest_are_synced_on_their_own(dest: Path, m
         assert synced == [os.stat(dest / "other").st_dev] * 3  # the other filesystem: one by one
     finally:
         subprocess.run(["umount", "-l", str(dest / "other")], check=False, timeout=30)
+
+
+def test_a_waiting_run_whose_dest_was_removed_by_its_maker_is_told_so(tmp_path: Path) -> None:
+    """The run that made DEST failed before writing anything and removed it (empty): the one
+    waiting for its lock learns that DEST is gone (setup then makes it again), never writes into
+    a removed directory."""
+    dest = tmp_path / "d"
+    dest.mkdir()
+    maker_tree, waiter_tree = DestTree(str(dest)), DestTree(str(dest))
+    maker, waiter = DestLock(maker_tree, "maker"), DestLock(waiter_tree, "waiter")
+    assert maker.try_acquire() is None
+    assert waiter.try_acquire() == "maker"
+    maker.close()  # removes the lock file while it holds it
+    maker_tree.close()
+    dest.rmdir()
+    assert waiter_tree.removed
+    assert waiter.try_acquire() == "the run that made DEST, which has just removed it"
+    waiter.close()
+    waiter_tree.close()
+    assert not dest.exists()

@@ -450,3 +450,43 @@ def test_trickle_takes_the_bytes_as_they_come() -> None:
         await reader.read()
 
     _run(script, client)
+
+
+def test_network_failures_are_named_in_plain_words() -> None:
+    """What a listing or a GET says when it cannot connect, from real sockets (issue 25)."""
+    import socket as socket_module
+    import ssl as ssl_module
+
+    from azcp_cluster.devtools import azurite
+    from azcp_cluster.netfailure import host_port, network_cause
+
+    def failure(connect: Callable[[], object]) -> BaseException:
+        try:
+            connect()
+        except OSError as exc:  # the failure is what is looked at
+            return exc
+        raise AssertionError("connected")
+
+    refused = failure(lambda: socket_module.create_connection(("127.0.0.1", azurite.free_port()), timeout=5))
+    assert network_cause(refused) == "connection refused"
+    unresolved = failure(lambda: socket_module.getaddrinfo("nonexistent.invalid", 443))
+    assert network_cause(unresolved) == "name not resolved"
+    wrapped = RuntimeError("a library's own error")
+    wrapped.__cause__ = unresolved
+    assert network_cause(wrapped) == "name not resolved"  # through the chain of causes
+    with socket_module.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+
+        def handshake() -> object:
+            with socket_module.create_connection(("127.0.0.1", port), timeout=0.3) as sock:
+                return ssl_module.create_default_context().wrap_socket(sock, server_hostname="localhost")
+
+        assert network_cause(failure(handshake)) == "timed out"  # nobody answers the TLS hello
+    assert network_cause(ssl_module.SSLError(1, "[SSL: WRONG_VERSION_NUMBER] wrong version number")) is not None
+    assert network_cause(ValueError("not a network failure")) is None
+    assert (host_port("https://acct.blob.core.windows.net"), host_port("http://127.0.0.1:10000/acct")) == (
+        "acct.blob.core.windows.net:443",
+        "127.0.0.1:10000",
+    )

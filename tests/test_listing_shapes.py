@@ -263,7 +263,9 @@ def test_a_dropped_connection_on_the_first_page_is_retried(
 def test_an_endpoint_nobody_answers_is_named(emulator: azurite.Emulator) -> None:
     url = f"http://127.0.0.1:{azurite.free_port()}/{azurite.ACCOUNT}/nobody"
     source, auth, _ = _auth(url, emulator.key_env())
-    with pytest.raises(ListError, match=r"cannot reach http://127\.0\.0\.1:\d+/\w+: ConnectionRefusedError"):
+    with pytest.raises(
+        ListError, match=r"cannot reach 127\.0\.0\.1:\d+ \(http://127\.0\.0\.1:\d+/\w+\): connection refused$"
+    ):
         bloblist.list_blobs(source, auth, Config(source=url, dest="/tmp/unused", max_retries=0))
 
 
@@ -290,7 +292,7 @@ def test_the_listing_over_https_trusts_the_bundle_and_checks_the_name(
     for name in ("REQUESTS_CA_BUNDLE", "SSL_CERT_FILE"):
         monkeypatch.delenv(name)
     source, auth, _ = _auth(url, https_emulator.key_env())
-    with pytest.raises(ListError, match="cannot reach https://"):
+    with pytest.raises(ListError, match=r"cannot reach [\d.]+:\d+ \(https://.*\): TLS: .*certificate"):
         bloblist.list_blobs(source, auth, Config(source=url, dest="/tmp/unused", max_retries=0))
 
 

@@ -256,3 +256,29 @@ def test_a_bind_mount_is_the_directory_it_shows_and_lies_where_that_one_lies(tmp
 
 def test_mountinfo_paths_are_unescaped() -> None:
     assert localfs._unescape(rb"/a\040b\011c\012d\134e") == "/a b\tc\nd\\e"
+
+
+def test_ensure_dest_names_what_it_made_and_remove_made_takes_only_those_still_empty(tmp_path: Path) -> None:
+    dest = tmp_path / "a" / "b" / "c"
+    made = localfs.ensure_dest(str(dest))
+    assert made.paths == [str(tmp_path / "a"), str(tmp_path / "a" / "b"), str(dest)]
+    assert not localfs.ensure_dest(str(dest))  # there already: nothing made
+    (tmp_path / "a" / "keep.txt").write_text("someone else's")
+    made.remove()
+    assert not (tmp_path / "a" / "b").exists()  # c and b were empty
+    assert (tmp_path / "a" / "keep.txt").exists()  # a holds a file: it stays, and so does tmp_path
+
+
+def test_remove_made_leaves_a_directory_that_is_not_the_one_made(tmp_path: Path) -> None:
+    dest = tmp_path / "d"
+    made = localfs.ensure_dest(str(dest))
+    dest.rmdir()
+    dest.mkdir()  # another run's DEST now, empty (the one made is held open: another inode)
+    made.remove()
+    assert dest.is_dir()
+    dest.rmdir()
+    again = localfs.ensure_dest(str(dest))
+    dest.rmdir()
+    dest.symlink_to(tmp_path)  # a link at the name is never followed
+    again.remove()
+    assert dest.is_symlink()

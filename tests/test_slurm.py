@@ -354,6 +354,35 @@ def test_stage_sbatch_without_source_fails_with_usage(slurm: Cluster) -> None:
     assert "usage: sbatch" in job.output
 
 
+def test_srun_with_no_mpi_plugin_exits_2_instead_of_copying_once_per_task(slurm: Cluster) -> None:
+    """``srun --mpi=none``: each task is a one-rank MPI job; the tool says so (exit 2) and copies nothing.
+
+    The same job script's plain ``python`` (no srun) in the two-task allocation is one process
+    and copies, as it should.
+    """
+    source = slurm.root / "launcher-src"
+    source.mkdir(exist_ok=True)
+    (source / "a.bin").write_bytes(b"abc" * 1000)
+    dest = slurm.root / "launcher-dest-{rank}"
+    python = f"{sys.executable} -m azcp_cluster"
+    script = slurm.root / "launcher.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        f'{python} {source} {slurm.root / "plain-dest"} --no-progress; echo "[plain] exit $?"\n'
+        f'srun --ntasks=2 --mpi=none {python} {source} {dest} --no-progress; echo "[srun] exit $?"\n'
+    )
+    env = {k: v for k, v in slurm.env.items() if not k.startswith("AZCP_")}
+    job = slurm.submit(["--nodes=1", "--ntasks=2", str(script)], env)
+    assert "[plain] exit 0" in job.output, job.output + slurm.logs()
+    assert (slurm.root / "plain-dest" / "a.bin").read_bytes() == b"abc" * 1000
+    assert "[srun] exit 2" in job.output, job.output
+    lines = [line for line in job.output.splitlines() if line.startswith("azcp-cluster: error")]
+    assert len(lines) == 1, job.output
+    assert "srun started 2 tasks (SLURM_STEP_NUM_TASKS=2) but MPI's world has 1 rank" in lines[0]
+    assert "srun --mpi=pmix or --mpi=pmi2" in lines[0]
+    assert not any(slurm.root.glob("launcher-dest-*"))
+
+
 APPTAINER_STUB = """#!/bin/bash
 # Stands in for apptainer: checks the image file exists, then runs the command (no container).
 set -euo pipefail

@@ -18,7 +18,7 @@ from azcp_cluster.cluster import Cluster, StageOutcome
 from azcp_cluster.config import Config
 from azcp_cluster.desttree import DestTree
 from azcp_cluster.errors import AzcpError, LocalFSError
-from azcp_cluster.localfs import expand_dest, free_bytes
+from azcp_cluster.localfs import Made, expand_dest, free_bytes
 from azcp_cluster.progress import resolve_mode
 from azcp_cluster.report import Report, ReportPrinter, say
 from azcp_cluster.source import is_url
@@ -75,6 +75,7 @@ class RunContext:
         # below it is reached through this handle, never through a link (desttree.py).
         self.tree: DestTree | None = None
         self.dest_lock: DestLock | None = None  # leaders: held from setup to the end of the run
+        self.dest_made = Made()  # leaders: the directories setup made for DEST (removed if the run fails, empty)
         self.write_pool: WritePool | None = None  # the download's buffers and writers (allocate)
         self.disk: DiskWriter | None = None  # streaming leaders that download: writers shared with the fan-out
         self.journal: Journal | None = None  # ranks that write into the node's files: their block journal
@@ -100,6 +101,18 @@ class RunContext:
         journal, self.journal = self.journal, None
         if journal is not None:
             journal.close()
+
+    def let_dest_be(self, remove: bool) -> None:
+        """After ``close``: a failed run removes DEST (and the parents) this run made, if still empty.
+
+        The lock file is gone by then (``close`` removes it while it holds the lock); a
+        directory with anything else in it stays, and so does one another run made.
+        """
+        made, self.dest_made = self.dest_made, Made()
+        if remove:
+            made.remove()
+        else:
+            made.close()
 
     def close(self) -> None:
         """Stop the writer threads; journal what they wrote; release DEST; free the communicators."""

@@ -16,7 +16,7 @@ from azcp_cluster.cluster import StageOutcome
 from azcp_cluster.config import json_inside_dest
 from azcp_cluster.destlock import DestLock, lock_backoff
 from azcp_cluster.desttree import DestTree
-from azcp_cluster.errors import LockError, ReportPathError, TopologyError, UsageError
+from azcp_cluster.errors import LocalFSError, LockError, ReportPathError, TopologyError, UsageError
 from azcp_cluster.localfs import ensure_dest, locate_dest, machine_id
 from azcp_cluster.localsource import check_overlap
 from azcp_cluster.proxies import Proxy, proxy_for
@@ -122,10 +122,18 @@ def setup(ctx: RunContext) -> Placement:
         if cfg.json_path and json_inside_dest(os.path.realpath(cfg.json_path), ctx.dest_identity):
             raise ReportPathError(f"--json {cfg.json_path} lies inside DEST; write the report outside it")
         if leader:
-            ensure_dest(ctx.dest, create=not cfg.dry_run)
-            ctx.tree = DestTree(ctx.dest, create=not cfg.dry_run)
+            open_dest(ctx)
+        outcome.stats = {"made": ctx.dest_made.paths}
     cluster.note("roles", t1)
-    cluster.conclude(t0, outcome)
+    made = cluster.conclude(t0, outcome)
+    # DESTs side by side below directories this run made: whichever leader of the machine is
+    # the last to remove its own DEST (a failed run) removes the parents too, if empty.
+    ctx.dest_made.shared = {
+        path
+        for rank, st in enumerate(made.stats)
+        if rank != ctx.rank and places[rank].same_machine(places[ctx.rank])
+        for path in st["made"]
+    }
     if not cfg.dry_run:
         lock_dest(ctx, leader, t0, places)
     # Collective on every rank; leaders get one communicator, ordered by group.
@@ -151,6 +159,27 @@ def setup(ctx: RunContext) -> Placement:
         proxy=proxy,
         downloaders_on_host=max(1, on_host),
     )
+
+
+def open_dest(ctx: RunContext) -> None:
+    """A leader's DEST: created if missing (remembering what this run made), then opened.
+
+    Another run that made DEST and failed before writing anything removes it again, empty
+    (``RunContext.remove_made_dest``); one that does so between the two steps here is met by
+    making DEST once more.
+    """
+    create = not ctx.cfg.dry_run
+    for attempt in range(3):
+        made = ensure_dest(ctx.dest, create=create)
+        if made:
+            ctx.dest_made.close()
+            ctx.dest_made = made
+        try:
+            ctx.tree = DestTree(ctx.dest, create=create)
+            return
+        except LocalFSError:
+            if attempt == 2 or os.path.lexists(ctx.dest):
+                raise
 
 
 def place_of(ctx: RunContext) -> tuple[str, ...]:
@@ -182,6 +211,13 @@ def lock_dest(ctx: RunContext, leader: bool, t0: float, places: list[Place]) -> 
             held_by = None
             if leader:
                 assert ctx.tree is not None
+                if ctx.tree.removed:  # the run that made DEST failed and removed it, empty: make it again
+                    if ctx.dest_lock is not None:
+                        ctx.dest_lock.close()
+                        ctx.dest_lock = None
+                    ctx.tree.close()
+                    open_dest(ctx)
+                    assert ctx.tree is not None
                 if ctx.dest_lock is None:
                     ctx.dest_lock = DestLock(ctx.tree, me)
                 held_by = ctx.dest_lock.try_acquire()

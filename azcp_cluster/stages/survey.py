@@ -18,6 +18,7 @@ import numpy as np
 
 from azcp_cluster import journal, manifest
 from azcp_cluster.cluster import StageOutcome, error_from_payload, error_payload
+from azcp_cluster.errors import ListError
 from azcp_cluster.localsource import list_local
 from azcp_cluster.model import FileEntry, Listing, decode_listing, encode_listing
 from azcp_cluster.naming import Selected, merge, prefilter
@@ -201,11 +202,33 @@ def _listed(ctx: RunContext, listing: Listing, single: bool, seconds: float) -> 
     report.markers_skipped = listing.markers_skipped
     report.filtered_out = listing.filtered_out
     report.stages["list"] = StageFigures(seconds, 0)
-    if not listing.files and ctx.rank == 0:
-        # Not an error (an empty prefix is a valid, finished copy), but rarely intended.
-        what = "filters left no file" if listing.filtered_out else "SOURCE matched no files"
-        say(f"azcp-cluster: warning: {what}; nothing to copy")
+    if not listing.files:
+        # On every rank alike (they all have the listing): a typo in a job script's SOURCE
+        # must not pass its staging step. With --allow-empty, a finished copy of nothing.
+        if not ctx.cfg.allow_empty:
+            raise ListError(empty_source(ctx, listing))
+        if ctx.rank == 0:
+            what = "filters left no file" if listing.filtered_out else "SOURCE matched no files"
+            say(f"azcp-cluster: warning: {what}; nothing to copy (--allow-empty)")
     return Listed(listing, single, seconds)
+
+
+def empty_source(ctx: RunContext, listing: Listing) -> str:
+    """Why the listing has no file, naming SOURCE (container and prefix, or the local path) and the filters."""
+    cfg = ctx.cfg
+    if ctx.local:
+        where = f"local SOURCE {ctx.source_root}"
+    else:
+        source = parse_blob_url(cfg.source)
+        prefix = f"prefix '{source.prefix}'" if source.prefix else "no prefix"
+        where = f"container '{source.container}' at {source.endpoint} ({prefix})"
+    if listing.filtered_out:
+        filters = " ".join([*(f"--include {g}" for g in cfg.include), *(f"--exclude {g}" for g in cfg.exclude)])
+        return (
+            f"{where}: {filters} left none of its {listing.filtered_out} files "
+            "(--allow-empty makes that a finished, empty copy)"
+        )
+    return f"{where} holds no file to copy; a typo in SOURCE? (--allow-empty makes that a finished, empty copy)"
 
 
 def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
