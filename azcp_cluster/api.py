@@ -12,69 +12,12 @@ import dataclasses
 import io
 from typing import Any, TextIO
 
-from azcp_cluster.config import Config, parse_rate, parse_size, shown
+from azcp_cluster.config import Config
 from azcp_cluster.errors import UsageError
+from azcp_cluster.options import coerce
 from azcp_cluster.report import Report, check_json_path
 
-# The keyword options, by kind (the Config fields; sizes also accept "64MiB" strings).
-_SIZES = ("block_size", "bcast_chunk", "shard_size")
-_INTS = ("concurrency", "bcast_pipeline", "bcast_writers", "max_retries", "source_readers", *_SIZES)
-_OPTIONAL_INTS = ("source_rank", "download_ranks", "download_workers")
-_BOOLS = ("bcast_direct", "dry_run", "overlap", "resume", "allow_empty")
-_FLOATS = ("read_timeout", "connect_timeout")
-_OPTIONAL_FLOATS = ("lock_timeout",)
-_STRINGS = ("compare", "auth", "lock")
-_GLOBS = ("include", "exclude")
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in ("source", "dest"))
-
-
-def _convert(name: str, value: Any) -> Any:
-    """``value`` as the Config field ``name`` holds it, or a :class:`UsageError` naming the option."""
-    if name in _SIZES and isinstance(value, str):
-        return parse_size(value)
-    if name == "max_bandwidth" and isinstance(value, str):
-        return parse_rate(value)
-    if name == "max_bandwidth" and (value is None or (isinstance(value, int | float) and not isinstance(value, bool))):
-        return None if value is None else _float(name, value)
-    if name == "download_workers" and value == "auto":
-        return None
-    if name == "verify" and isinstance(value, bool):
-        return "disk" if value else ""  # verify=True: the default mode, as a bare --verify
-    if name == "progress" and isinstance(value, bool):
-        return "auto" if value else "none"
-    if name == "progress" and isinstance(value, str):
-        return value
-    if name == "verify" and isinstance(value, str):
-        return value
-    if name in _GLOBS:
-        globs = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list | tuple) else None
-        if globs is None or not all(isinstance(g, str) for g in globs):
-            raise UsageError(f"{name} must be a glob or a list of globs (got {value!r})")
-        return globs
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if name in _INTS and is_int:
-        return value
-    if name in _OPTIONAL_INTS and (value is None or is_int):
-        return value
-    if name in _BOOLS and isinstance(value, bool):
-        return value
-    if name in _FLOATS and (is_int or isinstance(value, float)):
-        return _float(name, value)
-    if name in _OPTIONAL_FLOATS and (value is None or is_int or isinstance(value, float)):
-        return None if value is None else _float(name, value)
-    if name in _STRINGS and isinstance(value, str):
-        return value
-    if name == "json_path" and (value is None or isinstance(value, str)):
-        return value
-    raise UsageError(f"option {name} cannot be {shown(value)}")
-
-
-def _float(name: str, value: float) -> float:
-    """``value`` as a float; an int too large for one is a :class:`UsageError`, not an OverflowError."""
-    try:
-        return float(value)
-    except OverflowError:
-        raise UsageError(f"option {name} cannot be {shown(value)}: beyond any supported value") from None
 
 
 def make_config(source: str, dest: str, options: dict[str, Any]) -> Config:
@@ -88,7 +31,7 @@ def make_config(source: str, dest: str, options: dict[str, Any]) -> Config:
         raise UsageError(f"unknown option(s) {', '.join(unknown)}; valid: {', '.join(OPTIONS)}")
     if not isinstance(source, str) or not isinstance(dest, str):
         raise UsageError("source and dest must be strings")
-    values = {name: _convert(name, value) for name, value in options.items()}
+    values = {name: coerce(name, value) for name, value in options.items()}  # as the command line reads them
     cfg = Config(source=source, dest=dest, **values).validate()
     check_json_path(cfg.json_path)
     return cfg

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import shutil
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from azcp_cluster import __version__
 from azcp_cluster.config import (
     AUTH_METHODS,
+    COMPARE_MODES,
     LOCK_MODES,
-    MAX_BANDWIDTH_LIMIT,
     MAX_BCAST_CHUNK,
     MAX_BCAST_PIPELINE,
     MAX_BCAST_WRITERS,
@@ -31,6 +34,7 @@ from azcp_cluster.config import (
     MIN_SHARD_SIZE,
     MIN_TIMEOUT,
     PROGRESS_MODES,
+    UNITS,
     VERIFY_MODES,
     Config,
     parse_rate,
@@ -40,37 +44,70 @@ from azcp_cluster.config import (
 from azcp_cluster.errors import EXIT_CODES, UsageError
 from azcp_cluster.report import check_json_path
 
-EPILOG = "exit codes:\n" + "\n".join(f"  {code}  {text}" for code, text in EXIT_CODES.items())
+EXAMPLES = """\
+examples:
+  # Slurm, one rank per node: a model from a blob container to local NVMe
+  srun --ntasks-per-node=1 --mpi=pmix azcp-cluster \\
+      https://myaccount.blob.core.windows.net/models/llama-70b /mnt/nvme/llama
+  # mpiexec on 8 hosts: a checkpoint on a shared filesystem, read once, verified
+  mpiexec -n 8 -ppn 1 azcp-cluster /lustre/ckpt/step-900 /mnt/nvme/ckpt --verify
+"""
+EPILOG = (
+    EXAMPLES
+    + "\nexit codes:\n"
+    + "\n".join(
+        textwrap.fill(f"  {code:<3}  {text}", 79, subsequent_indent=" " * 7) for code, text in EXIT_CODES.items()
+    )
+)
 
-DESCRIPTION = """\
-Stage one dataset onto every node: SOURCE is listed once, each byte is read from it once
-(Azure: every downloading rank fetches only its share), then an MPI broadcast between
-nodes fans every file out to DEST on every node. Launch it on every node, e.g.
-`srun --ntasks-per-node=1 azcp-cluster ...` or `mpiexec -n 4 azcp-cluster ...`; with
-several ranks per node, one rank per node writes DEST and the others help download.
+DESCRIPTION = f"""\
+Stage one dataset onto every node: SOURCE is listed once, each byte is read
+from it once (Azure: every downloading rank fetches only its share), then a
+fan-out over MPI between nodes brings every file to DEST on every node. Launch
+one rank per node (more help download; one per node writes DEST).
 
-SOURCE  https://ACCOUNT.blob.core.windows.net/CONTAINER[/PREFIX][?SAS]  or the path style
-        http(s)://HOST:PORT/ACCOUNT/CONTAINER[/PREFIX][?SAS] (emulator, custom endpoints).
-        PREFIX names a virtual directory (.../ckpt copies ckpt/**, never ckpt-other/);
-        if a blob named exactly PREFIX exists, that one blob is copied.
-        Or a local path (a file or a directory tree, e.g. on NFS, Lustre or blobfuse):
-        one rank reads it (--source-rank) and the others receive it over MPI.
-DEST    a directory, created if missing; {rank} and {host} are expanded per rank.
+SOURCE  https://ACCOUNT.blob.core.windows.net/CONTAINER[/PREFIX][?SAS], or
+        http(s)://HOST:PORT/ACCOUNT/CONTAINER[/PREFIX][?SAS] (an emulator).
+        PREFIX is a virtual directory (.../ckpt copies ckpt/**, not ckpt-x/);
+        a blob named exactly PREFIX is copied alone. Or a local path (a file
+        or a tree, e.g. on NFS, Lustre, blobfuse): one rank reads it.
+DEST    a directory, made if missing; {{rank}} and {{host}} expand per rank.
 
 Credentials, first match wins: SAS in the URL, AZURE_STORAGE_CONNECTION_STRING,
-AZURE_STORAGE_ACCOUNT + AZURE_STORAGE_KEY, AZURE_STORAGE_SAS_TOKEN, then (https only)
-workload identity (AZURE_CLIENT_ID + AZURE_TENANT_ID + AZURE_FEDERATED_TOKEN_FILE), managed
-identity (IDENTITY_ENDPOINT or MSI_ENDPOINT set), the Azure CLI (az on PATH and logged in),
-anonymous. --auth METHOD (or AZCP_AUTH) forces one; on a VM, --auth managed-identity.
-Sizes read 64MiB, 1GiB, 512M (binary units) or plain bytes.
+AZURE_STORAGE_ACCOUNT + AZURE_STORAGE_KEY, AZURE_STORAGE_SAS_TOKEN, then (https)
+workload identity, managed identity, the Azure CLI (az login), anonymous.
+--auth METHOD (or AZCP_AUTH) forces one.
+
+{textwrap.fill(UNITS, 79)}
 """
 
+# The help's groups, in order.
+GROUPS = ("what to copy", "download", "broadcast", "checks and output", "advanced")
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises our UsageError instead of printing from every rank and exiting."""
 
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see --help)")
+@dataclass(frozen=True)
+class Option:
+    """One command-line option: its flag, the Config field it sets, and how its value is read.
+
+    ``kind``: ``size`` (64MiB), ``int``, ``seconds``, ``rate`` (25Gbps), ``workers`` (N or
+    auto), ``choice`` (one of ``choices``), ``flag`` (sets the field True), ``negated``
+    (``--no-X``: sets it False), ``alias`` (sets the field to ``value``), ``globs``
+    (repeatable), ``path``, ``verify`` (an optional MODE). The API's keyword options are the
+    fields, read by the same kinds (:func:`coerce`).
+    """
+
+    flag: str
+    field: str
+    group: str
+    kind: str
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] = ()
+    value: Any = None  # an alias's value
+
+
+def _range(lo: int, hi: int) -> str:
+    return f"{_units(lo)} to {_units(hi)}"
 
 
 def _units(n: int) -> str:
@@ -79,6 +116,103 @@ def _units(n: int) -> str:
         if n % factor == 0:
             return f"{n // factor}{unit}"
     return str(n)
+
+
+OPTIONS: tuple[Option, ...] = (
+    # what to copy
+    Option("--include", "include", GROUPS[0], "globs",
+           "copy only paths (below the prefix) matching GLOB; repeatable; '*' matches across '/'", "GLOB"),
+    Option("--exclude", "exclude", GROUPS[0], "globs", "skip paths matching GLOB; repeatable", "GLOB"),
+    Option("--compare", "compare", GROUPS[0], "choice",
+           "when a file in DEST counts as there already: 'size' (the same size; a blob replaced by one of "
+           "the same size is NOT copied again), 'etag' (the size and the ETag in DEST's manifest), 'md5' "
+           "(hash the local file against the blob's Content-MD5 or the manifest's), 'none' (copy all); "
+           "default size", "MODE", COMPARE_MODES),
+    Option("--allow-empty", "allow_empty", GROUPS[0], "flag",
+           "a SOURCE (prefix, directory, --include/--exclude) that yields no file is an empty copy (exit 0 "
+           "with a warning); default: exit 3 naming it, as a typo in a job script should"),
+    Option("--dry-run", "dry_run", GROUPS[0], "flag",
+           "list, compare and print the plan (files and bytes per rank); write nothing"),
+    # download
+    Option("--concurrency", "concurrency", GROUPS[1], "int",
+           f"ranged GETs in flight per rank, 1 to {MAX_CONCURRENCY} (default 64)", "N"),
+    Option("--block-size", "block_size", GROUPS[1], "size",
+           f"bytes per ranged GET, {_range(MIN_BLOCK_SIZE, MAX_BLOCK_SIZE)} (default 16MiB)", "SIZE"),
+    Option("--shard-size", "shard_size", GROUPS[1], "size",
+           f"files larger than SIZE are split into ranges fetched by several ranks; at least "
+           f"{_units(MIN_SHARD_SIZE)} (default 1GiB)", "SIZE"),
+    Option("--max-bandwidth", "max_bandwidth", GROUPS[1], "rate",
+           "cap the cluster's download, split over the downloading ranks: 25Gbps, 800Mb/s (bits), 3GiB/s "
+           "(bytes) or bytes per second; keeps a job under a storage account's egress limit instead of "
+           f"meeting its 503s; {MIN_BANDWIDTH} B/s to 8000Tbps (default: no cap)", "RATE"),
+    Option("--download-ranks", "download_ranks", GROUPS[1], "int",
+           "only N ranks download, spread over the nodes (default: every rank); fewer clients for a "
+           "throttled account", "N"),
+    Option("--auth", "auth", GROUPS[1], "choice",
+           "force one credential: " + ", ".join(AUTH_METHODS[1:]) + "; default auto (the first that "
+           "applies, or AZCP_AUTH)", "METHOD", AUTH_METHODS),
+    # broadcast
+    Option("--bcast-chunk", "bcast_chunk", GROUPS[2], "size",
+           f"bytes per fan-out slot, {_range(MIN_BCAST_CHUNK, MAX_BCAST_CHUNK)}; sent in MPI calls of at "
+           "most 1GiB (default 64MiB)", "SIZE"),
+    Option("--source-rank", "source_rank", GROUPS[2], "int",
+           "local SOURCE: the rank that reads it (default: the lowest that sees it); no other opens it",
+           "RANK"),
+    Option("--source-readers", "source_readers", GROUPS[2], "int",
+           "local SOURCE on a shared filesystem (Lustre, NFS with several servers): N ranks on different "
+           "nodes read disjoint, balanced parts of it (default 1)", "N"),
+    # checks and output
+    Option("--verify", "verify", GROUPS[3], "verify",
+           "MD5 of every file, compared across nodes and with the blob's Content-MD5 (exit 7 on a "
+           "mismatch). MODE 'disk' (a bare --verify): every copy read back after its fsync; 'stream': "
+           "hashed as the bytes pass (files not sent are read back)", "MODE", VERIFY_MODES),
+    Option("--json", "json_path", GROUPS[3], "path",
+           "write the report as JSON to PATH (rank 0); not a directory, not inside DEST", "PATH"),
+    Option("--progress", "progress", GROUPS[3], "choice",
+           "rank 0's progress on stderr: 'bar' (one line redrawn), 'lines' (a status line each 5%% or "
+           "10 s, for logs), 'none'; default auto: the bar on a terminal, lines elsewhere (mpiexec, srun, "
+           "a log)", "MODE", PROGRESS_MODES),
+    Option("--no-progress", "progress", GROUPS[3], "alias", "the same as --progress none", value="none"),
+    Option("--lock", "lock", GROUPS[3], "choice",
+           "another run on the same DEST: 'wait' for it (see --lock-timeout) or 'fail' at once; exit 9 if "
+           "it is still there (default wait)", "MODE", LOCK_MODES),
+    Option("--lock-timeout", "lock_timeout", GROUPS[3], "seconds",
+           f"how long --lock wait waits before exit 9; {MIN_TIMEOUT:g} to {MAX_LOCK_TIMEOUT:.0f} (7 days) "
+           "(default: no limit)", "SECONDS"),
+    # advanced
+    Option("--download-workers", "download_workers", GROUPS[4], "workers",
+           f"processes under each downloading rank making its ranged GETs (1 to {MAX_DOWNLOAD_WORKERS}; 1: "
+           "the rank itself); auto (default): the rank measures its rate and the idle CPUs and hands "
+           "its share to workers (at most 8) only where they are predicted to shorten it", "N"),
+    Option("--max-retries", "max_retries", GROUPS[4], "int",
+           f"retries per request before giving up, 0 to {MAX_RETRIES_LIMIT} (default 5)", "N"),
+    Option("--read-timeout", "read_timeout", GROUPS[4], "seconds",
+           "a request whose response sends nothing for SECONDS is dropped and retried; "
+           f"{MIN_TIMEOUT:g} to {MAX_READ_TIMEOUT:.0f} (default 60)", "SECONDS"),
+    # The Python API only (no flag): how long a connection to Azure may take to open.
+    Option("", "connect_timeout", GROUPS[4], "seconds",
+           f"seconds a connection may take to open; {MIN_TIMEOUT:g} to {MAX_READ_TIMEOUT:.0f} (default 30)"),
+    Option("--bcast-pipeline", "bcast_pipeline", GROUPS[4], "int",
+           f"fan-out slots in flight, 1 to {MAX_BCAST_PIPELINE}; memory per writer is N x chunk "
+           "(default 4 x 64MiB = 256MiB)", "N"),
+    Option("--bcast-writers", "bcast_writers", GROUPS[4], "int",
+           f"threads writing received slots to disk per node, 1 to {MAX_BCAST_WRITERS} (default 2)", "N"),
+    Option("--no-bcast-direct", "bcast_direct", GROUPS[4], "negated",
+           "write received slots, and read back the downloads to send, through the page cache instead "
+           "of O_DIRECT"),
+    Option("--no-overlap", "overlap", GROUPS[4], "negated",
+           "download everything, then fan it out (default: each part goes out as soon as it lands)"),
+    Option("--no-resume", "resume", GROUPS[4], "negated",
+           "copy every missing file whole, ignoring (and removing) a stopped run's block journal "
+           "(default: keep the blocks it recorded and move only the rest)"),
+)  # fmt: skip
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises our UsageError instead of printing from every rank and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see --help)")
 
 
 def _size(text: str) -> int:
@@ -123,204 +257,51 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(exc.message) from None
 
 
+_TYPES: dict[str, Callable[[str], Any]] = {
+    "size": _size,
+    "int": _integer,
+    "seconds": _seconds,
+    "rate": _rate,
+    "workers": _workers,
+}
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """The help within 80 columns whatever the terminal (a log, a narrow pane), never wider."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=min(80, shutil.get_terminal_size((80, 24)).columns) - 1, max_help_position=26)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (also used by the docs test to list every option)."""
-    p = _Parser(
-        prog="azcp-cluster",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "source", metavar="SOURCE", help="blob container URL (optionally with a prefix and a SAS), or a local path"
-    )
-    p.add_argument("dest", metavar="DEST", help="destination directory on every node ({rank}, {host} expanded)")
+    """The argument parser, built from :data:`OPTIONS` (also used by the docs tests)."""
+    p = _Parser(prog="azcp-cluster", description=DESCRIPTION, epilog=EPILOG, formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"azcp-cluster {__version__}")
-    p.add_argument(
-        "--compare",
-        choices=("none", "size", "etag", "md5"),
-        default="size",
-        help="when a file in DEST counts as already there: 'size' (same size; a blob replaced by one of the "
-        "same size is NOT recopied), 'etag' (same size and the ETag recorded in DEST's manifest), 'md5' "
-        "(hash the local file, compare with the blob's Content-MD5 or the manifest's), 'none' (copy all); "
-        "default size",
-    )
-    p.add_argument(
-        "--concurrency",
-        type=_integer,
-        default=64,
-        help=f"ranged GETs in flight per rank, 1 to {MAX_CONCURRENCY} (default 64)",
-    )
-    p.add_argument(
-        "--block-size",
-        type=_size,
-        default="16MiB",
-        help=f"bytes per ranged GET, {_units(MIN_BLOCK_SIZE)} to {_units(MAX_BLOCK_SIZE)} (default 16MiB)",
-    )
-    p.add_argument(
-        "--bcast-chunk",
-        type=_size,
-        default="64MiB",
-        help=f"bytes per broadcast slot, {_units(MIN_BCAST_CHUNK)} to {_units(MAX_BCAST_CHUNK)}; split into MPI "
-        "calls of at most 1GiB (default 64MiB)",
-    )
-    p.add_argument(
-        "--bcast-pipeline",
-        type=_integer,
-        default=4,
-        help=f"broadcasts in flight, 1 to {MAX_BCAST_PIPELINE}; memory per rank is pipeline x chunk "
-        "(default 4 x 64MiB = 256MiB)",
-    )
-    p.add_argument(
-        "--bcast-writers",
-        type=_integer,
-        default=2,
-        help=f"threads writing received chunks to disk per rank, 1 to {MAX_BCAST_WRITERS} (default 2)",
-    )
-    p.add_argument(
-        "--no-bcast-direct",
-        action="store_true",
-        help="write received chunks, and read back the owners' downloads, through the page cache instead of O_DIRECT",
-    )
-    p.add_argument(
-        "--shard-size",
-        type=_size,
-        default="1GiB",
-        help=f"files larger than this are split into byte ranges fetched by several ranks; at least "
-        f"{_units(MIN_SHARD_SIZE)} (default 1GiB)",
-    )
-    p.add_argument(
-        "--source-rank",
-        type=_integer,
-        metavar="R",
-        help="local SOURCE: the rank that reads it (default: the lowest rank that can see it); no other rank opens it",
-    )
-    p.add_argument(
-        "--source-readers",
-        type=_integer,
-        default=1,
-        metavar="K",
-        help="local SOURCE on a shared filesystem (Lustre, NFS with several servers): K ranks on different "
-        "nodes read disjoint, balanced parts of it (default 1)",
-    )
-    p.add_argument(
-        "--no-overlap",
-        action="store_true",
-        help="download everything, then fan it out (default: each part goes out as soon as it lands)",
-    )
-    p.add_argument(
-        "--no-resume",
-        action="store_true",
-        help="copy every missing file whole, ignoring (and removing) the block journal a stopped run left "
-        "(default: keep the blocks it recorded and move only the rest)",
-    )
-    p.add_argument(
-        "--download-ranks",
-        type=_integer,
-        metavar="K",
-        help="only K ranks download from Azure, spread over the nodes (default: every rank); fewer clients "
-        "for a throttled account",
-    )
-    p.add_argument(
-        "--download-workers",
-        type=_workers,
-        default=None,
-        metavar="N|auto",
-        help="processes under each downloading rank that make its ranged GETs, so that TLS runs on every "
-        f"core of a node (1 to {MAX_DOWNLOAD_WORKERS}; 1: in the rank itself); auto (the default): the rank "
-        "downloads itself, measures its rate and the idle CPUs, and hands the rest of its share to workers "
-        "(at most 8) only when they are predicted to shorten it",
-    )
-    p.add_argument(
-        "--max-bandwidth",
-        type=_rate,
-        metavar="RATE",
-        help="cap the cluster's aggregate download, split over the downloading ranks: 25Gbps, 800Mb/s "
-        "(bits), 3GiB/s, 500MB/s (bytes) or bytes per second; stays under a storage account's egress "
-        f"limit instead of meeting its 503s; at least {MIN_BANDWIDTH} and at most {MAX_BANDWIDTH_LIMIT:.0e} bytes per "
-        "second, i.e. 8000Tbps (default: no cap)",
-    )
-    p.add_argument(
-        "--max-retries",
-        type=_integer,
-        default=5,
-        help=f"retries per request before giving up, 0 to {MAX_RETRIES_LIMIT} (default 5)",
-    )
-    p.add_argument(
-        "--read-timeout",
-        type=_seconds,
-        default=60.0,
-        metavar="SECONDS",
-        help="a request whose response sends nothing for this long is abandoned and retried; at least "
-        f"{MIN_TIMEOUT:g}, at most {MAX_READ_TIMEOUT:.0f} (default 60)",
-    )
-    p.add_argument(
-        "--include",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="copy only paths (below the prefix) matching GLOB; repeatable; '*' matches across '/'",
-    )
-    p.add_argument(
-        "--exclude", action="append", default=[], metavar="GLOB", help="skip paths matching GLOB; repeatable"
-    )
-    p.add_argument(
-        "--verify",
-        nargs="?",
-        const="disk",
-        default="",
-        choices=VERIFY_MODES,
-        metavar="MODE",
-        help="MD5 of every file, compared across ranks and with the blob's Content-MD5; a mismatch exits 7. "
-        "MODE 'disk' (a bare --verify): every copy is read back from disk after its fsync and hashed; "
-        "'stream': hashed as the bytes stream through each rank (skipped files are read from disk)",
-    )
-    p.add_argument(
-        "--lock",
-        choices=LOCK_MODES,
-        default="wait",
-        help="another run on the same DEST: 'wait' for it to finish (see --lock-timeout) or 'fail' at once; "
-        "exit 9 if it is still there (default wait)",
-    )
-    p.add_argument(
-        "--lock-timeout",
-        type=_seconds,
-        metavar="SECONDS",
-        help=f"how long --lock wait waits for another run on the same DEST before exiting 9; at least "
-        f"{MIN_TIMEOUT:g}, at most {MAX_LOCK_TIMEOUT:.0f} (7 days) (default: no limit)",
-    )
-    p.add_argument(
-        "--allow-empty",
-        action="store_true",
-        help="a SOURCE (prefix, directory, --include/--exclude) that yields no file is a finished, empty copy "
-        "(exit 0 with a warning); default: exit 3 naming it, as a typo in a job script should",
-    )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="list, compare and print the plan (files and bytes per rank); write nothing",
-    )
-    p.add_argument(
-        "--json",
-        metavar="PATH",
-        dest="json_path",
-        help="write the report as JSON to PATH (rank 0); not a directory, not inside DEST",
-    )
-    p.add_argument(
-        "--progress",
-        choices=PROGRESS_MODES,
-        default="auto",
-        help="rank 0's progress on stderr: 'bar' (one redrawn line), 'lines' (a status line each 5%% or "
-        "10 s, for logs), 'none'; default auto: the bar on a terminal, lines otherwise (mpiexec, srun, a log)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="the same as --progress none")
-    p.add_argument(
-        "--auth",
-        choices=AUTH_METHODS,
-        default="auto",
-        metavar="METHOD",
-        help="force one credential: " + ", ".join(AUTH_METHODS[1:]) + "; default auto (first match wins, or AZCP_AUTH)",
-    )
+    groups = {name: p.add_argument_group(name) for name in GROUPS}
+    copy = groups[GROUPS[0]]
+    copy.add_argument("source", metavar="SOURCE", help="a blob container URL (a prefix, a SAS), or a local path")
+    copy.add_argument("dest", metavar="DEST", help="the directory on every node ({rank}, {host} expanded)")
+    for option in OPTIONS:
+        if not option.flag:
+            continue  # the Python API's only
+        group = groups[option.group]
+        # No defaults here: an option not given leaves its Config field at the one default (config.py).
+        common: dict[str, Any] = {"help": option.help, "default": argparse.SUPPRESS}
+        if option.kind in ("flag", "negated"):
+            group.add_argument(option.flag, dest=option.flag, action="store_true", **common)
+        elif option.kind == "alias":
+            group.add_argument(option.flag, dest=option.flag, action="store_const", const=option.value, **common)
+        elif option.kind == "globs":
+            group.add_argument(option.flag, dest=option.flag, action="append", metavar=option.metavar, **common)
+        elif option.kind == "verify":
+            group.add_argument(option.flag, dest=option.flag, nargs="?", const="disk", choices=option.choices,
+                               metavar=option.metavar, **common)  # fmt: skip
+        elif option.kind == "choice":
+            group.add_argument(option.flag, dest=option.flag, choices=option.choices, metavar=option.metavar,
+                               **common)  # fmt: skip
+        else:
+            kind = _TYPES.get(option.kind, str)
+            group.add_argument(option.flag, dest=option.flag, type=kind, metavar=option.metavar, **common)
     return p
 
 
@@ -329,40 +310,68 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
     parser = build_parser()
     argv = normalise_verify(sys.argv[1:] if argv is None else argv)
     check_option_names(argv, parser)
-    args = parser.parse_args(argv)
-    cfg = Config(
-        source=args.source,
-        dest=args.dest,
-        compare=args.compare,
-        concurrency=args.concurrency,
-        block_size=args.block_size,
-        bcast_chunk=args.bcast_chunk,
-        bcast_pipeline=args.bcast_pipeline,
-        bcast_writers=args.bcast_writers,
-        bcast_direct=not args.no_bcast_direct,
-        shard_size=args.shard_size,
-        max_retries=args.max_retries,
-        read_timeout=args.read_timeout,
-        include=tuple(args.include),
-        exclude=tuple(args.exclude),
-        dry_run=args.dry_run,
-        verify=args.verify,
-        json_path=args.json_path,
-        progress="none" if args.no_progress else args.progress,
-        auth=args.auth,
-        source_rank=args.source_rank,
-        source_readers=args.source_readers,
-        overlap=not args.no_overlap,
-        resume=not args.no_resume,
-        download_ranks=args.download_ranks,
-        download_workers=args.download_workers,
-        max_bandwidth=args.max_bandwidth,
-        lock=args.lock,
-        lock_timeout=args.lock_timeout,
-        allow_empty=args.allow_empty,
-    ).validate()
+    given = vars(parser.parse_args(argv))
+    fields: dict[str, Any] = {}
+    for option in OPTIONS:  # in table order: --no-progress after --progress, as argparse would have it
+        if not option.flag or option.flag not in given:
+            continue
+        value = given[option.flag]
+        if option.kind == "negated":
+            value = False
+        elif option.kind == "globs":
+            value = tuple(value)
+        fields[option.field] = value
+    cfg = Config(source=given["source"], dest=given["dest"], **fields).validate()
     check_json_path(cfg.json_path)
     return cfg
+
+
+def coerce(field: str, value: Any) -> Any:
+    """The Python API's keyword option ``field`` as its Config field holds it, read by the kind
+    of the option that sets it (:data:`OPTIONS`); a :class:`UsageError` naming it otherwise."""
+    option = next((o for o in OPTIONS if o.field == field and o.kind != "alias"), None)
+    if option is None:
+        raise UsageError(f"unknown option {field}")
+    kind = option.kind
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    is_number = is_int or isinstance(value, float)
+    optional = getattr(Config, field, 0) is None  # its default is "not given"
+    if value is None and (optional or kind in ("rate", "workers", "path")):
+        return None
+    if kind == "size" and isinstance(value, str):
+        return parse_size(value)
+    if kind in ("size", "int") and is_int:
+        return value
+    if kind == "seconds" and is_number:
+        return _float(field, value)
+    if kind == "rate" and isinstance(value, str):
+        return parse_rate(value)
+    if kind == "rate" and is_number:
+        return _float(field, value)
+    if kind == "workers" and (value == "auto" or is_int):
+        return None if value == "auto" else value
+    if kind in ("flag", "negated") and isinstance(value, bool):
+        return value
+    if kind == "verify" and isinstance(value, bool):
+        return "disk" if value else ""  # verify=True: the default mode, as a bare --verify
+    if field == "progress" and isinstance(value, bool):
+        return "auto" if value else "none"
+    if kind in ("choice", "verify", "path") and isinstance(value, str):
+        return value
+    if kind == "globs":
+        globs = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list | tuple) else None
+        if globs is None or not all(isinstance(g, str) for g in globs):
+            raise UsageError(f"{field} must be a glob or a list of globs (got {value!r})")
+        return globs
+    raise UsageError(f"option {field} cannot be {shown(value)}")
+
+
+def _float(name: str, value: float) -> float:
+    """``value`` as a float; an int too large for one is a :class:`UsageError`, not an OverflowError."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise UsageError(f"option {name} cannot be {shown(value)}: beyond any supported value") from None
 
 
 def check_option_names(argv: Sequence[str], parser: argparse.ArgumentParser) -> None:

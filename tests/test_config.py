@@ -307,7 +307,15 @@ def test_shown_keeps_messages_short(value: object, expected: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("1", 1.0), ("1b", 0.125), ("25Gbps", 25e9 / 8), ("3GiB/s", 3.0 * GiB), ("1000TB/s", 1e15)],
+    [
+        ("1", 1.0),
+        ("1b", 0.125),
+        ("25Gbps", 25e9 / 8),
+        ("3GiB/s", 3.0 * GiB),
+        ("3GB/s", 3.0 * GiB),
+        ("909TB/s", 909.0 * 2**40),
+        ("1000000000000000", 1e15),
+    ],
 )
 def test_parse_rate_examples(text: str, expected: float) -> None:
     assert parse_rate(text) == expected
@@ -318,7 +326,7 @@ def test_parse_rate_examples(text: str, expected: float) -> None:
     [
         "9" * 400,  # float(Fraction) overflowed: an OverflowError traceback
         "9" * 5000,  # more digits than int() converts
-        "1001TB/s",
+        "910TB/s",  # bytes are binary: 910 x 2**40 > 10**15
         "8001Tbps",
         "0." + "0" * 400 + "1",  # positive, but 0.0 as a float
         "0",

@@ -50,3 +50,44 @@ def test_every_relative_link_resolves() -> None:
             ):
                 broken.append(f"{page.name}: {target}")
     assert broken == []
+
+
+def _help(columns: str | None) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    if columns is not None:
+        env["COLUMNS"] = columns
+    proc = subprocess.run([sys.executable, "-m", "azcp_cluster", "--help"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_the_help_fits_80_columns_in_groups_with_examples() -> None:
+    for columns in (None, "200", "60"):
+        text = _help(columns)
+        wide = [line for line in text.splitlines() if len(line) > 80]
+        assert wide == [], wide
+    for heading in ("what to copy:", "download:", "broadcast:", "checks and output:", "advanced:", "examples:"):
+        assert f"\n{heading}\n" in text, heading
+    examples = text.split("\nexamples:\n")[1].split("\n\n")[0]
+    assert examples.count("azcp-cluster ") == 2 and "srun" in examples and "mpiexec" in examples
+    assert "Units: bytes are binary" in text
+
+
+def test_one_option_table_gives_the_parser_its_placeholders_and_the_api_its_fields() -> None:
+    import dataclasses
+
+    from azcp_cluster.api import OPTIONS as API_OPTIONS
+    from azcp_cluster.config import Config
+    from azcp_cluster.options import GROUPS, OPTIONS
+
+    placeholders = {"SIZE", "N", "SECONDS", "RATE", "GLOB", "PATH", "MODE", "RANK", "METHOD", None}
+    assert {o.metavar for o in OPTIONS} <= placeholders  # one word per kind of value, not BLOCK_SIZE beside K
+    assert {o.group for o in OPTIONS} == set(GROUPS)
+    fields = {f.name for f in dataclasses.fields(Config)} - {"source", "dest"}
+    assert {o.field for o in OPTIONS} == fields == set(API_OPTIONS)  # every field set by the table, nothing else
+    parsed = {s for action in build_parser()._actions for s in action.option_strings if s.startswith("--")}
+    assert parsed - {"--help", "--version"} == {o.flag for o in OPTIONS if o.flag}
