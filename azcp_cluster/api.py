@@ -1,8 +1,8 @@
 """The Python API: stage a dataset from inside an existing mpi4py program.
 
 ``stage()`` runs the same stages as the command line, collectively on ``comm``, and returns
-the :class:`~azcp_cluster.report.Report` on every rank. Where the CLI would exit with a code,
-it raises the same typed error (:class:`~azcp_cluster.errors.AzcpError` and its subclasses)
+the :class:`~azcp_cluster.run.report.Report` on every rank. Where the CLI would exit with a code,
+it raises the same typed error (:class:`~azcp_cluster.core.errors.AzcpError` and its subclasses)
 on every rank, so a training program can catch it everywhere alike.
 """
 
@@ -12,10 +12,10 @@ import dataclasses
 import io
 from typing import Any, TextIO
 
-from azcp_cluster.config import Config
-from azcp_cluster.errors import UsageError
+from azcp_cluster.core.config import Config
+from azcp_cluster.core.errors import UsageError
 from azcp_cluster.options import coerce
-from azcp_cluster.report import Report, check_json_path
+from azcp_cluster.run.report import Report, check_json_path
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in ("source", "dest"))
 

@@ -5,7 +5,7 @@ options themselves are :mod:`azcp_cluster.options`.
 
 A SIGINT or SIGTERM can come at any instant of the process's life: from a person's Ctrl-C
 passed on by ``mpiexec``, from Slurm at a time limit, from Kubernetes stopping a pod. So
-:func:`main` installs the recorder (:class:`azcp_cluster.interrupts.Interrupts`) before it
+:func:`main` installs the recorder (:class:`azcp_cluster.run.interrupts.Interrupts`) before it
 imports anything heavy, and it stays until the process exits. MPI's start and end are the
 two places where a signal must not even be recorded mid-call: its own threads and state are
 half made there, so both run with SIGINT and SIGTERM blocked (:func:`_signals_deferred`), and
@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping, Sequence
     from typing import Any
 
-    from azcp_cluster.errors import TopologyError
-    from azcp_cluster.interrupts import Interrupts
+    from azcp_cluster.core.errors import TopologyError
+    from azcp_cluster.run.interrupts import Interrupts
 
 
 def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> int:
@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> i
     returns. ``keep_handlers`` leaves the recorder installed (the command does, up to the
     process's exit); otherwise the handlers from before are put back, for a host program.
     """
-    from azcp_cluster.interrupts import Interrupts
+    from azcp_cluster.run.interrupts import Interrupts
 
     interrupts = Interrupts()
     interrupts.install()
@@ -138,7 +138,7 @@ def _signals_deferred() -> Iterator[None]:
 
 
 def _main(argv: Sequence[str] | None, interrupts: Interrupts, mpi: _Runtime) -> int:
-    from azcp_cluster.errors import AzcpError, ReportPathError, UsageError
+    from azcp_cluster.core.errors import AzcpError, ReportPathError, UsageError
 
     comm: Any = None
     try:
@@ -152,7 +152,7 @@ def _main(argv: Sequence[str] | None, interrupts: Interrupts, mpi: _Runtime) -> 
                 _say(exc.one_line())
                 json_path = options.json_path_of(argv)
                 if json_path and not isinstance(exc, ReportPathError):
-                    from azcp_cluster.report import Report, write_json_report
+                    from azcp_cluster.run.report import Report, write_json_report
 
                     write_json_report(Report(exit_code=exc.exit_code, error=exc.one_line()), json_path)
             return exc.exit_code
@@ -163,7 +163,7 @@ def _main(argv: Sequence[str] | None, interrupts: Interrupts, mpi: _Runtime) -> 
             if launcher_rank() == 0:
                 _say(mismatch.one_line())
                 if cfg.json_path:
-                    from azcp_cluster.report import Report, write_json_report
+                    from azcp_cluster.run.report import Report, write_json_report
 
                     write_json_report(
                         Report(ranks=1, exit_code=mismatch.exit_code, error=mismatch.one_line()), cfg.json_path
@@ -186,9 +186,9 @@ def _main(argv: Sequence[str] | None, interrupts: Interrupts, mpi: _Runtime) -> 
 
 def _unexpected(exc: BaseException, comm: Any, interrupts: Interrupts) -> int:
     """What no stage agreed on: a signal outside any stage, or a bug. Ends the whole job."""
-    from azcp_cluster.cluster import redact
-    from azcp_cluster.errors import InternalError, Interrupted, exit_code_for
-    from azcp_cluster.interrupts import signal_error
+    from azcp_cluster.core.errors import InternalError, Interrupted, exit_code_for
+    from azcp_cluster.run.cluster import redact
+    from azcp_cluster.run.interrupts import signal_error
 
     rank = None if comm is None else comm.Get_rank()
     if isinstance(exc, KeyboardInterrupt | Interrupted):
@@ -258,7 +258,7 @@ def launcher_mismatch(env: Mapping[str, str], world: int, library: Callable[[], 
     does not speak, or the ``mpiexec`` of another MPI): each would copy the whole dataset
     alone and exit 0, the cost the tool exists to avoid. ``library``: the MPI mpi4py uses.
     """
-    from azcp_cluster.errors import TopologyError
+    from azcp_cluster.core.errors import TopologyError
 
     launched = launched_tasks(env)
     if world != 1 or launched is None:

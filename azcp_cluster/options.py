@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from azcp_cluster import __version__
-from azcp_cluster.config import (
+from azcp_cluster.core.config import (
     AUTH_METHODS,
     COMPARE_MODES,
     LOCK_MODES,
@@ -41,8 +41,8 @@ from azcp_cluster.config import (
     parse_size,
     shown,
 )
-from azcp_cluster.errors import EXIT_CODES, UsageError
-from azcp_cluster.report import check_json_path
+from azcp_cluster.core.errors import EXIT_CODES, UsageError
+from azcp_cluster.run.report import check_json_path
 
 EXAMPLES = """\
 examples:

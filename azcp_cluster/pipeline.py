@@ -16,17 +16,17 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
-from azcp_cluster import collector
-from azcp_cluster.cluster import Cluster
-from azcp_cluster.config import Config, format_bytes
-from azcp_cluster.errors import AzcpError, ReportPathError
-from azcp_cluster.plan import Plan, plan_transfers
-from azcp_cluster.report import Report, write_json_report
+from azcp_cluster.core.config import Config, format_bytes
+from azcp_cluster.core.errors import AzcpError, ReportPathError
+from azcp_cluster.core.plan import Plan, plan_transfers
+from azcp_cluster.run import collector
+from azcp_cluster.run.cluster import Cluster
+from azcp_cluster.run.report import Report, write_json_report
 from azcp_cluster.stages import allocate, finish, setup, survey, transfer
 from azcp_cluster.stages.context import RunContext
 
 if TYPE_CHECKING:
-    from azcp_cluster.interrupts import Interrupts
+    from azcp_cluster.run.interrupts import Interrupts
 
 
 def _attach(error: AzcpError, report: Report) -> AzcpError:
@@ -96,9 +96,9 @@ def _report_at_signal(report: Report, path: str, clock: Callable[[], float], sta
     every rank first (MPICH's mpiexec at a second Ctrl-C, Open MPI's 0.25 s after its SIGTERM);
     the report on disk then still says how the run ended. Runs in the signal handler.
     """
-    from azcp_cluster import localfs  # noqa: F401  (imported now, never first inside a signal handler)
-    from azcp_cluster.interrupts import signal_error
-    from azcp_cluster.report import write_json_document
+    from azcp_cluster.dest import localfs  # noqa: F401  (imported now, never first inside a signal handler)
+    from azcp_cluster.run.interrupts import signal_error
+    from azcp_cluster.run.report import write_json_document
 
     def write(signum: int) -> None:
         # Quick (Open MPI kills 0.25 s after its SIGTERM): the fields as they stand, no fsync;

@@ -50,7 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from azcp_cluster.config import MiB
+from azcp_cluster.core.config import MiB
 from azcp_cluster.devtools import azurite, box
 from azcp_cluster.devtools.box import Box, Link
 from azcp_cluster.devtools.datasets import pseudo_random

@@ -46,12 +46,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from azcp_cluster import collector
-from azcp_cluster.config import Config
-from azcp_cluster.credentials import Authorizer, resolve_credential
+from azcp_cluster.azure.credentials import Authorizer, resolve_credential
+from azcp_cluster.azure.listing import list_source, list_with_sdk
+from azcp_cluster.core.config import Config
+from azcp_cluster.core.source import parse_blob_url
 from azcp_cluster.devtools import azurite
-from azcp_cluster.listing import list_source, list_with_sdk
-from azcp_cluster.source import parse_blob_url
+from azcp_cluster.run import collector
 
 
 def _upload(emulator: azurite.Emulator, container: str, blobs: int, dirs: int) -> None:

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mpi4py import MPI
 
-from azcp_cluster.directio import aligned_buffer
-from azcp_cluster.schedule import call_slices
+from azcp_cluster.core.schedule import call_slices
+from azcp_cluster.dest.directio import aligned_buffer
 
 
 def main() -> int:

@@ -38,15 +38,15 @@ from yarl import URL
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from azcp_cluster.config import MiB, parse_size
-from azcp_cluster.credentials import Authorizer, resolve_credential
-from azcp_cluster.desttree import DestTree
+from azcp_cluster.azure.credentials import Authorizer, resolve_credential
+from azcp_cluster.core.config import MiB, parse_size
+from azcp_cluster.core.source import parse_blob_url
+from azcp_cluster.dest.desttree import DestTree
+from azcp_cluster.dest.directio import aligned_buffer
+from azcp_cluster.dest.localfs import temp_path
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.directio import aligned_buffer
-from azcp_cluster.download import API_VERSION, BUFFER_BYTES, WRITER_THREADS
-from azcp_cluster.localfs import temp_path
-from azcp_cluster.source import parse_blob_url
+from azcp_cluster.download.downloader import API_VERSION, BUFFER_BYTES, WRITER_THREADS
 
 CONTAINER = "bench"
 
@@ -353,7 +353,7 @@ def _raw_hash(paths: list[Path], threads: int, direct: bool) -> float:
     import hashlib
     from concurrent.futures import ThreadPoolExecutor
 
-    from azcp_cluster.directio import aligned_buffer
+    from azcp_cluster.dest.directio import aligned_buffer
 
     def digest(path: Path) -> str:
         buf = aligned_buffer(8 * MiB)

@@ -39,10 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from azcp_cluster import collector
-from azcp_cluster.model import FileEntry, Listing, decode_listing, encode_listing
-from azcp_cluster.plan import plan_transfers
-from azcp_cluster.schedule import transfer_schedule
+from azcp_cluster.core.model import FileEntry, Listing, decode_listing, encode_listing
+from azcp_cluster.core.plan import plan_transfers
+from azcp_cluster.core.schedule import transfer_schedule
+from azcp_cluster.run import collector
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 SHARD_SIZE = 1 * GiB  # the tool's default --shard-size

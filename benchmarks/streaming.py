@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from azcp_cluster.config import MiB
+from azcp_cluster.core.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.datasets import pseudo_random

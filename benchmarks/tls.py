@@ -46,16 +46,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from azcp_cluster.config import Config, MiB, parse_size
-from azcp_cluster.credentials import ANONYMOUS, Authorizer
-from azcp_cluster.desttree import DestTree
+from azcp_cluster.azure.credentials import ANONYMOUS, Authorizer
+from azcp_cluster.core.config import Config, MiB, parse_size
+from azcp_cluster.core.model import FileEntry
+from azcp_cluster.core.source import parse_blob_url
+from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.devtools.azurite import free_port
 from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.download import Block, Downloader
-from azcp_cluster.model import FileEntry
-from azcp_cluster.source import parse_blob_url
-from azcp_cluster.workers import WorkerDownloader
+from azcp_cluster.download.downloader import Block, Downloader
+from azcp_cluster.download.workers import WorkerDownloader
 from benchmarks.run import _raw_download
 
 GiB = 1 << 30

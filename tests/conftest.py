@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from azcp_cluster.core.naming import JOURNAL_DIR, MANIFEST_NAME
 from azcp_cluster.devtools import azurite, box
-from azcp_cluster.naming import JOURNAL_DIR, MANIFEST_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 MPI_TIMEOUT = 120

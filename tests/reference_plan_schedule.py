@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from azcp_cluster.plan import Shard
-from azcp_cluster.schedule import Extent
+from azcp_cluster.core.plan import Shard
+from azcp_cluster.core.schedule import Extent
 
 SHARD_ALIGN = 4096
 MAX_CALL_BYTES = 1 << 30

@@ -13,8 +13,8 @@ import pytest
 
 import azcp_cluster
 from azcp_cluster.api import OPTIONS, make_config
-from azcp_cluster.config import Config, MiB
-from azcp_cluster.errors import AzcpError, UsageError
+from azcp_cluster.core.config import Config, MiB
+from azcp_cluster.core.errors import AzcpError, UsageError
 from tests.conftest import MPI_TIMEOUT, REPO, clean_env, mpiexec_path
 
 PROGRAM = REPO / "tests" / "programs" / "stage_then_train.py"

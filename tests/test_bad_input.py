@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from azcp_cluster.core.naming import MAX_SEGMENT_BYTES
 from azcp_cluster.devtools import azurite
-from azcp_cluster.naming import MAX_SEGMENT_BYTES
 from tests.conftest import Result, run_cli
 
 WRONG_KEY = "QmFkS2V5Rm9yVGVzdHNPbmx5QmFkS2V5Rm9yVGVzdHNPbmx5QmFkS2V5Rm9yVGVzdHM="

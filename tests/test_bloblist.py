@@ -7,13 +7,13 @@ import uuid
 
 import pytest
 
-from azcp_cluster.bloblist import parse_page
-from azcp_cluster.config import Config
-from azcp_cluster.credentials import Authorizer, resolve_credential
+from azcp_cluster.azure.bloblist import parse_page
+from azcp_cluster.azure.credentials import Authorizer, resolve_credential
+from azcp_cluster.azure.listing import list_source, list_with_sdk
+from azcp_cluster.core.config import Config
+from azcp_cluster.core.errors import ListError
+from azcp_cluster.core.source import parse_blob_url
 from azcp_cluster.devtools import azurite
-from azcp_cluster.errors import ListError
-from azcp_cluster.listing import list_source, list_with_sdk
-from azcp_cluster.source import parse_blob_url
 
 NAMES = [
     "top.bin",
@@ -64,7 +64,7 @@ def test_the_lean_listing_is_the_sdks(emulator: azurite.Emulator, container: str
 
 
 def test_a_listing_of_more_pages_than_one(emulator: azurite.Emulator, monkeypatch: pytest.MonkeyPatch) -> None:
-    from azcp_cluster import bloblist
+    from azcp_cluster.azure import bloblist
 
     name = "pages" + uuid.uuid4().hex[:12]
     azurite.upload(emulator, name, {f"d{i % 3}/f{i:03d}": b"x" * i for i in range(45)} | {"root": b"r"})
@@ -80,7 +80,7 @@ def test_the_listing_is_the_same_however_deep_it_descends(
     # Down to every leaf directory with the delimiter, one level, or none (all flat from the
     # top's directories): the same listing, the SDK's; pages of two blobs, so the probes
     # find big directories, and their delimiter listings are continued from their markers.
-    from azcp_cluster import bloblist
+    from azcp_cluster.azure import bloblist
 
     monkeypatch.setattr(bloblist, "MAX_DESCENT", levels)
     monkeypatch.setattr(bloblist, "PAGE", 2)
@@ -93,7 +93,7 @@ def test_the_listing_is_the_same_however_deep_it_descends(
 
 
 def test_descend_while_the_directories_are_too_few_to_keep_the_listings_busy() -> None:
-    from azcp_cluster.bloblist import MAX_DESCENT, descend
+    from azcp_cluster.azure.bloblist import MAX_DESCENT, descend
 
     assert descend(1, 32, 0) and descend(31, 32, MAX_DESCENT - 1)
     assert not descend(32, 32, 0)  # enough to list flat, all at once
@@ -133,7 +133,7 @@ def test_parse_page_reads_encoded_names_prefixes_and_the_marker() -> None:
 
 def counted_listings(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     """Record the (prefix, delimiter) of every listing request of bloblist._Lister."""
-    from azcp_cluster import bloblist
+    from azcp_cluster.azure import bloblist
 
     calls: list[tuple[str, str]] = []
     original = bloblist._Lister.everything

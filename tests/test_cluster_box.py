@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.config import MiB
+from azcp_cluster.core.config import MiB
 from azcp_cluster.devtools import azurite, box
 from azcp_cluster.devtools.box import Box, Link
 from azcp_cluster.devtools.datasets import pseudo_random

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from azcp_cluster import collector
+from azcp_cluster.run import collector
 
 
 @pytest.fixture(autouse=True)

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster import errors
-from azcp_cluster.config import (
+from azcp_cluster.core import errors
+from azcp_cluster.core.config import (
     LOCK_MODES,
     MAX_BANDWIDTH_LIMIT,
     MAX_BCAST_CHUNK,
@@ -42,7 +42,7 @@ from azcp_cluster.config import (
     parse_size,
     shown,
 )
-from azcp_cluster.errors import (
+from azcp_cluster.core.errors import (
     EXIT_CODES,
     AzcpError,
     InternalError,
@@ -52,7 +52,7 @@ from azcp_cluster.errors import (
     exit_code_for,
 )
 from azcp_cluster.options import config_from_args, normalise_verify
-from azcp_cluster.report import Report
+from azcp_cluster.run.report import Report
 
 # ---------------------------------------------------------------------------------------
 # parse_size
@@ -533,7 +533,7 @@ def test_write_json_does_not_follow_a_symlink_at_the_temporary_name(tmp_path: Pa
 @pytest.mark.parametrize("kind", ["symlink", "fifo"])
 def test_json_never_replaces_a_link_or_a_special_file(tmp_path: Path, kind: str) -> None:
     # As root, --json /dev/null would otherwise replace the system's device node with a file.
-    from azcp_cluster.report import check_json_path
+    from azcp_cluster.run.report import check_json_path
 
     target = tmp_path / "r.json"
     if kind == "symlink":

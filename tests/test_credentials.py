@@ -1,4 +1,4 @@
-"""Tests for credential resolution and connection strings (azcp_cluster/credentials.py).
+"""Tests for credential resolution and connection strings (azcp_cluster/azure/credentials.py).
 
 Only the pure parts: nothing here signs a request or asks for a token, so azure-storage-blob
 is never imported and no network is used (token credentials are built, never called).
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.credentials import Authorizer, Credential, parse_connection_string, resolve_credential
-from azcp_cluster.errors import CredentialError, UsageError, exit_code_for
-from azcp_cluster.source import BlobSource, parse_blob_url
+from azcp_cluster.azure.credentials import Authorizer, Credential, parse_connection_string, resolve_credential
+from azcp_cluster.core.errors import CredentialError, UsageError, exit_code_for
+from azcp_cluster.core.source import BlobSource, parse_blob_url
 
 PLAIN = parse_blob_url("https://urlacct.blob.core.windows.net/data/ckpt")
 WITH_SAS = parse_blob_url("https://urlacct.blob.core.windows.net/data/ckpt?sv=1&sig=URLSASSECRET")
@@ -203,7 +203,7 @@ def test_sources_are_plain_data() -> None:
 
 
 def test_redact_drops_query_strings_that_may_hold_a_sas() -> None:
-    from azcp_cluster.cluster import redact
+    from azcp_cluster.run.cluster import redact
 
     text = "400, message='Invalid', url='https://a.blob.core.windows.net/c/x?sv=1&sig=SECRET'"
     assert "SECRET" not in redact(text)
@@ -402,7 +402,7 @@ def test_other_credentials_add_no_headers() -> None:
 
 def test_auth_option_everywhere() -> None:
     from azcp_cluster.api import make_config
-    from azcp_cluster.config import AUTH_METHODS, Config
+    from azcp_cluster.core.config import AUTH_METHODS, Config
     from azcp_cluster.options import config_from_args
 
     assert config_from_args(["https://a.blob.core.windows.net/c", "d"]).auth == "auto"
@@ -438,7 +438,7 @@ def test_a_minted_sas_is_the_sdks_to_the_byte(
     from azure.storage.blob import ContainerSasPermissions, generate_container_sas
     from azure.storage.blob._shared.constants import X_MS_VERSION
 
-    from azcp_cluster.credentials import container_sas
+    from azcp_cluster.azure.credentials import container_sas
 
     start = dt.datetime.fromtimestamp(seconds, tz=dt.timezone.utc)
     expiry = start + dt.timedelta(hours=12)

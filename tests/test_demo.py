@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
+from azcp_cluster.core.naming import MANIFEST_NAME
+from azcp_cluster.core.source import parse_blob_url
 from azcp_cluster.devtools import azurite, demo
-from azcp_cluster.naming import MANIFEST_NAME
-from azcp_cluster.source import parse_blob_url
 from tests.conftest import MPI_TIMEOUT, clean_env
 
 FILES = 27  # checkpoint_like(): 4 shards, config, tokenizer, empty.txt, 20 extra parts

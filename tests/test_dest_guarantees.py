@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.config import MiB
+from azcp_cluster.core.config import MiB
+from azcp_cluster.core.naming import LOCK_NAME, TEMP_SUFFIX
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.naming import LOCK_NAME, TEMP_SUFFIX
 from tests.conftest import bind_mount, clean_env, mpiexec_path, run_cli, tree_of
 
 RANKS = 4

@@ -1,4 +1,4 @@
-"""DEST through a directory handle (azcp_cluster/desttree.py) and its lock (destlock.py), on real files.
+"""DEST through a directory handle (azcp_cluster/dest/desttree.py) and its lock (destlock.py), on real files.
 
 The hostile cases are what someone with write access to DEST can put there before or during
 a run: a symlink or a FIFO at a temporary name, a symlinked directory, a hard link, a
@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from azcp_cluster import localfs
-from azcp_cluster.destlock import FIRST_PAUSE, LONGEST_PAUSE, DestLock, lock_backoff
-from azcp_cluster.desttree import DestTree
-from azcp_cluster.directio import DirectFile, DirectReader
-from azcp_cluster.errors import DiffError, LocalFSError, exit_code_for
-from azcp_cluster.localfs import pwritev_all, temp_path
-from azcp_cluster.naming import LOCK_NAME
+from azcp_cluster.core.errors import DiffError, LocalFSError, exit_code_for
+from azcp_cluster.core.naming import LOCK_NAME
+from azcp_cluster.dest import localfs
+from azcp_cluster.dest.destlock import FIRST_PAUSE, LONGEST_PAUSE, DestLock, lock_backoff
+from azcp_cluster.dest.desttree import DestTree
+from azcp_cluster.dest.directio import DirectFile, DirectReader
+from azcp_cluster.dest.localfs import pwritev_all, temp_path
 from tests.conftest import fstype
 
 
@@ -304,8 +304,8 @@ def test_is_present_reports_an_unreadable_directory_as_an_error(dest: Path) -> N
 def test_the_threaded_compare_matches_file_by_file_and_names_the_first_failing_batch(
     dest: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import azcp_cluster.desttree as desttree
-    from azcp_cluster import syscalls
+    import azcp_cluster.dest.desttree as desttree
+    from azcp_cluster.dest import syscalls
 
     monkeypatch.setattr(desttree, "STAT_BATCH", 3)  # many batches, some directories split
     monkeypatch.setattr(syscalls, "SLOW_CALL", 0.0)  # every call "slow": all on threads
@@ -343,8 +343,8 @@ def test_the_threaded_compare_matches_file_by_file_and_names_the_first_failing_b
 HOLD = textwrap.dedent(
     """
     import sys, time
-    from azcp_cluster.desttree import DestTree
-    from azcp_cluster.destlock import DestLock
+    from azcp_cluster.dest.desttree import DestTree
+    from azcp_cluster.dest.destlock import DestLock
     lock = DestLock(DestTree(sys.argv[1]), "otherhost pid 4242")
     assert lock.try_acquire() is None
     print("held", flush=True)
@@ -443,7 +443,7 @@ def test_lock_backoff_grows_to_its_bound_and_stays_random() -> None:
 
 
 def test_many_files_are_made_durable_with_one_syncfs(dest: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from azcp_cluster import desttree
+    from azcp_cluster.dest import desttree
 
     tree = DestTree(str(dest))
     rels = [f"d{i % 3}/f{i}.bin" for i in range(desttree.BULK_SYNC + 4)]
@@ -460,7 +460,7 @@ def test_many_files_are_made_durable_with_one_syncfs(dest: Path, monkeypatch: py
 
 
 def test_without_a_trustworthy_syncfs_each_file_is_synced(dest: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from azcp_cluster import desttree
+    from azcp_cluster.dest import desttree
 
     tree = DestTree(str(dest))
     rels = [f"f{i}.bin" for i in range(desttree.BULK_SYNC + 4)]
@@ -476,7 +476,7 @@ def test_without_a_trustworthy_syncfs_each_file_is_synced(dest: Path, monkeypatc
 def test_a_write_back_error_of_syncfs_is_a_local_fs_error(dest: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    from azcp_cluster import desttree
+    from azcp_cluster.dest import desttree
 
     def failing(fd: int) -> bool:
         raise OSError(errno.EIO, "Input/output error")
@@ -503,7 +503,7 @@ def test_syncfs_is_used_only_where_it_reports_errors(dest: Path, monkeypatch: py
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_files_below_a_mount_point_in_dest_are_synced_on_their_own(dest: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from azcp_cluster import desttree
+    from azcp_cluster.dest import desttree
 
     (dest / "other").mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(dest / "other")], check=True, timeout=30)

@@ -1,12 +1,12 @@
-"""--verify's verdict (azcp_cluster/digests.py): which copies are compared, against what."""
+"""--verify's verdict (azcp_cluster/core/digests.py): which copies are compared, against what."""
 
 from __future__ import annotations
 
 import pytest
 
-from azcp_cluster.digests import verdict
-from azcp_cluster.errors import VerifyError
-from azcp_cluster.model import FileEntry
+from azcp_cluster.core.digests import verdict
+from azcp_cluster.core.errors import VerifyError
+from azcp_cluster.core.model import FileEntry
 
 A, B = "QUFBQUFBQUFBQUFBQUFBQQ==", "QkJCQkJCQkJCQkJCQkJCQg=="
 

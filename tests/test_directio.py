@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from azcp_cluster import directio
-from azcp_cluster.config import MiB
-from azcp_cluster.directio import (
+from azcp_cluster.core.config import MiB
+from azcp_cluster.dest import directio
+from azcp_cluster.dest.directio import (
     ALIGN,
     HUGE_PAGE,
     DirectFile,

@@ -1,4 +1,4 @@
-"""The disk-writer service (azcp_cluster/diskwriter.py): every job runs once and is reported, errors included."""
+"""The disk-writer service (azcp_cluster/dest/diskwriter.py): every job runs once and is reported, errors included."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from azcp_cluster.diskwriter import DiskWriter
+from azcp_cluster.dest.diskwriter import DiskWriter
 
 
 def test_every_job_runs_once_and_its_error_reaches_done() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from azcp_cluster.errors import EXIT_CODES
+from azcp_cluster.core.errors import EXIT_CODES
 from azcp_cluster.options import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +81,7 @@ def test_one_option_table_gives_the_parser_its_placeholders_and_the_api_its_fiel
     import dataclasses
 
     from azcp_cluster.api import OPTIONS as API_OPTIONS
-    from azcp_cluster.config import Config
+    from azcp_cluster.core.config import Config
     from azcp_cluster.options import GROUPS, OPTIONS
 
     placeholders = {"SIZE", "N", "SECONDS", "RATE", "GLOB", "PATH", "MODE", "RANK", "METHOD", None}

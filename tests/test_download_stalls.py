@@ -16,18 +16,18 @@ import numpy as np
 import pytest
 
 from azcp_cluster.api import make_config
-from azcp_cluster.config import Config, MiB
-from azcp_cluster.credentials import Authorizer, resolve_credential
-from azcp_cluster.desttree import DestTree
+from azcp_cluster.azure.credentials import Authorizer, resolve_credential
+from azcp_cluster.core.config import Config, MiB
+from azcp_cluster.core.model import FileEntry
+from azcp_cluster.core.plan import Shard
+from azcp_cluster.core.source import parse_blob_url
+from azcp_cluster.dest.desttree import DestTree
+from azcp_cluster.dest.directio import DirectFile
+from azcp_cluster.dest.localfs import temp_path
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
-from azcp_cluster.directio import DirectFile
-from azcp_cluster.download import Downloader, DownloadStats, WritePool, blocks_for
-from azcp_cluster.localfs import temp_path
-from azcp_cluster.model import FileEntry
-from azcp_cluster.plan import Shard
-from azcp_cluster.source import parse_blob_url
+from azcp_cluster.download.downloader import Downloader, DownloadStats, WritePool, blocks_for
 
 SIZE = 6 * MiB
 WRITE_DELAY = 0.4  # each 2 MiB write takes this long...

@@ -35,10 +35,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from azcp_cluster.core.errors import EXIT_CODES
 from azcp_cluster.devtools import azurite
-from azcp_cluster.errors import EXIT_CODES
 from azcp_cluster.options import build_parser
-from azcp_cluster.report import STAGES, Report, report_lines
+from azcp_cluster.run.report import STAGES, Report, report_lines
 from tests.conftest import REPO, clean_env, mpiexec_path, tree_of
 
 EXAMPLES = REPO / "examples"

@@ -1,4 +1,4 @@
-"""The fan-out state machine (azcp_cluster/fanout.py), in process, without MPI or threads.
+"""The fan-out state machine (azcp_cluster/core/fanout.py), in process, without MPI or threads.
 
 A small simulator plays every rank's machine against the others: a broadcast completes
 once every rank has posted it, a point-to-point transfer once its root and that receiver
@@ -19,10 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.errors import BroadcastError
-from azcp_cluster.fanout import MAKE_AHEAD, Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
-from azcp_cluster.plan import make_plan
-from azcp_cluster.schedule import Extent, Transfer, transfer_schedule
+from azcp_cluster.core.errors import BroadcastError
+from azcp_cluster.core.fanout import MAKE_AHEAD, Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
+from azcp_cluster.core.plan import make_plan
+from azcp_cluster.core.schedule import Extent, Transfer, transfer_schedule
 
 
 @dataclass

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.config import MiB
+from azcp_cluster.core.config import MiB
+from azcp_cluster.core.errors import UsageError
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.devtools.faultproxy import FaultProxy, Rule, Seen
-from azcp_cluster.errors import UsageError
 from azcp_cluster.options import config_from_args
 from tests.conftest import Result, run_cli, tree_of
 

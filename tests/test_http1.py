@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.http1 import (
+from azcp_cluster.download.http1 import (
     HEAD_LIMIT,
     RECV_LOW_WATER,
     TLS_SLACK,
@@ -457,8 +457,8 @@ def test_network_failures_are_named_in_plain_words() -> None:
     import socket as socket_module
     import ssl as ssl_module
 
+    from azcp_cluster.azure.netfailure import host_port, network_cause
     from azcp_cluster.devtools import azurite
-    from azcp_cluster.netfailure import host_port, network_cause
 
     def failure(connect: Callable[[], object]) -> BaseException:
         try:

@@ -1,4 +1,4 @@
-"""Which azure-identity credential applies (azcp_cluster/identity.py): the selection, not the network.
+"""Which azure-identity credential applies (azcp_cluster/azure/identity.py): the selection, not the network.
 
 Nothing here asks for a token: no IMDS, no Azure AD, no `az` process.
 """
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster import identity
-from azcp_cluster.errors import CredentialError
+from azcp_cluster.azure import identity
+from azcp_cluster.core.errors import CredentialError
 
 WORKLOAD = {
     "AZURE_CLIENT_ID": "00000000-0000-0000-0000-000000000001",

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster import journal, resume
-from azcp_cluster.desttree import DestTree
-from azcp_cluster.localfs import temp_name
-from azcp_cluster.model import FileEntry
-from azcp_cluster.naming import JOURNAL_DIR
+from azcp_cluster.core import resume
+from azcp_cluster.core.model import FileEntry
+from azcp_cluster.core.naming import JOURNAL_DIR
+from azcp_cluster.dest import journal
+from azcp_cluster.dest.desttree import DestTree
+from azcp_cluster.dest.localfs import temp_name
 
 MiB = 1 << 20
 ORIGIN = "http://127.0.0.1:10000/devstoreaccount1/c"
@@ -178,7 +179,7 @@ def test_a_range_of_a_file_this_run_did_not_make_is_never_recorded(dest: DestTre
 def test_a_sync_that_fails_fails_the_copy_and_claims_nothing(dest: DestTree, monkeypatch: pytest.MonkeyPatch) -> None:
     # The kernel reports a write-back error to the first sync that looks: the journal's sync
     # may be that one, so its failure must fail the copy, not just stop the journal.
-    from azcp_cluster.errors import LocalFSError
+    from azcp_cluster.core.errors import LocalFSError
 
     run = _running(dest)
 

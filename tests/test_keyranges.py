@@ -12,13 +12,13 @@ import uuid
 
 import pytest
 
-from azcp_cluster import bloblist
-from azcp_cluster.config import Config
-from azcp_cluster.credentials import Authorizer, resolve_credential
+from azcp_cluster.azure import bloblist
+from azcp_cluster.azure.credentials import Authorizer, resolve_credential
+from azcp_cluster.azure.listing import list_with_sdk
+from azcp_cluster.core.config import Config
+from azcp_cluster.core.source import parse_blob_url
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.faultproxy import FaultProxy
-from azcp_cluster.listing import list_with_sdk
-from azcp_cluster.source import parse_blob_url
 
 NAMES = (
     [f"flat/sample-{i:05d}.bin" for i in range(0, 2400, 7)]  # numbered
@@ -139,7 +139,7 @@ def test_a_name_no_piece_keeps_makes_the_directory_be_listed_again(
     monkeypatch.setattr(bloblist, "order", lambda name: name.encode("utf-32-be"))
     monkeypatch.setattr(bloblist, "ascending", lambda names: True)
     monkeypatch.setattr(bloblist, "in_piece", lambda n, lo, hi: (lo is None or n > lo) and (hi is None or n <= hi))
-    import azcp_cluster.keyspace as keyspace
+    import azcp_cluster.core.keyspace as keyspace
 
     monkeypatch.setattr(keyspace, "order", lambda name: name.encode("utf-32-be"))
     with FaultProxy(emulator, [], start_from=True) as proxy:

@@ -1,4 +1,4 @@
-"""Key ranges of a huge directory (azcp_cluster/keyspace.py): exhaustive cases and properties."""
+"""Key ranges of a huge directory (azcp_cluster/core/keyspace.py): exhaustive cases and properties."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.keyspace import alphabet_of, cut_points, in_piece
+from azcp_cluster.core.keyspace import alphabet_of, cut_points, in_piece
 
 
 def _pieces(names: list[str], cuts: list[str]) -> list[list[str]]:
@@ -94,7 +94,7 @@ def test_the_pieces_are_the_rest_of_the_range_each_name_once(
 
 
 def test_names_order_by_utf16_code_unit_as_the_service_orders_them() -> None:
-    from azcp_cluster.keyspace import ascending, order
+    from azcp_cluster.core.keyspace import ascending, order
 
     assert order("\uff01") > order("\U0001f600")  # a code point order says the opposite
     assert "\uff01" < "\U0001f600"

@@ -21,18 +21,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster import bloblist
-from azcp_cluster.bloblist import FirstPage
-from azcp_cluster.config import Config
-from azcp_cluster.credentials import Authorizer, resolve_credential
+from azcp_cluster.azure import bloblist
+from azcp_cluster.azure.bloblist import FirstPage
+from azcp_cluster.azure.credentials import Authorizer, resolve_credential
+from azcp_cluster.azure.listing import list_with_sdk
+from azcp_cluster.core.config import Config
+from azcp_cluster.core.errors import ListError
+from azcp_cluster.core.model import Listing
+from azcp_cluster.core.naming import RawEntry
+from azcp_cluster.core.source import BlobSource, parse_blob_url
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.faultproxy import FaultProxy
-from azcp_cluster.errors import ListError
-from azcp_cluster.listing import list_with_sdk
-from azcp_cluster.model import Listing
-from azcp_cluster.naming import RawEntry
-from azcp_cluster.source import BlobSource, parse_blob_url
 from tests.conftest import assert_copies, clean_env, mpiexec_path, run_cli
 from tests.test_bloblist import counted_listings
 
@@ -213,10 +213,10 @@ def test_the_page_and_the_directories_left_list_every_blob_once(names: list[str]
 IMPORTS = textwrap.dedent(
     """
     import sys, time
-    from azcp_cluster import bloblist
-    from azcp_cluster.config import Config
-    from azcp_cluster.credentials import Authorizer, resolve_credential
-    from azcp_cluster.source import parse_blob_url
+    from azcp_cluster.azure import bloblist
+    from azcp_cluster.core.config import Config
+    from azcp_cluster.azure.credentials import Authorizer, resolve_credential
+    from azcp_cluster.core.source import parse_blob_url
 
     url, page = sys.argv[1], int(sys.argv[2])
     if page:
@@ -255,7 +255,7 @@ def test_a_dropped_connection_on_the_first_page_is_retried(
         return original(self, method, url, headers)
 
     monkeypatch.setattr(bloblist._Plain, "request", drops_once)
-    monkeypatch.setattr("azcp_cluster.bloblist.backoff_delay", lambda *args: 0.0)
+    monkeypatch.setattr("azcp_cluster.azure.bloblist.backoff_delay", lambda *args: 0.0)
     url = emulator.url(containers["mixed"])
     assert _lean(url, emulator.key_env()) == _sdk(url, emulator.key_env()) and failed
 

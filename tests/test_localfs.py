@@ -1,4 +1,4 @@
-"""Tests for the destination-tree helpers (azcp_cluster/localfs.py): pure path rules, then real files."""
+"""Tests for the destination-tree helpers (azcp_cluster/dest/localfs.py): pure path rules, then real files."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster import localfs
-from azcp_cluster.errors import LocalFSError
-from azcp_cluster.localfs import (
+from azcp_cluster.core.errors import LocalFSError
+from azcp_cluster.dest import localfs
+from azcp_cluster.dest.localfs import (
     TEMP_SUFFIX,
     expand_dest,
     final_path,
@@ -198,8 +198,8 @@ def test_pwritev_all_survives_short_writes(buffers: list[bytes], cap: int, offse
 
 
 def test_preadv_all_fills_the_buffer_and_stops_at_eof(tmp_path: Path) -> None:
-    from azcp_cluster.directio import aligned_buffer
-    from azcp_cluster.localfs import preadv_all
+    from azcp_cluster.dest.directio import aligned_buffer
+    from azcp_cluster.dest.localfs import preadv_all
 
     path = tmp_path / "f"
     path.write_bytes(bytes(range(256)) * 40)  # 10240 bytes

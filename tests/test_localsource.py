@@ -1,4 +1,4 @@
-"""Listing a local SOURCE (azcp_cluster/localsource.py), on real directories."""
+"""Listing a local SOURCE (azcp_cluster/dest/localsource.py), on real directories."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster import localsource
-from azcp_cluster.config import Config
-from azcp_cluster.errors import ListError, UsageError
-from azcp_cluster.localsource import (
+from azcp_cluster.core.config import Config
+from azcp_cluster.core.errors import ListError, UsageError
+from azcp_cluster.core.naming import LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX
+from azcp_cluster.dest import localsource
+from azcp_cluster.dest.localsource import (
     CTIME_KEEPING,
     SETTLED_NS,
     Trust,
@@ -23,7 +24,6 @@ from azcp_cluster.localsource import (
     source_file,
     trusted,
 )
-from azcp_cluster.naming import LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX
 
 
 def _cfg(**kw: object) -> Config:
@@ -166,8 +166,8 @@ def test_a_tree_reached_twice_is_named_by_its_shallowest_then_first_sorting_path
 
 
 def test_the_threaded_walk_lists_what_a_plain_walk_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import azcp_cluster.localsource as localsource
-    from azcp_cluster import syscalls
+    import azcp_cluster.dest.localsource as localsource
+    from azcp_cluster.dest import syscalls
 
     # Small batches and few threads: directories split over several tasks, tasks queued.
     monkeypatch.setattr(localsource, "STAT_BATCH", 7)
@@ -188,7 +188,7 @@ def test_the_threaded_walk_lists_what_a_plain_walk_does(tmp_path: Path, monkeypa
 
 
 def test_a_stat_error_in_one_batch_names_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import azcp_cluster.localsource as localsource
+    import azcp_cluster.dest.localsource as localsource
 
     monkeypatch.setattr(localsource, "STAT_BATCH", 2)
     for i in range(10):

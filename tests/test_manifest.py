@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster import manifest
-from azcp_cluster.desttree import DestTree
-from azcp_cluster.model import FileEntry
-from azcp_cluster.naming import MANIFEST_NAME
+from azcp_cluster.core.model import FileEntry
+from azcp_cluster.core.naming import MANIFEST_NAME
+from azcp_cluster.dest import manifest
+from azcp_cluster.dest.desttree import DestTree
 
 
 def _file(path: str, size: int, etag: str = "e") -> FileEntry:

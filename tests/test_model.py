@@ -1,4 +1,4 @@
-"""Tests for the listing model and its compact wire form (azcp_cluster/model.py)."""
+"""Tests for the listing model and its compact wire form (azcp_cluster/core/model.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.model import FileEntry, Listing, decode_listing, encode_listing
+from azcp_cluster.core.model import FileEntry, Listing, decode_listing, encode_listing
 
 
 def wire_doc(blob: bytes) -> dict[str, object]:

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.errors import ListError, exit_code_for
-from azcp_cluster.model import FileEntry
-from azcp_cluster.naming import (
+from azcp_cluster.core.errors import ListError, exit_code_for
+from azcp_cluster.core.model import FileEntry
+from azcp_cluster.core.naming import (
     LOCK_NAME,
     MANIFEST_NAME,
     TEMP_SUFFIX,
@@ -341,7 +341,7 @@ def test_a_file_and_its_temporary_name_as_a_directory_cannot_both_be_listed(segm
 
 
 def test_names_too_long_for_the_filesystem_are_refused() -> None:
-    from azcp_cluster.naming import MAX_PATH_BYTES, MAX_SEGMENT_BYTES, TEMP_SUFFIX, check_relative_path
+    from azcp_cluster.core.naming import MAX_PATH_BYTES, MAX_SEGMENT_BYTES, TEMP_SUFFIX, check_relative_path
 
     ok = "d/" + "n" * MAX_SEGMENT_BYTES
     assert check_relative_path(ok, ok) == ok

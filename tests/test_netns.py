@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.config import MiB
+from azcp_cluster.core.config import MiB
 from azcp_cluster.devtools import box
 from azcp_cluster.devtools.box import Box
 from azcp_cluster.devtools.datasets import pseudo_random

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.config import MiB
+from azcp_cluster.core.config import MiB
+from azcp_cluster.core.naming import MANIFEST_NAME
+from azcp_cluster.core.throttle import BURST_SECONDS
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import tricky_tree, with_traps
-from azcp_cluster.naming import MANIFEST_NAME
-from azcp_cluster.throttle import BURST_SECONDS
 from tests.conftest import assert_copies, cached_pages, fstype, run_cli, tree_of
 
 RANKS = 4

@@ -1,4 +1,4 @@
-"""Unit and property tests for the LPT planner and ``split_ranges`` (azcp_cluster/plan.py)."""
+"""Unit and property tests for the LPT planner and ``split_ranges`` (azcp_cluster/core/plan.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.plan import SHARD_ALIGN, Plan, Shard, make_plan, plan_transfers, round_up, split_ranges
+from azcp_cluster.core.plan import SHARD_ALIGN, Plan, Shard, make_plan, plan_transfers, round_up, split_ranges
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -1,4 +1,4 @@
-"""Progress (azcp_cluster/progress.py): the bar on a terminal, status lines elsewhere, and what
+"""Progress (azcp_cluster/run/progress.py): the bar on a terminal, status lines elsewhere, and what
 a person sees under a launcher (stage lines as their stages end)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.config import MiB
+from azcp_cluster.core.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.progress import LINE_SECONDS, LINE_STEP, Progress, resolve_mode
+from azcp_cluster.run.progress import LINE_SECONDS, LINE_STEP, Progress, resolve_mode
 from tests.conftest import MPI_TIMEOUT, clean_env, mpiexec_path
 
 

@@ -21,12 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.devtools import azurite
-from azcp_cluster.devtools.certs import make_certificate
-from azcp_cluster.devtools.forwardproxy import ForwardProxy, Seen
-from azcp_cluster.errors import UsageError
-from azcp_cluster.http1 import ConnectFailed, Connection, TunnelRefused, connect_bytes, request_bytes
-from azcp_cluster.proxies import (
+from azcp_cluster.azure.proxies import (
     Proxy,
     bypassed,
     from_storage,
@@ -35,6 +30,11 @@ from azcp_cluster.proxies import (
     proxy_refused,
     refusal_message,
 )
+from azcp_cluster.core.errors import UsageError
+from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.certs import make_certificate
+from azcp_cluster.devtools.forwardproxy import ForwardProxy, Seen
+from azcp_cluster.download.http1 import ConnectFailed, Connection, TunnelRefused, connect_bytes, request_bytes
 from tests.conftest import assert_copies, clean_env, mpiexec_path, run_cli
 
 # -- pure -------------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.config import MiB
+from azcp_cluster.core.config import MiB
+from azcp_cluster.core.naming import JOURNAL_DIR, LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.naming import JOURNAL_DIR, LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX
 from tests.conftest import MPI_TIMEOUT, clean_env, mpiexec_path, run_cli, tree_of
 
 RANKS = 4

@@ -1,12 +1,12 @@
-"""The report's lines (azcp_cluster/report.py): people's units beside the exact figures, what a
+"""The report's lines (azcp_cluster/run/report.py): people's units beside the exact figures, what a
 one-node run says, and each section printed once, as soon as its stage ends."""
 
 from __future__ import annotations
 
 import io
 
-from azcp_cluster.config import MiB
-from azcp_cluster.report import Report, ReportPrinter, StageFigures, gbps, report_lines
+from azcp_cluster.core.config import MiB
+from azcp_cluster.run.report import Report, ReportPrinter, StageFigures, gbps, report_lines
 
 
 def _report(writers: int, **fields: object) -> Report:

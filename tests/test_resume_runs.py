@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster import localsource, resume
-from azcp_cluster.config import MiB
+from azcp_cluster.core import resume
+from azcp_cluster.core.config import MiB
+from azcp_cluster.core.naming import JOURNAL_DIR, LOCK_NAME, TEMP_SUFFIX
+from azcp_cluster.dest import localsource
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.naming import JOURNAL_DIR, LOCK_NAME, TEMP_SUFFIX
 from tests.conftest import clean_env, mpiexec_path, run_cli, tree_of
 from tests.test_reliability import _assert_nothing_partial, _pid_of_rank
 

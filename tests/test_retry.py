@@ -1,4 +1,4 @@
-"""Tests for backoff and Retry-After parsing (azcp_cluster/retry.py)."""
+"""Tests for backoff and Retry-After parsing (azcp_cluster/core/retry.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.retry import BASE_DELAY, MAX_DELAY, RETRYABLE_STATUS, backoff_delay, parse_retry_after
+from azcp_cluster.core.retry import BASE_DELAY, MAX_DELAY, RETRYABLE_STATUS, backoff_delay, parse_retry_after
 
 NOW = 1_700_000_000.0  # a fixed "now" (2023-11-14), so the tests never read the clock
 

@@ -1,4 +1,4 @@
-"""Unit and property tests for the transfer schedule (azcp_cluster/schedule.py)."""
+"""Unit and property tests for the transfer schedule (azcp_cluster/core/schedule.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.plan import Plan, Shard, make_plan
-from azcp_cluster.schedule import (
+from azcp_cluster.core.plan import Plan, Shard, make_plan
+from azcp_cluster.core.schedule import (
     ALIGN,
     DIRECT_MIN,
     MAX_CALL_BYTES,

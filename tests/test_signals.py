@@ -33,12 +33,12 @@ from pathlib import Path
 import pytest
 
 from azcp_cluster import cli
-from azcp_cluster.config import MiB
+from azcp_cluster.core.config import MiB
+from azcp_cluster.core.errors import SigintError, SigtermError
+from azcp_cluster.core.naming import TEMP_SUFFIX
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.errors import SigintError, SigtermError
-from azcp_cluster.interrupts import Interrupts
-from azcp_cluster.naming import TEMP_SUFFIX
+from azcp_cluster.run.interrupts import Interrupts
 from tests.conftest import clean_env, mpiexec_path, run_cli, tree_of
 from tests.test_reliability import _assert_nothing_partial, _errors, _pid_of_rank, _write_tree
 

@@ -39,10 +39,10 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.config import MiB
+from azcp_cluster.core.config import MiB
+from azcp_cluster.core.naming import JOURNAL_DIR, MANIFEST_NAME
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.naming import JOURNAL_DIR, MANIFEST_NAME
 from tests.conftest import clean_env, mpi_flavour, mpiexec_path, run_cli, tree_of
 from tests.test_reliability import _assert_nothing_partial
 
@@ -251,7 +251,7 @@ def test_a_signal_once_the_renames_begin_changes_nothing(
 ) -> None:
     # Every byte is durable on every node: the renames and the manifest are finished, exit 0.
     for n, (point, when) in enumerate(
-        [("azcp_cluster.desttree:DestTree.rename_all", "before"), ("azcp_cluster.stages.finish:sync", "after")]
+        [("azcp_cluster.dest.desttree:DestTree.rename_all", "before"), ("azcp_cluster.stages.finish:sync", "after")]
     ):
         base = tmp_path / f"run{n}"
         result = run_cli([emulator.url(container), str(base / "{rank}"), "--no-progress"], n=RANKS,

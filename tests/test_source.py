@@ -1,4 +1,4 @@
-"""Unit and property tests for SOURCE URL parsing (azcp_cluster/source.py)."""
+"""Unit and property tests for SOURCE URL parsing (azcp_cluster/core/source.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.errors import UsageError, exit_code_for
-from azcp_cluster.source import BlobSource, is_url, parse_blob_url
+from azcp_cluster.core.errors import UsageError, exit_code_for
+from azcp_cluster.core.source import BlobSource, is_url, parse_blob_url
 
 SECRET = "sig=TOPSECRETsignature%3D"
 SAS = f"sv=2023-11-03&ss=b&sp=rl&{SECRET}"

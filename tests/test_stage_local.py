@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.config import MiB
+from azcp_cluster.core.config import MiB
 from azcp_cluster.devtools.datasets import tricky_tree
 from tests.conftest import REPO, assert_copies, run_cli, tree_of
 

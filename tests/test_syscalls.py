@@ -1,4 +1,4 @@
-"""CallPool (azcp_cluster/syscalls.py): inline while the calls are fast, threads once they are slow."""
+"""CallPool (azcp_cluster/dest/syscalls.py): inline while the calls are fast, threads once they are slow."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from azcp_cluster.syscalls import CALIBRATE, SLOW_CALL, CallPool, RunQueue
+from azcp_cluster.dest.syscalls import CALIBRATE, SLOW_CALL, CallPool, RunQueue
 
 
 class _Clock:

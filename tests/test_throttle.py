@@ -1,4 +1,4 @@
-"""The bandwidth pacer and rate parsing (azcp_cluster/throttle.py, config.parse_rate)."""
+"""The bandwidth pacer and rate parsing (azcp_cluster/core/throttle.py, config.parse_rate)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.config import GiB, MiB, parse_rate
-from azcp_cluster.errors import UsageError
-from azcp_cluster.throttle import MIN_BODY_RATE, Pacer, Slot, share
+from azcp_cluster.core.config import GiB, MiB, parse_rate
+from azcp_cluster.core.errors import UsageError
+from azcp_cluster.core.throttle import MIN_BODY_RATE, Pacer, Slot, share
 
 
 class FakeClock:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from azcp_cluster.config import MiB
+from azcp_cluster.core.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from tests.conftest import run_cli

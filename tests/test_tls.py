@@ -1,4 +1,4 @@
-"""Which CAs the HTTPS connections trust (azcp_cluster/tls.py): one bundle for the listing and the GETs."""
+"""Which CAs the HTTPS connections trust (azcp_cluster/azure/tls.py): one bundle for the listing and the GETs."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import certifi
 import pytest
 
-from azcp_cluster.errors import UsageError
-from azcp_cluster.tls import ca_bundle, sdk_verify, ssl_context
+from azcp_cluster.azure.tls import ca_bundle, sdk_verify, ssl_context
+from azcp_cluster.core.errors import UsageError
 
 
 def test_the_defaults_without_a_bundle() -> None:

@@ -1,4 +1,4 @@
-"""Bearer tokens: the refresh rule and the per-rank cache (azcp_cluster/tokens.py), with an injected clock.
+"""Bearer tokens: the refresh rule and the per-rank cache (azcp_cluster/azure/tokens.py), with an injected clock.
 
 No network and no azure-identity: the credentials here are fakes that count their calls.
 """
@@ -12,8 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.errors import CredentialError, UsageError
-from azcp_cluster.tokens import (
+from azcp_cluster.azure.tokens import (
     MIN_REMAINING,
     REFRESH_MARGIN,
     RETRY_AFTER_FAILURE,
@@ -23,6 +22,7 @@ from azcp_cluster.tokens import (
     refresh_time,
     summarize,
 )
+from azcp_cluster.core.errors import CredentialError, UsageError
 
 HOUR = 3600.0
 T0 = 1_700_000_000.0

@@ -1,4 +1,4 @@
-"""Unit and property tests for grouping ranks by node (azcp_cluster/topology.py)."""
+"""Unit and property tests for grouping ranks by node (azcp_cluster/core/topology.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.errors import TopologyError, UsageError
-from azcp_cluster.topology import Place, check_nesting, group_ranks
+from azcp_cluster.core.errors import TopologyError, UsageError
+from azcp_cluster.core.topology import Place, check_nesting, group_ranks
 
 
 def _at(*pairs: tuple[str, str]) -> list[Place]:

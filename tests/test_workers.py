@@ -24,11 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.devtools import azurite
-from azcp_cluster.devtools.certs import make_certificate
-from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
-from azcp_cluster.download import Block, DownloadStats
-from azcp_cluster.topology import (
+from azcp_cluster.core.topology import (
     AUTO_MIN_SHARE,
     AUTO_WORKERS_MAX,
     CPU_BOUND,
@@ -37,7 +33,11 @@ from azcp_cluster.topology import (
     handover_workers,
     workers_for,
 )
-from azcp_cluster.workers import AutoDownloader, deal
+from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.certs import make_certificate
+from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
+from azcp_cluster.download.downloader import Block, DownloadStats
+from azcp_cluster.download.workers import AutoDownloader, deal
 from tests.conftest import assert_copies, clean_env, mpiexec_path, run_cli
 
 GiB = 1 << 30
@@ -337,7 +337,7 @@ def test_a_worker_killed_mid_copy_ends_the_run_naming_it(
             deadline = time.monotonic() + 60
             workers: list[tuple[int, str]] = []
             while time.monotonic() < deadline and len(workers) < 2:
-                workers = [(p, c) for p, c in _descendants(run.pid) if "azcp_cluster.dlworker" in c]
+                workers = [(p, c) for p, c in _descendants(run.pid) if "azcp_cluster.download.dlworker" in c]
                 time.sleep(0.1)
             assert len(workers) == 2, workers
             victim = workers[0][0]
@@ -384,7 +384,7 @@ def test_a_signal_to_the_process_group_ends_rank_and_workers(
             deadline = time.monotonic() + 60
             workers: list[tuple[int, str]] = []
             while time.monotonic() < deadline and len(workers) < 2:
-                workers = [(p, c) for p, c in _descendants(run.pid) if "azcp_cluster.dlworker" in c]
+                workers = [(p, c) for p, c in _descendants(run.pid) if "azcp_cluster.download.dlworker" in c]
                 time.sleep(0.05)
             assert len(workers) == 2, workers
             os.killpg(run.pid, signum)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from azcp_cluster.api import make_config
-from azcp_cluster.directio import DirectFile
-from azcp_cluster.download import WritePool, _BlockWrites, pool_buffers, pool_buffers_for
+from azcp_cluster.dest.directio import DirectFile
+from azcp_cluster.download.downloader import WritePool, _BlockWrites, pool_buffers, pool_buffers_for
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from azcp_cluster.config import KiB, MiB
+from azcp_cluster.core.config import KiB, MiB
 
 
 def pseudo_random(n: int, seed: str) -> bytes:

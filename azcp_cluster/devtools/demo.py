@@ -24,10 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from azcp_cluster.config import MiB, parse_size
+from azcp_cluster.core.config import MiB, parse_size
+from azcp_cluster.core.naming import MANIFEST_NAME
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.naming import MANIFEST_NAME
 
 # The variable the demo sets for the tool; the value (the emulator's connection string) is not printed.
 CREDENTIAL_VARIABLE = "AZURE_STORAGE_CONNECTION_STRING"

@@ -13,16 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from azcp_cluster import journal
-from azcp_cluster.broadcast import Broadcaster
-from azcp_cluster.cluster import StageOutcome
-from azcp_cluster.cpus import allowed as allowed_cpus
-from azcp_cluster.localfs import check_space, fs_error
-from azcp_cluster.localsource import source_file
-from azcp_cluster.model import Listing
-from azcp_cluster.naming import JOURNAL_DIR
-from azcp_cluster.plan import Plan
-from azcp_cluster.schedule import (
+from azcp_cluster.core.model import Listing
+from azcp_cluster.core.naming import JOURNAL_DIR
+from azcp_cluster.core.plan import Plan
+from azcp_cluster.core.schedule import (
     DIRECT_MIN,
     Transfer,
     Transfers,
@@ -32,10 +26,16 @@ from azcp_cluster.schedule import (
     payload,
     transfer_schedule,
 )
+from azcp_cluster.core.topology import workers_for
+from azcp_cluster.dest import journal
+from azcp_cluster.dest.localfs import check_space, fs_error
+from azcp_cluster.dest.localsource import source_file
+from azcp_cluster.download.cpus import allowed as allowed_cpus
+from azcp_cluster.fanout.broadcast import Broadcaster
+from azcp_cluster.run.cluster import StageOutcome
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement, available_memory
 from azcp_cluster.stages.survey import Diff, Listed
-from azcp_cluster.topology import workers_for
 
 
 @dataclass(frozen=True)
@@ -116,12 +116,12 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
         # With worker processes, each has its own buffers and writers (workers.py).
         workers = download_workers(ctx, place, plan) if not ctx.local and mine else 1
         if workers > 1:
-            from azcp_cluster.download import pool_bytes
-            from azcp_cluster.workers import WORKER_MEMORY
+            from azcp_cluster.download.downloader import pool_bytes
+            from azcp_cluster.download.workers import WORKER_MEMORY
 
             cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency) + workers * WORKER_MEMORY)
         if not ctx.local and mine and (workers == 1 or cfg.download_workers is None):  # auto starts alone
-            from azcp_cluster.download import WritePool, blocks_for, pool_buffers_for
+            from azcp_cluster.download.downloader import WritePool, blocks_for, pool_buffers_for
 
             # Mapped now, with its writer threads started: the download stage then
             # measures the transfer, not page faults and thread start-up. No more
@@ -130,8 +130,8 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
             if place.leader and cfg.overlap and schedule.transfers:
                 # Streaming: this rank's download and its fan-out write at once; one
                 # set of writer threads for both (diskwriter.py).
-                from azcp_cluster.diskwriter import DiskWriter
-                from azcp_cluster.download import WRITER_THREADS
+                from azcp_cluster.dest.diskwriter import DiskWriter
+                from azcp_cluster.download.downloader import WRITER_THREADS
 
                 ctx.disk = DiskWriter(WRITER_THREADS + cfg.bcast_writers)
             ctx.write_pool = WritePool(

@@ -13,21 +13,21 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
-from azcp_cluster import collector
-from azcp_cluster.cluster import Cluster, StageOutcome
-from azcp_cluster.config import Config
-from azcp_cluster.desttree import DestTree
-from azcp_cluster.errors import AzcpError, LocalFSError
-from azcp_cluster.localfs import Made, expand_dest, free_bytes
-from azcp_cluster.progress import resolve_mode
-from azcp_cluster.report import Report, ReportPrinter, say
-from azcp_cluster.source import is_url
+from azcp_cluster.core.config import Config
+from azcp_cluster.core.errors import AzcpError, LocalFSError
+from azcp_cluster.core.source import is_url
+from azcp_cluster.dest.desttree import DestTree
+from azcp_cluster.dest.localfs import Made, expand_dest, free_bytes
+from azcp_cluster.run import collector
+from azcp_cluster.run.cluster import Cluster, StageOutcome
+from azcp_cluster.run.progress import resolve_mode
+from azcp_cluster.run.report import Report, ReportPrinter, say
 
 if TYPE_CHECKING:
-    from azcp_cluster.destlock import DestLock
-    from azcp_cluster.diskwriter import DiskWriter
-    from azcp_cluster.download import WritePool
-    from azcp_cluster.journal import Journal
+    from azcp_cluster.dest.destlock import DestLock
+    from azcp_cluster.dest.diskwriter import DiskWriter
+    from azcp_cluster.dest.journal import Journal
+    from azcp_cluster.download.downloader import WritePool
 
 
 class RunContext:

@@ -11,11 +11,11 @@ import resource
 from collections.abc import Mapping
 from itertools import compress
 
-from azcp_cluster import journal, manifest
-from azcp_cluster.cluster import StageOutcome, StageResult
-from azcp_cluster.digests import verdict
-from azcp_cluster.errors import VerifyError
-from azcp_cluster.report import StageFigures
+from azcp_cluster.core.digests import verdict
+from azcp_cluster.core.errors import VerifyError
+from azcp_cluster.dest import journal, manifest
+from azcp_cluster.run.cluster import StageOutcome, StageResult
+from azcp_cluster.run.report import StageFigures
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement
 from azcp_cluster.stages.transfer import Transferred

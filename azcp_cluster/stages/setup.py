@@ -1,7 +1,7 @@
 """The setup stage: check the arguments, find the readers, group the ranks by node, take DEST.
 
 Returns a frozen :class:`Placement` (who leads, downloads and reads) and the run's
-:class:`~azcp_cluster.credentials.Authorizer` for a blob SOURCE.
+:class:`~azcp_cluster.azure.credentials.Authorizer` for a blob SOURCE.
 """
 
 from __future__ import annotations
@@ -12,21 +12,21 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from azcp_cluster.cluster import StageOutcome
-from azcp_cluster.config import json_inside_dest
-from azcp_cluster.destlock import DestLock, lock_backoff
-from azcp_cluster.desttree import DestTree
-from azcp_cluster.errors import LocalFSError, LockError, ReportPathError, TopologyError, UsageError
-from azcp_cluster.localfs import ensure_dest, locate_dest, machine_id
-from azcp_cluster.localsource import check_overlap
-from azcp_cluster.proxies import Proxy, proxy_for
-from azcp_cluster.report import say
-from azcp_cluster.source import parse_blob_url
+from azcp_cluster.azure.proxies import Proxy, proxy_for
+from azcp_cluster.core.config import json_inside_dest
+from azcp_cluster.core.errors import LocalFSError, LockError, ReportPathError, TopologyError, UsageError
+from azcp_cluster.core.source import parse_blob_url
+from azcp_cluster.core.topology import Place, Topology, check_nesting, choose_reader, choose_readers, group_ranks
+from azcp_cluster.dest.destlock import DestLock, lock_backoff
+from azcp_cluster.dest.desttree import DestTree
+from azcp_cluster.dest.localfs import ensure_dest, locate_dest, machine_id
+from azcp_cluster.dest.localsource import check_overlap
+from azcp_cluster.run.cluster import StageOutcome
+from azcp_cluster.run.report import say
 from azcp_cluster.stages.context import RunContext
-from azcp_cluster.topology import Place, Topology, check_nesting, choose_reader, choose_readers, group_ranks
 
 if TYPE_CHECKING:
-    from azcp_cluster.credentials import Authorizer
+    from azcp_cluster.azure.credentials import Authorizer
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ def setup(ctx: RunContext) -> Placement:
             if cfg.source_readers > 1:
                 raise UsageError("--source-readers is for a local SOURCE; a blob URL is read by the downloaders")
             # Imported here: a local SOURCE never pays for the Azure and HTTP libraries.
-            from azcp_cluster.credentials import Authorizer, resolve_credential
-            from azcp_cluster.download import pool_bytes
+            from azcp_cluster.azure.credentials import Authorizer, resolve_credential
+            from azcp_cluster.download.downloader import pool_bytes
 
             source = parse_blob_url(cfg.source)
             if not cfg.dry_run:
@@ -183,7 +183,7 @@ def open_dest(ctx: RunContext) -> None:
 
 
 def place_of(ctx: RunContext) -> tuple[str, ...]:
-    """This rank's :class:`~azcp_cluster.topology.Place` (as a plain tuple, for the allgather):
+    """This rank's :class:`~azcp_cluster.core.topology.Place` (as a plain tuple, for the allgather):
     its host, its machine, and where its DEST is on that machine."""
     directory, mount, within = locate_dest(ctx.dest_identity)
     return tuple(Place(ctx.host, machine_id(), directory, mount, within, ctx.dest))

@@ -16,15 +16,15 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from azcp_cluster import journal, manifest
-from azcp_cluster.cluster import StageOutcome, error_from_payload, error_payload
-from azcp_cluster.errors import ListError
-from azcp_cluster.localsource import list_local
-from azcp_cluster.model import FileEntry, Listing, decode_listing, encode_listing
-from azcp_cluster.naming import Selected, merge, prefilter
-from azcp_cluster.report import StageFigures, say
-from azcp_cluster.resume import Segment, segments, total
-from azcp_cluster.source import parse_blob_url
+from azcp_cluster.core.errors import ListError
+from azcp_cluster.core.model import FileEntry, Listing, decode_listing, encode_listing
+from azcp_cluster.core.naming import Selected, merge, prefilter
+from azcp_cluster.core.resume import Segment, segments, total
+from azcp_cluster.core.source import parse_blob_url
+from azcp_cluster.dest import journal, manifest
+from azcp_cluster.dest.localsource import list_local
+from azcp_cluster.run.cluster import StageOutcome, error_from_payload, error_payload
+from azcp_cluster.run.report import StageFigures, say
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement
 
@@ -84,7 +84,7 @@ def list_source(ctx: RunContext, place: Placement) -> Listed:
             if ctx.local:
                 listed = list_local(ctx.source_root, ctx.cfg)
             else:
-                from azcp_cluster.listing import list_source as list_blobs
+                from azcp_cluster.azure.listing import list_source as list_blobs
 
                 assert place.auth is not None
                 listed = list_blobs(parse_blob_url(ctx.cfg.source), place.auth, ctx.cfg, place.proxy)
@@ -115,7 +115,7 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
     listing everywhere, without a broadcast. Each step is an agreement: a failure on any
     rank is every rank's, with its one line.
     """
-    from azcp_cluster import bloblist
+    from azcp_cluster.azure import bloblist
 
     cluster = ctx.cluster
     cfg = ctx.cfg

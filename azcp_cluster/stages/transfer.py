@@ -13,13 +13,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from azcp_cluster.broadcast import Broadcaster
-from azcp_cluster.cluster import Cluster, StageOutcome, StageResult, as_azcp_error, error_from_payload, error_payload
-from azcp_cluster.errors import AzcpError, SourceError
-from azcp_cluster.localsource import restat, source_file
-from azcp_cluster.plan import Plan, plan_transfers
-from azcp_cluster.progress import Progress
-from azcp_cluster.report import Report
+from azcp_cluster.core.errors import AzcpError, SourceError
+from azcp_cluster.core.plan import Plan, plan_transfers
+from azcp_cluster.dest.localsource import restat, source_file
+from azcp_cluster.fanout.broadcast import Broadcaster
+from azcp_cluster.run.cluster import (
+    Cluster,
+    StageOutcome,
+    StageResult,
+    as_azcp_error,
+    error_from_payload,
+    error_payload,
+)
+from azcp_cluster.run.progress import Progress
+from azcp_cluster.run.report import Report
 from azcp_cluster.stages import allocate
 from azcp_cluster.stages.allocate import Prepared, Schedule
 from azcp_cluster.stages.context import RunContext
@@ -27,8 +34,8 @@ from azcp_cluster.stages.setup import Placement
 from azcp_cluster.stages.survey import Diff, Listed
 
 if TYPE_CHECKING:
-    from azcp_cluster.download import Downloader, DownloadStats, Fetcher
-    from azcp_cluster.workers import WorkerDownloader
+    from azcp_cluster.download.downloader import Downloader, DownloadStats, Fetcher
+    from azcp_cluster.download.workers import WorkerDownloader
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,7 @@ def move(
 
 def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan) -> None:
     """Every downloader fetches its shards into its node's temporary files."""
-    from azcp_cluster.download import blocks_for
+    from azcp_cluster.download.downloader import blocks_for
 
     cluster = ctx.cluster
     t0 = cluster.clock()
@@ -112,9 +119,9 @@ def downloader(
     """This rank's downloader for its share of ``plan`` (paced by its share of --max-bandwidth):
     in the rank itself, on ``--download-workers`` processes, or, auto, in the rank until it finds
     that processes would shorten the copy (workers.py)."""
-    from azcp_cluster import workers as worker_processes
-    from azcp_cluster.download import Downloader
-    from azcp_cluster.throttle import Pacer, share
+    from azcp_cluster.core.throttle import Pacer, share
+    from azcp_cluster.download import workers as worker_processes
+    from azcp_cluster.download.downloader import Downloader
 
     cfg = ctx.cfg
     auth = place.auth
@@ -207,8 +214,8 @@ def stream(
     stop every leader at the same transfer. Reported as both stages: ``download`` until
     the last byte landed, ``bcast`` the whole stage (they overlap).
     """
-    from azcp_cluster.download import Block, blocks_for
-    from azcp_cluster.streaming import LandingFeed, Streamed, lead, node_blocks, notify_while_downloading
+    from azcp_cluster.download.downloader import Block, blocks_for
+    from azcp_cluster.fanout.streaming import LandingFeed, Streamed, lead, node_blocks, notify_while_downloading
 
     cluster = ctx.cluster
     topo = place.topo

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import sys
 
-from azcp_cluster import cpus, topology, workers
 from azcp_cluster.cli import main
+from azcp_cluster.core import topology
+from azcp_cluster.download import cpus, workers
 
 cpus.allowed = lambda: list(range(8))  # before the stages import it: room for workers on 2 cores
 workers.PROBE_BYTES = 1 << 20

@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from azcp_cluster.broadcast import Broadcaster
-from azcp_cluster.desttree import DestTree
-from azcp_cluster.directio import DirectFile, DirectReader
-from azcp_cluster.localfs import temp_path
-from azcp_cluster.model import FileEntry
-from azcp_cluster.schedule import Extent, Transfer
+from azcp_cluster.core.model import FileEntry
+from azcp_cluster.core.schedule import Extent, Transfer
+from azcp_cluster.dest.desttree import DestTree
+from azcp_cluster.dest.directio import DirectFile, DirectReader
+from azcp_cluster.dest.localfs import temp_path
+from azcp_cluster.fanout.broadcast import Broadcaster
 
 CHUNK = 1 << 20
 

@@ -18,8 +18,8 @@ import sys
 import threading
 from typing import Any
 
-from azcp_cluster import broadcast, streaming
 from azcp_cluster.cli import launcher_rank
+from azcp_cluster.fanout import broadcast, streaming
 from azcp_cluster.stages import transfer
 
 RANK = str(launcher_rank())
@@ -59,7 +59,7 @@ elif RANK == "0" and MODE == "downloader":
     transfer.downloader = no_downloader
 
 if MODE == "unannounced":
-    from azcp_cluster.errors import BroadcastError
+    from azcp_cluster.core.errors import BroadcastError
 
     run = broadcast.Broadcaster.run
 

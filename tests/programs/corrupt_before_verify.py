@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from azcp_cluster.localfs import temp_path
+from azcp_cluster.dest.localfs import temp_path
 from azcp_cluster.stages import finish
 
 _sync = finish.sync

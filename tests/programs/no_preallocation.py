@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from azcp_cluster import localfs
 from azcp_cluster.cli import main
+from azcp_cluster.dest import localfs
 
 localfs._FALLOCATE = None
 

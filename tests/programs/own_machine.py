@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from azcp_cluster import localfs
+from azcp_cluster.dest import localfs
 
 _rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
 localfs.BOOT_ID = os.path.join(os.environ["AZCP_BOOT_IDS"], _rank)

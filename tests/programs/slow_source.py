@@ -12,7 +12,8 @@ import sys
 import time
 from typing import Any
 
-from azcp_cluster import broadcast, localsource
+from azcp_cluster.dest import localsource
+from azcp_cluster.fanout import broadcast
 
 _DELAY = float(os.environ.get("AZCP_SLOW_READ", "0"))
 _read_at = broadcast.DirectReader.read_at

@@ -34,8 +34,9 @@ def note(what: str) -> None:
         LOG.flush()
 
 
-from azcp_cluster import broadcast, download  # noqa: E402
 from azcp_cluster.cli import main  # noqa: E402
+from azcp_cluster.download import downloader as download  # noqa: E402
+from azcp_cluster.fanout import broadcast  # noqa: E402
 
 post = broadcast.Broadcaster._post
 get_once = download.Downloader._get_once

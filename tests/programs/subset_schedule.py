@@ -16,12 +16,12 @@ import sys
 
 from mpi4py import MPI
 
-from azcp_cluster.broadcast import Broadcaster
-from azcp_cluster.desttree import DestTree
-from azcp_cluster.localfs import temp_path
-from azcp_cluster.model import FileEntry
-from azcp_cluster.plan import make_plan
-from azcp_cluster.schedule import files_written, transfer_schedule
+from azcp_cluster.core.model import FileEntry
+from azcp_cluster.core.plan import make_plan
+from azcp_cluster.core.schedule import files_written, transfer_schedule
+from azcp_cluster.dest.desttree import DestTree
+from azcp_cluster.dest.localfs import temp_path
+from azcp_cluster.fanout.broadcast import Broadcaster
 
 SIZES = [5000, 3 * (1 << 20) + 123, 70_000]
 RECEIVERS = {0: (1,), 1: (2,), 2: (1, 2)}

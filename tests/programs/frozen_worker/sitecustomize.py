@@ -1,7 +1,7 @@
 """Put on PYTHONPATH by tests/test_workers.py: a download worker that freezes as it starts.
 
 Stands in for a worker stuck on a hung shared filesystem, or stopped (SIGSTOP): it never
-reads its job and never says it is alive. Only ``python -m azcp_cluster.dlworker`` is held;
+reads its job and never says it is alive. Only ``python -m azcp_cluster.download.dlworker`` is held;
 every other interpreter starts as usual.
 """
 
@@ -12,5 +12,5 @@ try:
         _command = _fh.read()
 except OSError:
     _command = b""
-if b"azcp_cluster.dlworker" in _command:
+if b"azcp_cluster.download.dlworker" in _command:
     time.sleep(1000)

@@ -1,0 +1,332 @@
+"""The one configuration object, and the parsing of human-readable sizes.
+
+Pure code: no I/O. The CLI and the Python API both build a :class:`Config`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+
+from azcp_cluster.core.errors import UsageError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+TiB = 1024 * GiB
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": KiB,
+    "kb": KiB,
+    "kib": KiB,
+    "m": MiB,
+    "mb": MiB,
+    "mib": MiB,
+    "g": GiB,
+    "gb": GiB,
+    "gib": GiB,
+    "t": TiB,
+    "tb": TiB,
+    "tib": TiB,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+COMPARE_MODES = ("none", "size", "etag", "md5")
+# --verify MODE: "disk" reads every copy back from disk after the fsync and hashes it,
+# "stream" hashes the bytes as they stream through each rank. Config.verify is "" (off) or one of these.
+VERIFY_MODES = ("disk", "stream")
+# --lock: "wait" for another run on the same DEST to finish (up to --lock-timeout), "fail" at once (exit 9).
+LOCK_MODES = ("wait", "fail")
+# --progress: the bar on a terminal, status lines elsewhere (auto); either; nothing.
+PROGRESS_MODES = ("auto", "bar", "lines", "none")
+
+# The range of every numeric option, checked by Config.validate (the CLI and the API alike).
+# Below these minimums a run makes absurdly many requests or MPI calls (64 KiB in 1-byte
+# GETs takes a minute); above the maximums a buffer cannot be allocated, or a number
+# overflows a float or a timer further down.
+MIN_BLOCK_SIZE = 64 * KiB
+MAX_BLOCK_SIZE = 1 * GiB
+MIN_BCAST_CHUNK = 64 * KiB
+MAX_BCAST_CHUNK = 16 * GiB
+MIN_SHARD_SIZE = 64 * KiB
+MAX_CONCURRENCY = 4096
+MAX_BCAST_PIPELINE = 256
+MAX_BCAST_WRITERS = 64
+MAX_RETRIES_LIMIT = 100
+MAX_DOWNLOAD_WORKERS = 64  # download worker processes per rank
+MAX_READ_TIMEOUT = 86400.0  # seconds (a day); also the bound of the API's connect_timeout
+# Every timeout: shorter than the download watchdog's tick (0.1 s) would abandon every body
+# at its first pause (and a lock wait that short is no wait).
+MIN_TIMEOUT = 0.1
+MAX_BANDWIDTH_LIMIT = 10**15  # bytes per second (8 Pb/s)
+# Below this a cap paces a 16 MiB ranged GET over hours: a typo, not a setting.
+MIN_BANDWIDTH = 1024  # bytes per second
+_RATE_LIMIT_TEXT = "10**15 bytes per second (8000Tbps)"
+MAX_LOCK_TIMEOUT = 7 * 86400.0  # seconds (a week)
+# A number shown in a message is cut to this many characters (a value may have thousands of digits).
+_SHOWN_CHARS = 40
+
+
+def shown(value: object) -> str:
+    """``value`` for a one-line message: its repr for strings, cut short when it is very long."""
+    if isinstance(value, int) and value.bit_length() > 4 * _SHOWN_CHARS:  # str() refuses over 4300 digits
+        return f"a number of about {int(value.bit_length() * 0.30103) + 1} digits"
+    text = repr(value) if isinstance(value, str) else str(value)
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    return f"{text[: _SHOWN_CHARS - 10]}... ({len(text)} characters)"
+
+
+def _bytes_shown(n: int) -> str:
+    """A byte count for a message: ``1 bytes``, or shown() for one too long to print."""
+    text = shown(n)
+    return f"{text} bytes" if text.lstrip("-").isdigit() else text
+
+
+# --auth: "auto" tries them in the documented order; any other forces that one.
+AUTH_METHODS = (
+    "auto",
+    "sas",
+    "connection-string",
+    "key",
+    "sas-token",
+    "workload-identity",
+    "managed-identity",
+    "azure-cli",
+    "anonymous",
+)
+
+UNITS = (
+    "Units: bytes are binary, in sizes and rates alike (64M = 64MB = 64MiB = 64 x 2**20 bytes; "
+    "3GB/s = 3GiB/s); bits are decimal, as networks count them (25Gbps = 25Gb/s = 25 x 10**9 bits/s)."
+)
+# One unit convention (UNITS, stated in --help and the README): bytes are binary, K, M, G, T
+# with or without B or iB (MB = MiB = 2**20), in sizes and in rates alike; bits (a lowercase b:
+# Gbps, Gb/s) are decimal, as networks count them. A plain number is bytes (per second).
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*?)(?:/s|ps)?\s*$")
+_RATE_UNITS: dict[str, Fraction | int] = {
+    "": 1,
+    "B": 1,
+    "KB": KiB,
+    "MB": MiB,
+    "GB": GiB,
+    "TB": TiB,
+    "KiB": KiB,
+    "MiB": MiB,
+    "GiB": GiB,
+    "TiB": TiB,
+    "b": Fraction(1, 8),
+    "Kb": Fraction(10**3, 8),
+    "Mb": Fraction(10**6, 8),
+    "Gb": Fraction(10**9, 8),
+    "Tb": Fraction(10**12, 8),
+}
+
+
+def parse_rate(text: str) -> float:
+    """Parse ``25Gbps``, ``25Gb/s``, ``800Mbps``, ``3GiB/s``, ``500MB/s`` or bytes/s into bytes per second.
+
+    ``b`` is bits and ``B`` bytes, so the case of that letter matters; the prefix may be
+    written ``k`` or ``K``. Raises :class:`UsageError` on anything else or on zero.
+    """
+    match = _RATE_RE.match(text)
+    if not match:
+        raise UsageError(f"invalid rate {shown(text)} (expected e.g. 25Gbps, 800Mb/s, 3GiB/s or bytes per second)")
+    number, unit = match.groups()
+    if unit[:1] == "k":
+        unit = "K" + unit[1:]
+    if text.strip().endswith("ps") and unit and unit[-1] == "B":
+        raise UsageError(f"invalid rate {shown(text)}: 'ps' means bits per second, write e.g. 25Gbps or 3GB/s")
+    factor = _RATE_UNITS.get(unit)
+    if factor is None:
+        raise UsageError(f"invalid rate unit in {shown(text)} (use bps, Kbps, Mbps, Gbps, B/s, MB/s, MiB/s, GiB/s)")
+    try:
+        value = Fraction(number) * factor
+    except ValueError:  # more digits than int() converts
+        raise UsageError(f"rate {shown(text)} has too many digits") from None
+    if value > MAX_BANDWIDTH_LIMIT:  # before float(), which overflows past 1e308
+        raise UsageError(f"rate {shown(text)} is beyond the supported {_RATE_LIMIT_TEXT}")
+    rate = float(value)
+    if rate <= 0:  # also a positive rate too small for a float
+        raise UsageError(f"rate {shown(text)} must be greater than zero")
+    return rate
+
+
+def parse_size(text: str) -> int:
+    """Parse ``64MiB``, ``1GiB``, ``512M``, ``4k`` or plain bytes into a byte count.
+
+    Units are binary (``M`` = ``MiB`` = 2**20), as in the reference tool. Raises
+    :class:`UsageError` on anything else, including zero-free negatives.
+    """
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise UsageError(f"invalid size {shown(text)} (expected e.g. 64MiB, 1GiB, 512M or a byte count)")
+    number, unit = match.groups()
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise UsageError(f"invalid size unit in {shown(text)} (use B, KiB, MiB, GiB, TiB)")
+    try:
+        value = Fraction(number) * factor  # exact: a float loses bytes above 2**53 and overflows to inf
+    except ValueError:  # more digits than int() converts
+        raise UsageError(f"size {shown(text)} is too large") from None
+    if value.denominator != 1:
+        raise UsageError(f"size {shown(text)} is not a whole number of bytes")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """Render a byte count for people, e.g. ``1.50 GiB``."""
+    for unit, factor in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= factor:
+            return f"{n / factor:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def json_inside_dest(json_real: str, dest_real: str) -> bool:
+    """Whether the ``--json`` report's real path is DEST's real path or lies below it.
+
+    Both are absolute real paths (``os.path.realpath``: resolved as far as they exist) of one
+    rank, DEST with ``{rank}`` and ``{host}`` expanded. A report inside DEST would be taken
+    for a stray file there, or replaced by a listed file of the same name.
+    """
+    json_norm = "/" + json_real.strip("/")
+    dest_norm = "/" + dest_real.strip("/")
+    return json_norm == dest_norm or json_norm.startswith(dest_norm.rstrip("/") + "/")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything one run needs to know; the same object on every rank."""
+
+    source: str
+    dest: str
+    compare: str = "size"
+    concurrency: int = 64
+    block_size: int = 16 * MiB
+    bcast_chunk: int = 64 * MiB
+    bcast_pipeline: int = 4
+    bcast_writers: int = 2
+    bcast_direct: bool = True
+    shard_size: int = 1 * GiB
+    max_retries: int = 5
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    dry_run: bool = False
+    # "" (no verification), or one of VERIFY_MODES: "disk" (read every copy back after the
+    # fsync and hash it) or "stream" (hash the bytes as they stream). Truthy: some verification.
+    verify: str = ""
+    json_path: str | None = None
+    # What rank 0 shows while a stage runs: one of PROGRESS_MODES (progress.py): "auto" is the
+    # bar on a terminal and status lines elsewhere (a launcher's pipe, a Slurm log).
+    progress: str = "auto"
+    # A local SOURCE: the rank that reads it (default: the lowest rank that sees it).
+    source_rank: int | None = None
+    # A local SOURCE on a shared filesystem: this many reader ranks on different nodes.
+    source_readers: int = 1
+    # Download and fan-out at once (each transfer sent as soon as its bytes land); False:
+    # one after the other (--no-overlap, for comparison).
+    overlap: bool = True
+    # Keep what a stopped run left durably in its temporary files (the block journal,
+    # journal.py) and move only the rest; False: --no-resume, every file moved whole.
+    resume: bool = True
+    # How many ranks download (default all), chosen round-robin over the nodes.
+    download_ranks: int | None = None
+    # Processes under each downloading rank that make its ranged GETs (TLS on every core of a
+    # node); None: auto, from the CPUs the rank may use, the ranks on its host and its share.
+    download_workers: int | None = None
+    # Cluster-wide download cap in bytes per second, split over the downloading ranks.
+    max_bandwidth: float | None = None
+    # Which credential: "auto" (first match wins) or one of AUTH_METHODS, forced.
+    auth: str = "auto"
+    # Seconds before a request that sends no bytes is abandoned and retried.
+    read_timeout: float = 60.0
+    connect_timeout: float = 30.0
+    # Another run holding DEST: "wait" for it (at most lock_timeout seconds; None: no limit)
+    # or "fail" at once; either way, one that is still there ends the run with exit 9.
+    lock: str = "wait"
+    lock_timeout: float | None = None
+    # A SOURCE (prefix, directory, filters) that yields no file: exit 3 unless allowed (then
+    # a finished, empty copy with a warning).
+    allow_empty: bool = False
+
+    def validate(self) -> Config:
+        """Check ranges and combinations; raise :class:`UsageError` naming the option."""
+        if self.progress not in PROGRESS_MODES:
+            raise UsageError(f"--progress must be one of {', '.join(PROGRESS_MODES)}, not {self.progress!r}")
+        if self.compare not in COMPARE_MODES:
+            raise UsageError(f"--compare must be one of {', '.join(COMPARE_MODES)}, not {self.compare!r}")
+        if self.auth not in AUTH_METHODS:
+            raise UsageError(f"--auth must be one of {', '.join(AUTH_METHODS)}, not {self.auth!r}")
+        sizes = {
+            "--block-size": (self.block_size, MIN_BLOCK_SIZE, MAX_BLOCK_SIZE),
+            "--bcast-chunk": (self.bcast_chunk, MIN_BCAST_CHUNK, MAX_BCAST_CHUNK),
+            "--shard-size": (self.shard_size, MIN_SHARD_SIZE, None),
+        }
+        for name, (size, low, high) in sizes.items():
+            if high is None and size < low:
+                raise UsageError(f"{name} must be at least {format_bytes(low)} (got {_bytes_shown(size)})")
+            if high is not None and not low <= size <= high:
+                raise UsageError(
+                    f"{name} must be between {format_bytes(low)} and {format_bytes(high)} (got {_bytes_shown(size)})"
+                )
+        counts = {
+            "--concurrency": (self.concurrency, 1, MAX_CONCURRENCY),
+            "--bcast-pipeline": (self.bcast_pipeline, 1, MAX_BCAST_PIPELINE),
+            "--bcast-writers": (self.bcast_writers, 1, MAX_BCAST_WRITERS),
+            "--max-retries": (self.max_retries, 0, MAX_RETRIES_LIMIT),
+        }
+        for name, (count, low, high) in counts.items():
+            if not low <= count <= high:
+                raise UsageError(f"{name} must be between {low} and {high} (got {shown(count)})")
+        if self.source_rank is not None and self.source_rank < 0:
+            raise UsageError(f"--source-rank must be zero or more (got {shown(self.source_rank)})")
+        if self.source_readers < 1:
+            raise UsageError(f"--source-readers must be at least 1 (got {shown(self.source_readers)})")
+        if self.source_readers > 1 and self.source_rank is not None:
+            raise UsageError("--source-rank names one reader; it cannot be combined with --source-readers")
+        if self.download_workers is not None and not 1 <= self.download_workers <= MAX_DOWNLOAD_WORKERS:
+            raise UsageError(
+                f"--download-workers must be auto or between 1 and {MAX_DOWNLOAD_WORKERS} "
+                f"(got {shown(self.download_workers)})"
+            )
+        if self.download_ranks is not None and self.download_ranks < 1:
+            raise UsageError(f"--download-ranks must be at least 1 (got {shown(self.download_ranks)})")
+        if self.max_bandwidth is not None and not MIN_BANDWIDTH <= self.max_bandwidth <= MAX_BANDWIDTH_LIMIT:
+            raise UsageError(  # also nan
+                f"--max-bandwidth must be at least {MIN_BANDWIDTH} bytes per second (8Kbps) and at most "
+                f"{_RATE_LIMIT_TEXT} (got {shown(self.max_bandwidth)})"
+            )
+        timeouts = {
+            "--read-timeout": (self.read_timeout, MAX_READ_TIMEOUT),
+            "connect_timeout": (self.connect_timeout, MAX_READ_TIMEOUT),
+            "--lock-timeout": (self.lock_timeout, MAX_LOCK_TIMEOUT),
+        }
+        for name, (seconds, longest) in timeouts.items():
+            if seconds is not None and not MIN_TIMEOUT <= seconds <= longest:  # also nan and inf
+                raise UsageError(
+                    f"{name} must be at least {MIN_TIMEOUT:g} and at most {longest:.0f} seconds (got {shown(seconds)})"
+                )
+        if not isinstance(self.verify, str) or (self.verify and self.verify not in VERIFY_MODES):
+            raise UsageError(f"--verify must be one of {', '.join(VERIFY_MODES)}, not {shown(self.verify)}")
+        if self.lock not in LOCK_MODES:
+            raise UsageError(f"--lock must be one of {', '.join(LOCK_MODES)}, not {shown(self.lock)}")
+        if self.json_path is not None and not self.json_path:
+            raise UsageError("--json PATH is empty")
+        if not self.source:
+            raise UsageError("SOURCE is empty")
+        if not self.dest:
+            raise UsageError("DEST is empty")
+        return self
+
+    def check_memory(self, available: int, download_pool: int) -> None:
+        """Refuse settings whose buffers (slots plus ``download_pool``) cannot fit in ``available`` bytes."""
+        need = self.bcast_pipeline * self.bcast_chunk + download_pool
+        if need > available:
+            raise UsageError(
+                f"--bcast-pipeline {self.bcast_pipeline} x --bcast-chunk {format_bytes(self.bcast_chunk)} plus "
+                f"download buffers need {format_bytes(need)} per rank, but only {format_bytes(available)} "
+                "of memory is available; lower --bcast-chunk, --bcast-pipeline or --concurrency"
+            )

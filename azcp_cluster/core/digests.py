@@ -1,0 +1,35 @@
+"""--verify's verdict: every node's MD5 of every file it holds, against the blob's and each other. Pure code."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from azcp_cluster.core.errors import VerifyError
+from azcp_cluster.core.model import FileEntry
+
+
+def verdict(files: Sequence[FileEntry], reports: Sequence[tuple[int, Mapping[int, str]]]) -> dict[int, str]:
+    """The MD5 every copy of each file has, or :class:`VerifyError` naming the file and the ranks that differ.
+
+    ``reports`` holds each node's leader and the MD5 it found of each file its node holds
+    (file index -> base64 MD5): with the usual schedule every node holds every file; with a
+    subset of receivers, only some do, and only those are compared. A file's expected MD5 is
+    its Content-MD5 when the source gave one, else the one most copies have.
+    """
+    agreed: dict[int, str] = {}
+    for index, entry in enumerate(files):
+        seen = [(rank, digests[index]) for rank, digests in reports if index in digests]
+        if not seen:
+            continue
+        expected = entry.content_md5 or Counter(d for _, d in seen).most_common(1)[0][0]
+        bad = [rank for rank, digest in seen if digest != expected]
+        if bad:
+            ranks = ", ".join(map(str, bad))
+            against = "the blob's Content-MD5" if entry.content_md5 else "the other ranks"
+            raise VerifyError(f"MD5 on rank(s) {ranks} differs from {against}", path=entry.path)
+        agreed[index] = expected
+    return agreed
+
+
+__all__ = ["verdict"]

@@ -1,0 +1,688 @@
+"""Download one rank's share of the plan: ranged GETs pinned to the listed ETag.
+
+asyncio with ``--concurrency`` requests in flight, each for one ``--block-size`` range, on
+keep-alive connections (:mod:`azcp_cluster.download.http1`). The body is never handled in Python:
+the socket (or the TLS layer) writes it straight into page-aligned buffers taken from a
+pool allocated before the stage, and each batch of full buffers is written with O_DIRECT
+on a thread (the GIL is released during the write) while the event loop keeps reading.
+Under ``--max-bandwidth`` each request is booked on the rank's :class:`~azcp_cluster.core.throttle.Pacer`,
+sent when its first bytes are due, and its body read a piece (the pacer's burst) at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import ssl
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from azcp_cluster.azure.credentials import Authorizer
+from azcp_cluster.azure.netfailure import network_cause
+from azcp_cluster.azure.proxies import Proxy, proxy_refused, refusal_message
+from azcp_cluster.azure.tls import ssl_context
+from azcp_cluster.core.config import Config, MiB
+from azcp_cluster.core.errors import DownloadError
+from azcp_cluster.core.model import FileEntry
+from azcp_cluster.core.plan import Shard, round_up
+from azcp_cluster.core.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
+from azcp_cluster.core.source import API_VERSION
+from azcp_cluster.core.throttle import Pacer, Slot
+from azcp_cluster.dest.desttree import DestTree
+from azcp_cluster.dest.directio import ALIGN, DirectFile, aligned_buffers
+from azcp_cluster.dest.diskwriter import DiskWriter
+from azcp_cluster.dest.localfs import fs_error
+from azcp_cluster.download.http1 import ConnectFailed, Connection, Head, ProtocolError, TunnelRefused, request_bytes
+from azcp_cluster.run import collector
+
+# One pool buffer: the body is received into it, and it is written with one O_DIRECT call
+# when full. O_DIRECT costs CPU per call (0.19 CPU-s/GiB at 1 MiB, 0.09 at 4 MiB here), and
+# the disk keeps pace better with fewer, larger writes; 2 MiB keeps the pool's memory at
+# what it was when bodies were copied into 1 MiB buffers.
+BUFFER_BYTES = 2 * MiB
+# The pool: one buffer per request in flight plus these spares, so that every request can
+# receive while the writers write ((concurrency + 8) x 2 MiB: 144 MiB at the default 64).
+# A request holds at most one buffer and takes the next only after handing the full one
+# to the writers, so it never waits for a buffer while holding one.
+SPARE_BUFFERS = 8
+# O_DIRECT writes are synchronous: a few threads keep several in flight. Four, not two: a
+# thread whose write has finished waits for the GIL while the event loop runs, and the
+# disk idles unless others have writes queued (2 -> 4 took the benchmark's download from
+# about 750 to about 820 MiB/s against a disk that does about 900 alone).
+WRITER_THREADS = 4
+# How often the event loop checks whether another rank failed.
+PEER_POLL_SECONDS = 0.1
+# Requests in flight while auto download workers are judged (Downloader's ``handover``): few,
+# so that most of the rank's blocks are still there to hand over; ample for one process's rate.
+PROBE_REQUESTS = 8
+# What a ranged GET of a blob that is no longer there fails with.
+BLOB_DELETED = "the blob was deleted during the copy; rerun to copy what is there now"
+
+
+def pool_buffers(concurrency: int) -> int:
+    """Buffers in the download pool: one per request in flight, plus spares."""
+    return concurrency + SPARE_BUFFERS
+
+
+def pool_buffers_for(concurrency: int, blocks: int) -> int:
+    """Buffers for a rank with ``blocks`` ranged GETs to make: never more than they can fill at once."""
+    return min(pool_buffers(concurrency), blocks + SPARE_BUFFERS)
+
+
+def pool_bytes(concurrency: int) -> int:
+    """Memory the download pool takes at most (stated in the README, checked at start-up)."""
+    return pool_buffers(concurrency) * BUFFER_BYTES
+
+
+@dataclass(frozen=True)
+class Block:
+    """One ranged GET: ``length`` bytes of file ``file`` at ``offset``."""
+
+    file: int
+    offset: int
+    length: int
+
+
+@dataclass
+class DownloadStats:
+    """What one rank's download did."""
+
+    bytes: int = 0
+    requests: int = 0
+    retries: int = 0
+    retry_causes: Counter[str] = field(default_factory=Counter)
+    direct_refused: str = ""  # a path whose filesystem refused O_DIRECT, if any
+    worker_bytes: list[int] = field(default_factory=list)  # by download worker process (workers.py)
+
+
+class _Retryable(Exception):
+    def __init__(self, cause: str, retry_after: float | None = None) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.retry_after = retry_after
+
+
+def blocks_for(shards: Sequence[Shard], block_size: int) -> list[Block]:
+    """Cut shards into ranged-GET blocks of at most ``block_size`` bytes."""
+    blocks = []
+    for shard in shards:
+        offset, end = shard.offset, shard.offset + shard.length
+        while offset < end:
+            length = min(block_size, end - offset)
+            blocks.append(Block(shard.file, offset, length))
+            offset += length
+    return blocks
+
+
+class Fetcher(Protocol):
+    """What fetches a rank's blocks: :class:`Downloader` (in the rank), or over worker processes
+    (:class:`~azcp_cluster.download.workers.WorkerDownloader`, :class:`~azcp_cluster.download.workers.AutoDownloader`).
+
+    The callbacks may be set after construction and before :meth:`run`, and are called on the
+    thread that runs it; ``stats`` is live, also after a failure.
+    """
+
+    peer_failed: Callable[[], bool]
+    on_bytes: Callable[[int], None]
+    on_landed: Callable[[Block], None]
+
+    @property
+    def stats(self) -> DownloadStats:
+        """What was fetched so far."""
+
+    def run(self, blocks: Sequence[Block]) -> DownloadStats:
+        """Fetch every block; raise DownloadError (or PeerFailed) on failure."""
+
+
+class Downloader:
+    """Fetches blocks into the rank's temporary files. One instance per stage run."""
+
+    def __init__(
+        self,
+        files: Sequence[FileEntry] | Mapping[int, FileEntry],
+        tree: DestTree,
+        auth: Authorizer,
+        cfg: Config,
+        *,
+        peer_failed: Callable[[], bool] = lambda: False,
+        on_bytes: Callable[[int], None] = lambda n: None,
+        on_landed: Callable[[Block], None] = lambda block: None,
+        rng: random.Random | None = None,
+        pacer: Pacer | None = None,
+        pool: WritePool | None = None,
+        proxy: Proxy | None = None,
+        handover: Callable[[], bool | None] | None = None,
+    ) -> None:
+        self.files = files
+        # Auto download workers (workers.AutoDownloader): asked at every watchdog tick until it
+        # answers. True: the blocks no request has taken go elsewhere; the requests in flight
+        # end, and run() returns with the rest in ``left``, in their order. False: the rank
+        # keeps them all. Until it answers, only PROBE_REQUESTS are in flight, so that most
+        # blocks are still there to hand over; then --concurrency.
+        self.handover = handover
+        self.left: list[Block] = []
+        self.received = 0  # body bytes received so far, counted per buffer (a block lands whole, later)
+        self._tls: ssl.SSLContext | None = None  # https: made in run()
+        self.proxy = proxy  # HTTPS_PROXY / HTTP_PROXY for the storage endpoint (see proxies.py), or None
+        self.pacer = pacer  # --max-bandwidth: this rank's (or worker's) share of the cap
+        self.tree = tree  # the node's DEST: temporary files are opened through it, never by path
+        self.auth = auth
+        self.cfg = cfg
+        self.peer_failed = peer_failed
+        self.on_bytes = on_bytes
+        # Streaming: each block once all its bytes are written (its transfer may then go out).
+        self.on_landed = on_landed
+        self.rng = rng or random.Random()
+        self.stats = DownloadStats()
+        self._active: set[_Watch] = set()
+        self._stopping = False  # set when the run ends early: workers take no new block
+        self._handing_over = False  # set when ``handover`` said so: workers take no new block
+        self._queue: asyncio.Queue[Block] = asyncio.Queue()  # the blocks no request has taken (run)
+        self._workers: list[asyncio.Task[None]] = []  # the request loops, one per request in flight
+        # A pool made by the caller (the pipeline makes it at allocation, before the stage's
+        # clock starts) stays the caller's to close; one made here is closed by run().
+        self._own_pool = pool is None
+        self._writes = pool if pool is not None else WritePool(cfg)
+
+    def run(self, blocks: Sequence[Block]) -> DownloadStats:
+        """Download every block; raise :class:`DownloadError` (or PeerFailed) on failure."""
+        # Everything alive now (libraries, the listing: a million FileEntry objects for a
+        # large dataset) is moved out of the cyclic collector's way for the transfer; its
+        # full collections, triggered by the event loop's allocations, walked all of it
+        # (about 4% of the client's CPU here). Undone afterwards.
+        collector.hold()
+        try:
+            if blocks:
+                asyncio.run(self._run(blocks))
+        finally:
+            collector.release()  # (what the pipeline froze stays frozen: collector.py counts)
+            if self._own_pool:
+                self._writes.close()
+        return self.stats
+
+    async def _run(self, blocks: Sequence[Block]) -> None:
+        self._writes.bind(asyncio.get_running_loop())
+        queue: asyncio.Queue[Block] = asyncio.Queue()
+        for block in blocks:
+            queue.put_nowait(block)
+        # REQUESTS_CA_BUNDLE / SSL_CERT_FILE name a private CA for the listing and these GETs
+        # alike. Loading the CA store takes about 40 ms: not paid where it is not used (http).
+        https = self.auth.source.endpoint.lower().startswith("https:")
+        self._tls = ssl_context() if https else None
+        self._queue = queue
+        first = self.cfg.concurrency if self.handover is None else min(PROBE_REQUESTS, self.cfg.concurrency)
+        workers = self._workers
+        workers += [asyncio.create_task(self._worker(queue)) for _ in range(min(first, len(blocks)))]
+        watcher = asyncio.create_task(self._watch_peers())
+        try:
+            while any(not w.done() for w in workers):
+                # Looked at again each tick: the watchdog may have added requests (_grow).
+                live = {w for w in workers if not w.done()} | {watcher}
+                done, _ = await asyncio.wait(live, timeout=PEER_POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    error = task.exception()
+                    if error is not None:
+                        raise error
+            for task in workers:  # one that failed as the last others ended
+                error = task.exception()
+                if error is not None:
+                    raise error
+        finally:
+            # Also a flag: asyncio.wait_for can swallow a cancellation that races with the
+            # awaited call's end, and such a worker would go on through the queue.
+            self._stopping = True
+            for task in [*workers, watcher]:
+                task.cancel()
+            await asyncio.gather(*workers, watcher, return_exceptions=True)
+        while not queue.empty():  # handed over: what no request took
+            self.left.append(queue.get_nowait())
+
+    async def _watch_peers(self) -> None:
+        """Stop when another rank fails; drop connections whose body sent nothing for read_timeout.
+
+        No per-read timer: one scan of the active requests a tick finds stalled bodies.
+        """
+        from azcp_cluster.run.cluster import PeerFailed
+
+        while True:
+            await asyncio.sleep(PEER_POLL_SECONDS)
+            if self.peer_failed():
+                raise PeerFailed()
+            if self.handover is not None:
+                verdict = self.handover()
+                if verdict is not None:
+                    self.handover = None
+                    if verdict:
+                        self._handing_over = True
+                    else:
+                        self._grow()
+            for watch in list(self._active):
+                received = watch.conn.received
+                if not watch.conn.awaiting_body:  # waiting for a buffer or the disk: not a stall
+                    watch.seen, watch.idle = received, 0.0
+                    continue
+                if received != watch.seen:
+                    watch.seen, watch.idle = received, 0.0
+                    continue
+                # Bytes under the socket's low-water mark are not seen: from the first quiet
+                # tick on, this body's bytes are taken as they come (a slow server is not a
+                # stalled one).
+                watch.conn.trickle()
+                watch.idle += PEER_POLL_SECONDS
+                if watch.idle >= self.cfg.read_timeout and not watch.stalled:
+                    watch.stalled = True
+                    watch.conn.abort()  # the pending read fails and the block is retried
+
+    def _grow(self) -> None:
+        """Up to --concurrency requests in flight (the probe of auto download workers had fewer)."""
+        more = min(self.cfg.concurrency - len(self._workers), self._queue.qsize())
+        self._workers += [asyncio.create_task(self._worker(self._queue)) for _ in range(max(0, more))]
+
+    async def _worker(self, queue: asyncio.Queue[Block]) -> None:
+        link = _Link()  # this worker's keep-alive connection, reused from block to block
+        try:
+            while not self._stopping and not self._handing_over:
+                try:
+                    block = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                await self._fetch(link, block)
+        finally:
+            link.drop()
+
+    async def _fetch(self, link: _Link, block: Block) -> None:
+        entry = self.files[block.file]
+        attempt = 0
+        while True:
+            slot = None
+            if self.pacer is not None:
+                # Each attempt books its bytes (a retry is bytes sent again: it pays again);
+                # the request goes when its first piece is due, the rest as it is read.
+                slot = self.pacer.book(block.length)
+                await _pace(self.pacer.delay(slot, min(block.length, self.pacer.piece)))
+            try:
+                await self._get_once(link, block, entry, slot)
+                self.stats.bytes += block.length
+                self.on_landed(block)
+                return
+            except _Retryable as exc:
+                cause, retry_after, detail = exc.cause, exc.retry_after, ""
+            except asyncio.TimeoutError:  # before OSError: it is one on Python 3.11+
+                cause, retry_after, detail = "timeout", None, ""
+            except ConnectFailed as exc:  # the endpoint or the proxy cannot be reached: say which
+                cause, retry_after, detail = exc.cause_name, None, str(exc)
+            except TunnelRefused as exc:
+                if exc.status not in RETRYABLE_STATUS:  # 403, 407: asking again gets the same answer
+                    raise DownloadError(str(exc), path=entry.name) from None
+                cause, retry_after, detail = f"proxy {exc.status}", None, str(exc)
+            except ProtocolError as exc:  # a malformed response (or a proxy's): retried, said
+                cause, retry_after, detail = type(exc).__name__, None, str(exc)
+            except OSError as exc:
+                # Reset connections, TLS failures: retried, on a new connection. The cause is
+                # the class name only (an OSError's text can carry a URL).
+                cause, retry_after, detail = type(exc).__name__, None, network_cause(exc) or ""
+            if attempt >= self.cfg.max_retries:
+                raise DownloadError(
+                    f"giving up after {attempt} retries of bytes {block.offset}-{block.offset + block.length - 1}: "
+                    f"last cause {cause}" + (f" ({detail})" if detail else ""),
+                    path=entry.name,
+                )
+            self.stats.retries += 1
+            self.stats.retry_causes[cause] += 1
+            await asyncio.sleep(backoff_delay(attempt, retry_after, self.rng))
+            attempt += 1
+
+    async def _get_once(self, link: _Link, block: Block, entry: FileEntry, slot: Slot | None = None) -> None:
+        headers = {
+            "x-ms-version": API_VERSION,
+            "Range": f"bytes={block.offset}-{block.offset + block.length - 1}",
+        }
+        if entry.etag:
+            headers["If-Match"] = entry.etag
+        headers.update(self.auth.headers())
+        url = self.auth.blob_url(entry.name)
+        request = self._request(url, headers)
+        self.stats.requests += 1
+        conn = link.conn
+        if conn is None or not conn.reusable:
+            link.drop()
+            conn = link.conn = await self._connect(url)
+        try:
+            # One timer per request for the head; the body is watched by the watchdog.
+            head = await asyncio.wait_for(conn.request(request), self.cfg.read_timeout)
+            if head.status not in (200, 206):
+                await self._raise_for_status(head, entry)
+            if head.status == 200 and not (block.offset == 0 and block.length == entry.size):
+                raise DownloadError("server ignored the Range header (HTTP 200 for a ranged GET)", path=entry.name)
+            watch = _Watch(conn)
+            self._active.add(watch)
+            try:
+                await self._stream_body(conn, head, block, entry, slot)
+            except (OSError, ProtocolError, _Retryable):
+                if watch.stalled:
+                    raise _Retryable("timeout") from None
+                raise
+            finally:
+                self._active.discard(watch)
+        finally:
+            if not conn.reusable:  # an error response, a broken body, a cancelled request
+                link.drop()
+
+    def _request(self, url: str, headers: dict[str, str], method: str = "GET") -> bytes:
+        """A request's bytes: to the server, or, for http through a proxy, to the proxy (the whole URL)."""
+        proxy = self.proxy
+        if proxy is None or self._tls is not None:  # https through a proxy: inside its tunnel
+            return request_bytes(url, headers, method)
+        if proxy.authorization:
+            headers = {**headers, "Proxy-Authorization": proxy.authorization}
+        return request_bytes(url, headers, method, absolute=True)
+
+    async def _connect(self, url: str) -> Connection:
+        """A new connection for ``url`` (through the proxy, if any), within --connect-timeout."""
+        timeout = self.cfg.connect_timeout
+        try:
+            return await asyncio.wait_for(Connection.open(url, self._tls, self.proxy), timeout)
+        except asyncio.TimeoutError:
+            parts = urlsplit(url)
+            what = f"proxy {self.proxy.shown}" if self.proxy is not None else f"{parts.hostname}:{parts.port or ''}"
+            raise ConnectFailed(TimeoutError(f"no connection within {timeout:g} s"), what.rstrip(":")) from None
+
+    async def _raise_for_status(self, head: Head, entry: FileEntry) -> None:
+        status = head.status
+        code = head.headers.get("x-ms-error-code", head.reason)
+        if status in RETRYABLE_STATUS:
+            retry_after = parse_retry_after(head.headers.get("retry-after"), time.time())
+            raise _Retryable(str(status), retry_after)
+        if status == 412:
+            # If-Match failed: the blob was replaced, or deleted (Azure and Azurite may answer
+            # a deleted blob's conditional GET with 412, not 404). Ask which.
+            if await self._blob_exists(entry) is False:
+                raise DownloadError(BLOB_DELETED, path=entry.name)
+            raise DownloadError(
+                "the blob changed during the copy (its ETag no longer matches the listing); "
+                "rerun to copy the new version",
+                path=entry.name,
+            )
+        if status == 404:
+            raise DownloadError(
+                f"the blob was deleted during the copy (HTTP 404, {code}); rerun to copy what is there now",
+                path=entry.name,
+            )
+        if self.proxy is not None and proxy_refused(self.proxy, status, head.headers):
+            # Through a proxy, an answer without the service's x-ms-request-id is the proxy's.
+            raise DownloadError(refusal_message(self.proxy, "the request", status, head.reason), path=entry.name)
+        if status in (401, 403):
+            raise DownloadError(f"access denied (HTTP {status}, {code}); check the credentials", path=entry.name)
+        raise DownloadError(f"unexpected HTTP {status} ({code})", path=entry.name)
+
+    async def _blob_exists(self, entry: FileEntry) -> bool | None:
+        """Whether blob ``entry`` still exists: a HEAD without If-Match on a new connection (None: no answer).
+
+        Authorized like the GETs (the same SAS in the URL, or bearer header). Any answer but
+        404 counts as "exists"; a failure to ask is "unknown", and the caller says "changed".
+        """
+        headers = {"x-ms-version": API_VERSION}
+        headers.update(self.auth.headers())
+        url = self.auth.blob_url(entry.name)
+        conn: Connection | None = None
+        try:
+            conn = await self._connect(url)
+            head = await asyncio.wait_for(conn.request(self._request(url, headers, "HEAD")), self.cfg.read_timeout)
+        except (OSError, ProtocolError, TunnelRefused, asyncio.TimeoutError):
+            return None
+        finally:
+            if conn is not None:
+                conn.abort()
+        return head.status != 404
+
+    async def _stream_body(
+        self, conn: Connection, head: Head, block: Block, entry: FileEntry, slot: Slot | None = None
+    ) -> None:
+        length = head.content_length
+        if length != block.length:
+            raise _Retryable("wrong length")
+        path = self.tree.temp_shown(entry.path)
+        try:
+            target = DirectFile(path, opener=self.tree.opener(entry.path, temp=True))
+        except OSError as exc:
+            raise fs_error(exc, path, "open temporary file") from None
+        # The body is received straight into page-aligned buffers from the pool (no copy in
+        # Python), and each full buffer goes to the writer threads, which write it with
+        # O_DIRECT and put it back in the pool.
+        tracker = _BlockWrites(asyncio.get_running_loop(), target)
+        writes = self._writes
+        pacer = self.pacer if slot is not None else None
+        # Under a cap, a buffer is read a piece (the pacer's burst) at a time, each once due.
+        piece = pacer.piece if pacer is not None else writes.size
+        buf: np.ndarray | None = None
+        try:
+            left, offset = block.length, block.offset
+            while left:
+                buf = await writes.take()
+                view = memoryview(buf)  # type: ignore[arg-type]
+                want = min(writes.size, left)
+                got = 0
+                while got < want:
+                    end = min(want, got + piece)
+                    if pacer is not None:
+                        assert slot is not None
+                        await _pace(pacer.delay(slot, offset - block.offset + end))
+                    try:
+                        got += await conn.read_into(view[got:end])
+                    except OSError:
+                        raise _Retryable("truncated body") from None
+                writes.submit(target, buf, want, offset, tracker)
+                self.received += want
+                buf = None
+                offset += want
+                left -= want
+        finally:
+            if buf is not None:
+                writes.give_back(buf)
+            await tracker.wait()  # closes the file
+            if target.refused:
+                self.stats.direct_refused = path
+        if isinstance(tracker.error, OSError):
+            raise fs_error(tracker.error, path, "write")
+        if tracker.error is not None:
+            raise tracker.error
+        self.on_bytes(block.length)
+
+
+async def _pace(seconds: float) -> None:
+    """Wait ``seconds`` for the pacer (no event-loop turn when nothing is owed)."""
+    if seconds > 0:
+        await asyncio.sleep(seconds)
+
+
+class _Link:
+    """A worker's connection, kept open between its requests while the server allows."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self) -> None:
+        self.conn: Connection | None = None
+
+    def drop(self) -> None:
+        """Close the connection, if any; the next request opens a new one."""
+        if self.conn is not None:
+            self.conn.abort()
+            self.conn = None
+
+
+class _Watch:
+    """Progress of one response body, for the stall watchdog."""
+
+    __slots__ = ("conn", "idle", "seen", "stalled")
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.seen = conn.received
+        self.idle = 0.0
+        self.stalled = False
+
+
+class _BlockWrites:
+    """Completion of one block's writes into ``target``, signalled from the writer threads."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, target: DirectFile) -> None:
+        self.loop = loop
+        self.target = target
+        self.lock = threading.Lock()
+        self.outstanding = 0
+        self.closed = False
+        self.abandoned = False  # the request stopped waiting: the last write closes the file
+        self.error: BaseException | None = None
+        self.done: asyncio.Future[None] = loop.create_future()
+
+    def started(self) -> None:
+        with self.lock:
+            self.outstanding += 1
+
+    def finished(self, error: BaseException | None) -> None:
+        with self.lock:
+            self.outstanding -= 1
+            if error is not None and self.error is None:
+                self.error = error
+            wake = self.closed and self.outstanding == 0
+            close = self.abandoned and self.outstanding == 0
+        if close:
+            self.target.close()
+        elif wake:
+            with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
+                self.loop.call_soon_threadsafe(self._resolve)
+
+    def _resolve(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    async def wait(self) -> None:
+        """Wait until every write submitted for the block has finished, then close the file.
+
+        Cancelled while writes are in flight, it leaves the file to the last of them: closing
+        it now would pull the descriptor from under a writer thread.
+        """
+        with self.lock:
+            self.closed = True
+            pending = self.outstanding > 0
+        try:
+            if pending:
+                await self.done
+        except BaseException:
+            with self.lock:
+                self.abandoned = True
+                close = self.outstanding == 0
+            if close:
+                self.target.close()
+            raise
+        self.target.close()
+
+
+class WritePool:
+    """Writer threads fed through a queue, and the pool of aligned buffers they recycle.
+
+    Made before the download starts (its memory mapped up front, so the stage pays no page
+    faults for it) and closed after it. Submitting costs a queue put (no event-loop wake-up
+    per buffer); the event loop is woken once per block, when the block's last write has
+    finished, and once per finished write while a request waits for a buffer. Buffers are
+    reused last-in first-out, so the ones in use stay warm in the caches.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        threads: int = WRITER_THREADS,
+        populate: bool = False,
+        buffers: int | None = None,
+        writer: DiskWriter | None = None,
+    ) -> None:
+        self.size = max(ALIGN, min(BUFFER_BYTES, round_up(cfg.block_size, ALIGN)))
+        buffers = pool_buffers(cfg.concurrency) if buffers is None else buffers
+        self.free: deque[np.ndarray] = deque(aligned_buffers(self.size, buffers, populate))
+        self.lock = threading.Lock()
+        self.waiters: deque[asyncio.Future[None]] = deque()  # requests waiting for a buffer
+        self.loop: asyncio.AbstractEventLoop | None = None  # the event loop of the current run
+        # The node's disk writers (shared with the fan-out when both run at once), or our own.
+        self._own_writer = writer is None
+        self.writer = writer if writer is not None else DiskWriter(threads)
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Use ``loop`` for wake-ups (each download runs its own event loop)."""
+        self.loop = loop
+
+    async def take(self) -> np.ndarray:
+        """A free buffer; while every buffer is being written, waits for a writer to return one.
+
+        No polling: a request polling every half millisecond cost CPU exactly when the
+        disk, not the network, set the pace.
+        """
+        while True:
+            if self.free:
+                return self.free.pop()
+            assert self.loop is not None
+            with self.lock:  # a writer returning buffers either sees this waiter or we see its buffers
+                if self.free:
+                    continue
+                waiter: asyncio.Future[None] = self.loop.create_future()
+                self.waiters.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                with self.lock:
+                    woken = waiter not in self.waiters
+                    if not woken:
+                        self.waiters.remove(waiter)
+                if woken:
+                    self._wake()  # woken, then cancelled: pass the wake-up on to another request
+                raise
+
+    def give_back(self, buf: np.ndarray) -> None:
+        """Return an unused buffer to the pool (on the event loop)."""
+        self.free.append(buf)
+        if self.waiters:
+            self._wake()
+
+    def _wake(self) -> None:
+        """On the event loop: wake as many waiting requests as there are free buffers."""
+        with self.lock:
+            ready = min(len(self.free), len(self.waiters))
+            woken = [self.waiters.popleft() for _ in range(ready)]
+        for waiter in woken:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def submit(self, target: DirectFile, buf: np.ndarray, length: int, offset: int, tracker: _BlockWrites) -> None:
+        """Queue ``buf[:length]`` for writing at ``offset``; ``buf`` comes back to the pool once written."""
+        tracker.started()
+
+        def done(error: BaseException | None) -> None:
+            with self.lock:
+                self.free.append(buf)
+                wake = self.loop if self.waiters else None
+            if wake is not None:
+                with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
+                    wake.call_soon_threadsafe(self._wake)
+            tracker.finished(error)
+
+        try:
+            self.writer.submit(lambda: target.write_at(buf[:length], offset), done)
+        except BaseException as exc:  # (a closed writer): the write fails, and nobody waits for it
+            done(exc)
+            raise
+
+    def close(self) -> None:
+        """Stop our own writer threads once the queued writes are done (idempotent); a shared
+        writer is its owner's to close."""
+        if self._own_writer:
+            self.writer.close()
+
+
+__all__ = ["Block", "DownloadStats", "Downloader", "Fetcher", "WritePool", "blocks_for"]

@@ -1,0 +1,493 @@
+"""Download worker processes: a rank's ranged GETs on several cores (TLS is CPU-bound in Python).
+
+Why processes and not threads: a rank's client spends most of its CPU in Python (the event
+loop, asyncio's TLS layer, the protocol) with the GIL held; only OpenSSL's decryption and
+the socket reads release it. Threads would share one interpreter's worth of that work;
+processes (started fresh with ``python -m azcp_cluster.download.dlworker``, never forked from an
+MPI process without an exec) each have their own.
+
+The rank stays the one the cluster talks to. Each worker runs an ordinary
+:class:`~azcp_cluster.download.downloader.Downloader` on its part of the rank's blocks, with its own
+buffers and writer threads, and reports over a private socket pair: bytes and landed
+blocks as they come (the rank passes them to the progress bar and the streaming engine),
+then its counters, or its error. The rank sends it what it cannot know alone: a fresh
+bearer token (one token cache per rank: the workers never ask the credential themselves,
+so no token storm), and "stop" when another rank or another worker failed.
+
+Safety is what a non-leader downloader already has: the worker opens DEST by its real path
+and writes only into the temporary files whose identities the rank hands it (those its
+node's leader made), never through a link. A worker ignores SIGINT and SIGTERM (its rank
+decides and tells it) and is killed by the kernel if its rank dies (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import os
+import pickle
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from azcp_cluster.azure.credentials import Authorizer, Credential
+from azcp_cluster.azure.proxies import Proxy
+from azcp_cluster.core.config import Config
+from azcp_cluster.core.errors import AzcpError, DownloadError, InternalError
+from azcp_cluster.core.model import FileEntry
+from azcp_cluster.download.downloader import SPARE_BUFFERS, Block, DownloadStats
+
+# How often the rank looks at the other ranks and at its token while its workers run.
+TICK_SECONDS = 0.1
+# How long stopped workers get to end on their own before they are killed.
+STOP_GRACE_SECONDS = 10.0
+# A send to (or a message from) a worker that takes longer than this counts as its end.
+SEND_TIMEOUT_SECONDS = 10.0
+# A worker says it is alive this often; one that says nothing for its read timeout plus
+# SILENCE_MARGIN (frozen, stuck starting on a hung filesystem) ends the run, named.
+HEARTBEAT_SECONDS = 1.0
+SILENCE_MARGIN_SECONDS = 10.0
+# What a worker process costs beyond its buffers (an interpreter with numpy), for the memory check.
+WORKER_MEMORY = 96 * 1024 * 1024
+_FRAME = struct.Struct("!I")
+
+
+def send(sock: socket.socket, message: Any) -> None:
+    """One message (a pickled tuple) on ``sock``: a length, then the bytes."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_FRAME.pack(len(data)) + data)
+
+
+def receive(sock: socket.socket) -> Any:
+    """The next message on ``sock``; None once the other side has closed it."""
+    head = _read_exactly(sock, _FRAME.size)
+    if head is None:
+        return None
+    (length,) = _FRAME.unpack(head)
+    data = _read_exactly(sock, length)
+    if data is None:
+        return None
+    return pickle.loads(data)
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
+    chunks = bytearray()
+    while len(chunks) < n:
+        try:
+            chunk = sock.recv(n - len(chunks))
+        except (ConnectionError, OSError):
+            return None
+        if not chunk:
+            return None
+        chunks += chunk
+    return bytes(chunks)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one worker is asked to do (sent pickled as its first message)."""
+
+    worker: int
+    files: Mapping[int, FileEntry]  # only the files its blocks are in
+    blocks: tuple[Block, ...]
+    dest: str
+    made: Mapping[str, int]  # relative path -> identity of the temporary files it may write
+    cfg: Config  # its --concurrency is its part of the rank's
+    credential: Credential  # a token credential without its object: tokens come from the rank
+    source: Any  # the BlobSource
+    token: tuple[str, float] | None  # the rank's current bearer token and its expiry
+    buffers: int  # its download buffers (its part of the rank's pool)
+    rate: float | None  # its part of the rank's --max-bandwidth share, bytes per second (its burst: 0.1 s of it)
+    proxy: Proxy | None
+
+
+def deal(blocks: Sequence[Block], workers: int) -> list[list[Block]]:
+    """Split ``blocks`` over ``workers``: largest first, each to the least loaded (LPT), order kept within each."""
+    loads = [(0, w) for w in range(workers)]  # a heap of (load, worker)
+    parts: list[list[tuple[int, Block]]] = [[] for _ in range(workers)]
+    for index, block in sorted(enumerate(blocks), key=lambda ib: (-ib[1].length, ib[0])):
+        load, k = heapq.heappop(loads)
+        parts[k].append((index, block))
+        heapq.heappush(loads, (load + block.length, k))
+    return [[block for _, block in sorted(part, key=lambda ib: ib[0])] for part in parts]
+
+
+class _Worker:
+    __slots__ = ("done", "error", "heard", "index", "proc", "sock", "told")
+
+    def __init__(self, index: int, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self.index = index
+        self.proc = proc
+        self.sock = sock
+        self.done = False  # it said its last (or is gone)
+        self.told = False  # it was told to stop
+        self.heard = time.monotonic()  # when it last said anything
+        self.error: AzcpError | None = None
+
+
+class WorkerDownloader:
+    """The :class:`~azcp_cluster.download.downloader.Downloader` interface over worker processes.
+
+    ``run(blocks)`` returns the summed :class:`DownloadStats` or raises the first worker's
+    error (``PeerFailed`` when the rank was told to stop). ``on_bytes``, ``on_landed`` and
+    ``peer_failed`` are called on the thread that called ``run``, as a Downloader's are.
+    """
+
+    def __init__(
+        self,
+        files: Sequence[FileEntry],
+        dest: str,
+        made: Mapping[str, int],
+        paths: Callable[[int], str],
+        auth: Authorizer,
+        cfg: Config,
+        workers: int,
+        *,
+        peer_failed: Callable[[], bool] = lambda: False,
+        on_bytes: Callable[[int], None] = lambda n: None,
+        on_landed: Callable[[Block], None] = lambda block: None,
+        rate: float | None = None,
+        proxy: Proxy | None = None,
+    ) -> None:
+        self.files = files
+        self.dest = dest
+        self.made = made
+        self.paths = paths  # file index -> its path below DEST (the key of ``made``)
+        self.auth = auth
+        self.cfg = cfg
+        self.workers = workers
+        self.peer_failed = peer_failed
+        self.on_bytes = on_bytes
+        self.on_landed = on_landed
+        self.rate = rate
+        self.proxy = proxy
+        self.stats = DownloadStats()
+
+    def run(self, blocks: Sequence[Block]) -> DownloadStats:
+        """Download every block on the workers; raise the first failure after all of them ended."""
+        count = min(self.workers, len(blocks), self.cfg.concurrency)  # each worker has a request or more
+        parts = [part for part in deal(blocks, count) if part] if count else []
+        running: list[_Worker] = []
+        self.stats.worker_bytes = [0] * len(parts)
+        try:
+            for index, part in enumerate(parts):
+                running.append(self._start(index, part, len(parts)))
+            self._drive(running)
+        finally:
+            self._end(running)
+        errors = [w.error for w in running if w.error is not None]
+        real = [e for e in errors if not isinstance(e, _Stopped)]
+        if real:
+            raise real[0]
+        if errors:
+            from azcp_cluster.run.cluster import PeerFailed
+
+            raise PeerFailed()
+        return self.stats
+
+    # -- starting and ending --------------------------------------------------------------
+
+    def _job(self, index: int, part: list[Block], count: int) -> Job:
+        """Worker ``index``'s job: its blocks, the files they are in, its part of the rank's
+        requests, buffers and pace."""
+        needed = {b.file for b in part}
+        cred = self.auth.credential
+        token = None
+        if self.auth.tokens is not None:
+            token = self.auth.tokens.get()
+            cred = replace(cred, token_credential=None)
+        concurrency = max(1, self.cfg.concurrency // count + (1 if index < self.cfg.concurrency % count else 0))
+        paths = {i: self.paths(i) for i in needed}
+        return Job(
+            worker=index,
+            files={i: self.files[i] for i in needed},
+            blocks=tuple(part),
+            dest=self.dest,
+            made={p: self.made[p] for p in paths.values() if p in self.made},
+            cfg=replace(self.cfg, concurrency=concurrency),
+            # The rank's spare buffers are split too: N workers hold what one rank would.
+            buffers=min(concurrency + max(1, SPARE_BUFFERS // count), len(part) + max(1, SPARE_BUFFERS // count)),
+            credential=cred,
+            source=self.auth.source,
+            token=token,
+            rate=self.rate / count if self.rate is not None else None,
+            proxy=self.proxy,
+        )
+
+    def _start(self, index: int, part: list[Block], count: int) -> _Worker:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        # Blocked while the child starts, so that it inherits them blocked: a Ctrl-C to the
+        # process group in the moment before it ignores them cannot kill it (its rank decides).
+        held = {signal.SIGINT, signal.SIGTERM}
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "azcp_cluster.download.dlworker", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+                close_fds=True,
+            )
+        except OSError as exc:
+            ours.close()
+            raise DownloadError(f"cannot start download worker {index}: {exc.strerror or exc}") from None
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            theirs.close()
+        # Never blocked for long by a worker that does not read (stopped, or stuck starting):
+        # a send or a receive that takes this long counts as the worker's end.
+        ours.settimeout(SEND_TIMEOUT_SECONDS)
+        worker = _Worker(index, proc, ours)
+        with contextlib.suppress(OSError):  # it died, or does not read: its end says so below
+            send(ours, ("job", self._job(index, part, count)))
+        return worker
+
+    def _end(self, running: list[_Worker]) -> None:
+        """Every worker told to stop, given a grace period, then killed; sockets closed."""
+        self._tell([w for w in running if not w.done and not w.told], ("stop",))
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for worker in running:
+            try:
+                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.proc.kill()
+                worker.proc.wait()
+            worker.sock.close()
+
+    # -- while they run -------------------------------------------------------------------
+
+    def _drive(self, running: list[_Worker]) -> None:
+        """Pass the workers' messages on until each has said its last; once any failed (or
+        another rank did), stop them all, and kill those that do not end within the grace."""
+        selector = selectors.DefaultSelector()
+        try:
+            for worker in running:
+                selector.register(worker.sock, selectors.EVENT_READ, worker)
+            live = len(running)
+            token = self.auth.tokens.get() if self.auth.tokens is not None else None
+            stop_by: float | None = None  # once stopping: when the grace ends
+            while live:
+                for key, _ in selector.select(TICK_SECONDS):
+                    worker = key.data
+                    worker.heard = time.monotonic()
+                    message = receive(worker.sock)
+                    if message is None or self._handle(worker, message):
+                        selector.unregister(worker.sock)
+                        live -= 1
+                        if message is None and not worker.done:
+                            self._ended(worker, stopped=stop_by is not None or self.peer_failed())
+                        worker.done = True
+                        if worker.error is not None and stop_by is None:
+                            stop_by = time.monotonic() + STOP_GRACE_SECONDS
+                if stop_by is None and self.peer_failed():
+                    stop_by = time.monotonic() + STOP_GRACE_SECONDS
+                silent = self._silent([w for w in running if not w.done])
+                if silent is not None and stop_by is None:
+                    silent.error = DownloadError(
+                        f"download worker {silent.index} (pid {silent.proc.pid}) said nothing for "
+                        f"{time.monotonic() - silent.heard:.0f} s (frozen, or stuck starting); stopped it"
+                    )
+                    silent.proc.kill()
+                    stop_by = time.monotonic() + STOP_GRACE_SECONDS
+                if stop_by is not None:
+                    self._tell([w for w in running if not w.done and not w.told], ("stop",))
+                    if time.monotonic() >= stop_by:  # told, and still there: not waited for longer
+                        for late in [w for w in running if not w.done]:
+                            late.proc.kill()
+                            late.proc.wait()
+                            late.error = late.error or _Stopped(f"download worker {late.index} killed")
+                            late.done = True
+                            selector.unregister(late.sock)
+                            live -= 1
+                    continue
+                if self.auth.tokens is not None:
+                    fresh = self.auth.tokens.get()  # refreshed here when due, once for all workers
+                    if fresh != token:
+                        token = fresh
+                        self._tell([w for w in running if not w.done], ("token", fresh))
+        finally:
+            selector.close()
+
+    def _silent(self, workers: list[_Worker]) -> _Worker | None:
+        """A worker that has said nothing, not even that it is alive, for too long."""
+        limit = self.cfg.read_timeout + SILENCE_MARGIN_SECONDS
+        now = time.monotonic()
+        return next((w for w in workers if now - w.heard > limit), None)
+
+    def _ended(self, worker: _Worker, stopped: bool) -> None:
+        """A worker's socket closed before its last word: it died (or stopped, when told to)."""
+        try:
+            code = worker.proc.wait(timeout=STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:  # closed its socket but lives on: not waited for
+            worker.proc.kill()
+            code = worker.proc.wait()
+        if worker.error is not None:  # already said why (stopped for its silence)
+            return
+        if stopped:  # a signal to the group, or another failure: that is the one to report
+            worker.error = _Stopped(f"download worker {worker.index} ended (exit code {code})")
+            return
+        worker.error = DownloadError(
+            f"download worker {worker.index} (pid {worker.proc.pid}) ended without finishing (exit code {code})"
+        )
+
+    def _tell(self, workers: list[_Worker], message: Any) -> None:
+        for worker in workers:
+            if message[0] == "stop":
+                worker.told = True  # once: a worker that does not read must not fill its socket
+            with contextlib.suppress(OSError):
+                send(worker.sock, message)
+
+    def _handle(self, worker: _Worker, message: Any) -> bool:
+        """Act on one message; True when the worker has said its last."""
+        kind = message[0]
+        if kind == "alive":
+            pass
+        elif kind == "bytes":
+            self.on_bytes(message[1])
+        elif kind == "landed":
+            self.on_landed(message[1])
+        elif kind == "done":
+            self._add(worker, message[1])
+            return True
+        elif kind == "error":
+            from azcp_cluster.run.cluster import error_from_payload
+
+            worker.error = error_from_payload(message[1])
+            if len(message) > 2 and message[2]:
+                worker.error.no_space = True  # type: ignore[attr-defined]
+            self._add(worker, message[3] if len(message) > 3 else None)
+            return True
+        elif kind == "stopped":
+            worker.error = _Stopped(f"download worker {worker.index} stopped")
+            self._add(worker, message[1] if len(message) > 1 else None)
+            return True
+        else:
+            worker.error = InternalError(f"download worker {worker.index} sent {kind!r}")
+            return True
+        return False
+
+    def _add(self, worker: _Worker, stats: DownloadStats | None) -> None:
+        """A worker's figures into the rank's (also a failed or stopped one's: the report has what it did)."""
+        if stats is None:
+            return
+        self.stats.bytes += stats.bytes
+        self.stats.requests += stats.requests
+        self.stats.retries += stats.retries
+        self.stats.retry_causes.update(stats.retry_causes)
+        self.stats.direct_refused = self.stats.direct_refused or stats.direct_refused
+        self.stats.worker_bytes[worker.index] = stats.bytes
+
+
+class _Stopped(AzcpError):
+    """A worker that stopped because it was told to (another failure is the one to report)."""
+
+
+# Auto: the rank downloads alone for at least this long and this many bytes before it judges.
+PROBE_SECONDS = 0.5
+PROBE_BYTES = 32 * 1024 * 1024
+
+
+class AutoDownloader:
+    """``--download-workers auto``: the rank downloads alone, measures, and hands the rest of its
+    blocks to worker processes only where they shorten the copy (:func:`topology.handover_workers`).
+
+    After :data:`PROBE_SECONDS` and :data:`PROBE_BYTES` it reads its rate, the cores it kept busy and
+    the idle cores among those it may use (:mod:`azcp_cluster.download.cpus`), once. Workers that pay take
+    the blocks no request has started; the rank's own requests in flight end first. The same
+    interface as :class:`~azcp_cluster.download.downloader.Downloader`, whose callbacks (``on_bytes``,
+    ``on_landed``, ``peer_failed``, set before :meth:`run`) are called on the thread that runs it.
+    """
+
+    def __init__(
+        self,
+        alone: Callable[[Callable[[], bool | None]], Any],
+        processes: Callable[[int], WorkerDownloader],
+        most: int,
+        sharing: int,
+        *,
+        peer_failed: Callable[[], bool] = lambda: False,
+        on_bytes: Callable[[int], None] = lambda n: None,
+        on_landed: Callable[[Block], None] = lambda block: None,
+        release: Callable[[], None] = lambda: None,
+        cpus: list[int] | None = None,
+        sampler: Callable[[list[int]], Any] | None = None,
+    ) -> None:
+        from azcp_cluster.download import cpus as cpu_info
+
+        self._alone = alone  # handover -> the rank's own Downloader
+        self._processes = processes  # count -> a WorkerDownloader
+        self.most = most
+        self.sharing = sharing
+        self._release = release  # the rank's own download buffers, once it hands over
+        self._cpus = cpu_info.allowed() if cpus is None else cpus
+        self._sample = sampler or cpu_info.sample
+        # As a Downloader's: the parts are given these as they stand when each starts.
+        self.peer_failed = peer_failed
+        self.on_bytes = on_bytes
+        self.on_landed = on_landed
+        self.workers = 0  # decided: how many took over (0: none)
+        self.measured: tuple[float, float, float | None] | None = None  # rate, own cores, idle cores
+        self._parts: list[DownloadStats] = []  # the live stats of each part that ran, in order
+        self._first: Any = None
+        self._start: Any = None
+        self._total = 0
+
+    @property
+    def stats(self) -> DownloadStats:
+        """What the rank and its workers fetched so far (live, also after a failure)."""
+        total = DownloadStats()
+        for part in self._parts:
+            total.bytes += part.bytes
+            total.requests += part.requests
+            total.retries += part.retries
+            total.retry_causes.update(part.retry_causes)
+            total.direct_refused = total.direct_refused or part.direct_refused
+            total.worker_bytes += part.worker_bytes
+        return total
+
+    def run(self, blocks: Sequence[Block]) -> DownloadStats:
+        """Download every block: alone, then (if they pay) the rest on workers."""
+        self._total = sum(b.length for b in blocks)
+        first = self._first = self._wire(self._alone(self._judge))
+        self._start = self._sample(self._cpus)
+        try:
+            first.run(blocks)
+        finally:
+            self._first = None  # its buffers are freed with it
+        if first.left:
+            left, first = first.left, None
+            self._release()  # the workers map buffers of their own: the rank's go first
+            self._wire(self._processes(self.workers)).run(left)
+        return self.stats
+
+    def _wire(self, downloader: Any) -> Any:
+        downloader.peer_failed = self.peer_failed
+        downloader.on_bytes = self.on_bytes
+        downloader.on_landed = self.on_landed
+        self._parts.append(downloader.stats)
+        return downloader
+
+    def _judge(self) -> bool | None:
+        """Called at the rank's watchdog ticks until it answers: True hands the rest over, False keeps it."""
+        from azcp_cluster.core.topology import handover_workers
+        from azcp_cluster.download import cpus as cpu_info
+
+        now = self._sample(self._cpus)
+        got = self._first.received
+        if now.wall - self._start.wall < PROBE_SECONDS or got < PROBE_BYTES:
+            return None
+        own, idle = cpu_info.busy(self._start, now)
+        rate = got / (now.wall - self._start.wall)
+        self.measured = (rate, own, idle)
+        self.workers = handover_workers(self._total - got, rate, own, idle, self.sharing, self.most)
+        return self.workers > 0

@@ -1,0 +1,324 @@
+"""The streaming stage: download and fan-out at once, each transfer sent as soon as its bytes land.
+
+Roles (see ``docs/architecture.md``, "Streaming"):
+
+* a node's **leader** runs the fan-out on its main thread (:class:`Broadcaster`, the only
+  thread of the rank that makes MPI calls) and, when it downloads too, its own download
+  on a second thread (its event loop makes no MPI call: a failure elsewhere reaches it
+  through a flag the main thread sets);
+* a node's other **downloaders** download on their main thread and tell their leader,
+  one small message per ranged GET over the node's communicator, which blocks landed
+  (:class:`Notifier`), then one last message when they stop, whatever the reason;
+* the leader's :class:`LandingFeed` turns those notices (and its own thread's) into "the
+  bytes of transfer ``seq`` are on this node" for the state machine
+  (:class:`azcp_cluster.core.schedule.Landing` does the counting).
+
+Every rank derives the same blocks in the same order from the plan, so a notice is one
+integer: the block's index in its node's list.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from azcp_cluster.core.errors import AzcpError
+from azcp_cluster.core.plan import Plan
+from azcp_cluster.core.schedule import Landing, Transfer
+from azcp_cluster.run.cluster import PeerFailed, as_azcp_error
+from azcp_cluster.run.interrupts import shield
+
+# The tag of landing notices on a node's communicator.
+LANDED_TAG = 23
+# The notice a downloader sends last: it will send no more.
+END = -1
+
+
+@dataclass(frozen=True)
+class NodeBlocks:
+    """The ranged GETs of one node's downloaders: ``blocks`` in download order, and each one's slice."""
+
+    blocks: tuple[tuple[int, int, int], ...]  # (file, offset, length), node-wide index = position
+    of_rank: dict[int, tuple[int, ...]]  # downloader -> its block indices, in the order it fetches them
+
+
+def node_blocks(
+    schedule: Sequence[Transfer],
+    plan: Plan,
+    node: int,
+    downloaders: Sequence[int],
+    block_size: int,
+    cut: Callable[[Any, int], Sequence[Any]],
+) -> tuple[NodeBlocks, Landing]:
+    """The blocks of ``node``'s ``downloaders`` (world ranks) and when each of its transfers is ready.
+
+    ``cut`` is :func:`azcp_cluster.download.downloader.blocks_for` (shards into ranged GETs). Each
+    downloader fetches its blocks in the order the schedule needs them.
+    """
+    blocks: list[tuple[int, int, int]] = []
+    owner: list[int] = []
+    for rank in downloaders:
+        for block in cut(plan.owned_by(rank), block_size):
+            blocks.append((block.file, block.offset, block.length))
+            owner.append(rank)
+    landing = Landing(schedule, node, blocks)
+    order = landing.order()
+    of_rank: dict[int, list[int]] = {rank: [] for rank in downloaders}
+    for index in order:
+        of_rank[owner[index]].append(index)
+    return NodeBlocks(tuple(blocks), {r: tuple(v) for r, v in of_rank.items()}), landing
+
+
+class LandingFeed:
+    """A leader's view of what its node's downloads have landed (implements ``broadcast.Landed``).
+
+    ``group_comm`` is the node's communicator (the leader is its rank 0); ``others`` the
+    group ranks of the node's other downloaders. The leader's own download thread reports
+    through :meth:`local` (thread-safe); everything else runs on the main thread.
+    """
+
+    def __init__(self, landing: Landing, group_comm: Any, others: Sequence[int]) -> None:
+        self.landing = landing
+        self.comm = group_comm
+        self.others = set(others)
+        self.ended: set[int] = set()  # downloaders that sent END
+        self._local: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._ready: list[int] = landing.ready()
+        self._error: AzcpError | None = None
+
+    def local(self, index: int) -> None:
+        """From the leader's download thread: block ``index`` is on the disk."""
+        self._local.put(index)
+
+    def local_failed(self, error: AzcpError) -> None:
+        """From the leader's download thread: it failed."""
+        self._error = error
+
+    def waits(self, seq: int) -> bool:
+        """Whether transfer ``seq`` waits for downloaded bytes (once; later ones are reported by poll)."""
+        return self.landing.waits.get(seq, 0) > 0
+
+    def poll(self) -> list[int]:
+        """Transfers whose bytes have all landed since the last poll (never blocks)."""
+        ready, self._ready = self._ready, []
+        while True:
+            try:
+                index = self._local.get_nowait()
+            except queue.Empty:
+                break
+            ready += self.landing.landed(index)
+        while self.others - self.ended:
+            if not self.comm.iprobe(tag=LANDED_TAG):
+                break
+            ready += self._take(self.comm.recv(tag=LANDED_TAG))
+        return ready
+
+    def failed(self) -> AzcpError | None:
+        """The leader's own download error, if any."""
+        return self._error
+
+    def finish(self) -> None:
+        """Receive the notices still coming, up to every other downloader's END (the node's
+        communicator must be empty before it is freed or used again)."""
+        while self.others - self.ended:
+            self._take(self.comm.recv(tag=LANDED_TAG))
+
+    def _take(self, message: tuple[int, list[int]]) -> list[int]:
+        sender, indices = message
+        ready: list[int] = []
+        for index in indices:
+            if index == END:
+                self.ended.add(sender)
+            else:
+                ready += self.landing.landed(index)
+        return ready
+
+
+class Notifier:
+    """A node's downloader (not its leader): tells the leader which blocks have landed.
+
+    Called on the rank's main thread (its event loop), so it may use MPI. Notices are
+    non-blocking sends of a few bytes; :meth:`close` sends END and completes them all.
+    """
+
+    def __init__(self, group_comm: Any, node_index: dict[tuple[int, int], int]) -> None:
+        self.comm = group_comm
+        self.me = group_comm.Get_rank()
+        self.node_index = node_index  # (file, offset) -> the block's node-wide index
+        self._requests: list[Any] = []
+
+    def landed(self, file: int, offset: int) -> None:
+        """The block at ``(file, offset)`` is on the disk."""
+        self._send([self.node_index[(file, offset)]])
+
+    def close(self) -> None:
+        """The last notice: no more will come. Waits until every notice has been sent."""
+        self._send([END])
+        for request in self._requests:
+            request.wait()
+        self._requests = []
+
+    def _send(self, indices: list[int]) -> None:
+        self._requests.append(self.comm.isend((self.me, indices), dest=0, tag=LANDED_TAG))
+        # Completed sends are dropped as we go: a long download sends thousands.
+        if len(self._requests) > 64:
+            self._requests = [r for r in self._requests if not r.Test()]
+
+
+class DownloadThread:
+    """A leader's own download, on a thread of its own while the main thread runs the fan-out."""
+
+    def __init__(self, run: Callable[[], Any], rank: int) -> None:
+        self.rank = rank  # named by an unexpected error's message
+        self.stop = threading.Event()  # set by the main thread: the download's peer_failed
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._run = run
+        self._thread = threading.Thread(target=self._main, name="azcp-download", daemon=True)
+
+    def start(self) -> None:
+        """Start downloading."""
+        self._thread.start()
+
+    def wait(self) -> tuple[Any, BaseException | None]:
+        """Wait for the download to end: its result, and its error (None, PeerFailed when it was
+        stopped, or the download's own)."""
+        self._thread.join()
+        return self.result, self.error
+
+    def _main(self) -> None:
+        shield()
+        try:
+            self.result = self._run()
+        except AzcpError as exc:
+            self.error = exc
+        except BaseException as exc:  # handed to the main thread, which decides
+            # The same redacted one-liner as anywhere else (a URL's SAS never shows).
+            self.error = exc if isinstance(exc, PeerFailed) else as_azcp_error(exc, self.rank)
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """What one rank's part of the streaming stage gives the next stages."""
+
+    downloaded: float  # seconds from the stage's start to the end of this rank's download (0: none)
+    download: Any = None  # download.DownloadStats, if this rank downloaded
+    fanout: Any = None  # broadcast.BroadcastStats, if this rank is a leader
+    digests: dict[int, str] | None = None  # --verify stream: MD5 of the files hashed in flight
+
+
+def lead(
+    broadcaster: Any,
+    schedule: Sequence[Transfer],
+    feed: LandingFeed,
+    downloader: Any,
+    blocks: Sequence[Any],
+    index: dict[tuple[int, int], int],
+    since: Callable[[], float],
+    rank: int,
+    failed: AzcpError | None = None,
+) -> Streamed:
+    """A leader's part: the fan-out on this (the MPI) thread, its own ``blocks`` (if any) downloaded
+    by ``downloader`` on a thread meanwhile. ``since()``: seconds since the stage began.
+    ``failed``: the download could not be set up; the fan-out still runs to its first agreement.
+
+    Raises the stage's error: the fan-out's, or this rank's own download error rather than a
+    peer's failure when both happened.
+    """
+    downloaded = 0.0
+    thread: DownloadThread | None = None
+    if blocks and failed is None:
+
+        def fetch() -> Any:
+            nonlocal downloaded
+            try:
+                return downloader.run(blocks)
+            except PeerFailed:
+                raise  # stopped: the fan-out stopped first
+            except BaseException as exc:
+                # The fan-out fails with it (a bug as much as a download error: a thread that
+                # just ended would leave its transfers waiting for ever).
+                feed.local_failed(as_azcp_error(exc, rank))
+                raise
+            finally:
+                downloaded = since()
+
+        downloader.on_landed = also(downloader.on_landed, lambda block: feed.local(index[(block.file, block.offset)]))
+        thread = DownloadThread(fetch, rank)
+        downloader.peer_failed = thread.stop.is_set  # its event loop makes no MPI call
+        try:
+            thread.start()
+        except Exception as exc:  # no thread (a process limit): the fan-out fails, at its next agreement
+            feed.local_failed(as_azcp_error(exc, rank))
+            thread = None
+    fanout = None
+    dstats = None
+    failure: BaseException | None = None
+    try:
+        fanout = broadcaster.run(schedule, landed=feed, failed=failed)
+    except PeerFailed:
+        if thread is not None:
+            thread.stop.set()
+            dstats, failure = thread.wait()
+            thread = None
+            if isinstance(failure, AzcpError):
+                raise failure from None  # this rank's own download failed as well: its error
+        raise
+    finally:
+        if thread is not None:
+            if fanout is None:
+                thread.stop.set()  # the fan-out stopped (its error is the stage's): so does the download
+            dstats, failure = thread.wait()
+    if failure is not None:
+        raise failure  # after every byte was sent: the download's own end failed
+    return Streamed(downloaded, dstats, fanout, dict(broadcaster.digests))
+
+
+def notify_while_downloading(
+    group_comm: Any,
+    index: dict[tuple[int, int], int],
+    make_downloader: Callable[[], Any],
+    blocks: Sequence[Any],
+    since: Callable[[], float],
+) -> Streamed:
+    """A node's other downloader: fetch ``blocks``, telling the leader of each as it lands.
+
+    The END goes out whatever happens (the leader waits for it): the notifier is made first.
+    """
+    notifier = Notifier(group_comm, index)
+    downloaded = 0.0
+    try:
+        downloader = make_downloader()
+        downloader.on_landed = also(downloader.on_landed, lambda block: notifier.landed(block.file, block.offset))
+        dstats = downloader.run(blocks)
+    finally:
+        downloaded = since()
+        notifier.close()
+    return Streamed(downloaded, dstats)
+
+
+__all__ = [
+    "END",
+    "LANDED_TAG",
+    "DownloadThread",
+    "LandingFeed",
+    "NodeBlocks",
+    "Notifier",
+    "Streamed",
+    "lead",
+    "node_blocks",
+    "notify_while_downloading",
+]
+
+
+def also(first: Callable[[Any], None], then: Callable[[Any], None]) -> Callable[[Any], None]:
+    """A landed-block callback that calls ``first`` (the block journal's), then ``then``."""
+
+    def both(block: Any) -> None:
+        first(block)
+        then(block)
+
+    return both

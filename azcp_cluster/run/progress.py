@@ -1,0 +1,257 @@
+"""Progress on rank 0's stderr: a one-line bar on a terminal, plain status lines anywhere else.
+
+``--progress auto`` (the default) draws the bar when stderr is a terminal and, when it is not
+(``mpiexec`` and ``srun`` pipe it; a Slurm log is a file), prints a status line every
+:data:`LINE_SECONDS` or each :data:`LINE_STEP` of the stage, whichever comes first, so that
+``tail -f`` on a job's log shows a long stage moving (or stalled: the line still comes, with
+its rate). One :class:`Progress` per stage. The streaming stage's shows both halves: the
+bytes fanned out of the total (every byte reaches every node through them), this node's
+downloaded bytes of its share, and the files complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+from azcp_cluster.core.config import PROGRESS_MODES as MODES
+from azcp_cluster.core.config import format_bytes
+
+__all__ = ["MODES", "Progress", "resolve_mode", "terminal_width"]
+# Status lines (not a terminal): one at least this often while the stage runs, and one each
+# time the stage has moved on by this fraction (but not more than one a second).
+LINE_SECONDS = 10.0
+LINE_STEP = 0.05
+LINE_MIN_SECONDS = 1.0
+BAR_HZ = 4.0
+_CLEAR = "\x1b[K"  # erase to the end of the line: a shorter redraw leaves nothing behind
+
+
+def resolve_mode(requested: str, rank: int, stream: TextIO | None = None) -> str:
+    """What this rank shows: ``bar``, ``lines`` or ``none`` (only rank 0 shows anything).
+
+    ``auto``: the bar on a terminal, lines otherwise. ``bar`` asked for where stderr is not a
+    terminal prints lines instead (a bar's carriage returns are noise in a file).
+    """
+    stream = stream or sys.stderr
+    if rank != 0 or requested == "none":
+        return "none"
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    if requested == "lines" or not tty:
+        return "lines"
+    return "bar"
+
+
+def terminal_width(stream: TextIO, fallback: int = 80) -> int:
+    """Columns of the terminal behind ``stream`` (COLUMNS first, as shells and tmux set it)."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        return os.get_terminal_size(stream.fileno()).columns or fallback
+    except (OSError, ValueError, AttributeError):
+        return shutil.get_terminal_size((fallback, 24)).columns
+
+
+class Progress:
+    """Counts a stage's bytes toward a total and shows them (``mode``: bar, lines or none).
+
+    ``add`` and ``add_download`` may be called from two threads (streaming: the download's and
+    the fan-out's); one of them draws at a time. ``close`` ends the stage's output cleanly.
+    """
+
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        mode: str,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        width: int | None = None,
+    ) -> None:
+        self.label = label
+        self.total = total
+        self.done = 0
+        self.stream = stream or sys.stderr
+        self.mode = mode if total > 0 and mode in ("bar", "lines") else "none"
+        self.clock = clock
+        self.started = clock()
+        self.last = 0.0  # when the last bar or line was drawn (0: never)
+        self.last_fraction = 0.0  # lines: the fraction the last line showed
+        self.download_total = 0  # streaming: this node's share of the download
+        self.downloaded = 0
+        self.files_total = 0
+        self.files_done = 0
+        self._width = width
+        self._drawing = threading.Lock()
+        self._closed = threading.Event()
+        self._ticker: threading.Thread | None = None
+        if self.mode == "lines":
+            # A stalled stage adds nothing: the ticker still says so every LINE_SECONDS.
+            self._ticker = threading.Thread(target=self._tick_lines, name="azcp-progress", daemon=True)
+            self._ticker.start()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is shown."""
+        return self.mode != "none"
+
+    def expect_download(self, total: int) -> None:
+        """Streaming: also show ``total`` bytes this rank downloads."""
+        self.download_total = total
+
+    def expect_files(self, total: int) -> None:
+        """Also show how many of ``total`` files are complete."""
+        self.files_total = total
+
+    def add(self, n: int, files: int = 0) -> None:
+        """Account ``n`` more bytes (and ``files`` more files complete) and show them if it is time."""
+        self.done += n
+        self.files_done += files
+        self._tick()
+
+    def add_download(self, n: int) -> None:
+        """Streaming: account ``n`` more bytes downloaded by this rank."""
+        self.downloaded += n
+        self._tick()
+
+    def fraction(self) -> float:
+        """How much of the stage is done: the larger of the fanned and the downloaded shares.
+
+        Streaming: the fan-out follows the download; early on only the download moves.
+        """
+        frac = self.done / self.total if self.total else 1.0
+        if self.download_total:
+            frac = max(frac, self.downloaded / self.download_total)
+        return min(1.0, frac)
+
+    def eta(self, now: float) -> float | None:
+        """Seconds left, from the stage's rate so far (None before anything moved, or at the end).
+
+        Streaming: the later of the fan-out's and the download's: the fan-out cannot end before
+        the download, and until its first transfer completes only the download has a rate.
+        """
+        elapsed = now - self.started
+        if elapsed <= 0 or self.done >= self.total:
+            return None
+        guesses = []
+        if self.done > 0:
+            guesses.append((self.total - self.done) * elapsed / self.done)
+        if self.download_total and 0 < self.downloaded < self.download_total:
+            guesses.append((self.download_total - self.downloaded) * elapsed / self.downloaded)
+        return max(guesses) if guesses else None
+
+    def _tick(self) -> None:
+        if self.mode == "none":
+            return
+        now = self.clock()
+        if self.mode == "bar":
+            if now - self.last < 1.0 / BAR_HZ:
+                return
+        elif not self._line_due(now):
+            return
+        self._draw(now)
+
+    def _line_due(self, now: float) -> bool:
+        since = now - (self.last or self.started)
+        if since >= LINE_SECONDS:
+            return True
+        return since >= LINE_MIN_SECONDS and self.fraction() - self.last_fraction >= LINE_STEP
+
+    def _tick_lines(self) -> None:
+        while not self._closed.wait(LINE_SECONDS / 4):
+            if self._line_due(self.clock()):
+                self._draw(self.clock())
+
+    def _draw(self, now: float, final: bool = False) -> None:
+        # Two threads add while streaming (the download's and the fan-out's): one draws.
+        if not self._drawing.acquire(blocking=final):
+            return
+        try:
+            if self.mode == "none" or (self._closed.is_set() and not final):
+                return
+            self.last = now
+            self.last_fraction = self.fraction()
+            text = "\r" + self.bar(now) + _CLEAR if self.mode == "bar" else self.status(now) + "\n"
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):
+            self.mode = "none"  # a terminal or a pipe gone (EIO, EPIPE) ends the progress, never the copy
+        finally:
+            self._drawing.release()
+
+    def _parts(self, now: float) -> list[tuple[int, str]]:
+        """What a line says, in the order it says it, each with its rank (0: always shown; a
+        narrow terminal drops the highest first)."""
+        elapsed = max(now - self.started, 1e-6)
+        rate = (self.done or self.downloaded) / elapsed
+        eta = self.eta(now)
+        parts = [
+            (0, f"{self.fraction() * 100:5.1f}%"),
+            (2, f"{format_bytes(self.done)} / {format_bytes(self.total)}"),
+            (3, f"{format_bytes(rate)}/s"),
+            (1, f"ETA {_duration(eta)}" if eta is not None else ""),
+        ]
+        if self.download_total:
+            parts.append((4, f"downloaded {format_bytes(self.downloaded)} / {format_bytes(self.download_total)}"))
+        if self.files_total:
+            parts.append((5, f"{self.files_done}/{self.files_total} files"))
+        return [(rank, text) for rank, text in parts if text]
+
+    @staticmethod
+    def _join(parts: list[tuple[int, str]]) -> str:
+        return parts[0][1] + "".join(f", {text}" for _, text in parts[1:])
+
+    def status(self, now: float) -> str:
+        """One status line (not a terminal): ``[progress] <stage> <percent>, ...``."""
+        return f"[progress] {self.label} {self._join(self._parts(now))}"
+
+    def bar(self, now: float) -> str:
+        """The bar as drawn at ``now``, within the terminal's width (one column spare). Where it is
+        narrow, the download's and the files' counts go first, then the bar (10 to 30 cells),
+        then the rest, least useful first."""
+        width = (self._width or terminal_width(self.stream)) - 1
+        parts = self._parts(now)
+        label = f"{self.label} "
+        while len(label) + len(self._join(parts)) + 13 > width and max(parts)[0] >= 4:
+            parts.remove(max(parts))
+        while len(label) + len(self._join(parts)) > width and len(parts) > 1:
+            parts.remove(max(parts))
+        text = self._join(parts)
+        cells = min(30, width - len(label) - len(text) - 3)  # "[", "] "
+        if cells >= 5:
+            filled = int(self.fraction() * cells)
+            label += f"[{'#' * filled}{'.' * (cells - filled)}] "
+        return (label + text)[:width]
+
+    def close(self) -> None:
+        """End the stage's output: the bar redrawn at its end (no stale ETA) and its line ended;
+        with lines, a last line if the stage moved since the one before."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        if self.mode == "bar" and self.last:
+            self._draw(self.clock(), final=True)
+            with contextlib.suppress(OSError, ValueError):
+                self.stream.write("\n")
+                self.stream.flush()
+        elif self.mode == "lines" and self.last and self.fraction() > self.last_fraction:
+            self._draw(self.clock(), final=True)
+
+
+def _duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``."""
+    s = int(seconds + 0.5)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

@@ -1,0 +1,331 @@
+"""The run's report: the stable text lines scripts parse, and the JSON document."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import stat
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from azcp_cluster.core.config import format_bytes
+from azcp_cluster.core.errors import UsageError
+
+STAGES = ("list", "diff", "download", "bcast", "verify", "total")
+
+
+def check_json_path(path: str | None) -> None:
+    """Refuse a ``--json`` PATH that is an existing directory (exit 2), before any work.
+
+    Whether it lies inside DEST is checked per rank once DEST is expanded
+    (:func:`azcp_cluster.core.config.json_inside_dest`).
+    """
+    if path and os.path.isdir(path):
+        raise UsageError(f"--json {path!r} is a directory; name a file to write the report to")
+    if path and not _replaceable(path):
+        raise UsageError(
+            f"--json {path!r} exists and is not a regular file (a link, a device, a FIFO); name a file to write"
+        )
+
+
+def _replaceable(path: str) -> bool:
+    """Whether the report may take ``path``'s place: nothing there, or a regular file.
+
+    A link, a device node (``--json /dev/null`` as root) or a FIFO is never replaced.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return True  # the write will say what is wrong
+    return stat.S_ISREG(st.st_mode)
+
+
+@dataclass
+class StageFigures:
+    """Wall time of one stage (the slowest rank's) and the bytes it moved."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+@dataclass
+class Report:
+    """Everything the JSON report carries; also what the Python API returns."""
+
+    ranks: int = 0
+    nodes: int = 0  # distinct hosts
+    writers: int = 0  # copies written: one leader rank per (host, DEST)
+    download_ranks: int = 0  # ranks that fetched from Azure (0 for a local SOURCE)
+    source_rank: int | None = None  # the rank that read a local SOURCE (the first, with --source-readers)
+    source_readers: list[int] = field(default_factory=list)  # every rank that read it
+    source_bytes_by_rank: list[int] = field(default_factory=list)  # bytes each rank read from it
+    files: int = 0
+    bytes: int = 0
+    skipped_files: int = 0
+    skipped_bytes: int = 0
+    markers_skipped: int = 0
+    filtered_out: int = 0
+    transfer_files: int = 0
+    peer_files: int = 0
+    # Files with blocks a stopped run left durably in some node's temporary file, and those
+    # bytes, summed over the nodes' copies: kept, not moved again (journal.py).
+    resumed_files: int = 0
+    resumed_bytes: int = 0
+    azure_files: int = 0  # files read from SOURCE (Azure, or the local path)
+    downloaded_bytes: int = 0
+    download_rate: float = 0.0  # bytes per second: downloaded_bytes over the download stage's time
+    max_bandwidth: float | None = None  # --max-bandwidth in bytes per second (None: no cap)
+    broadcast_bytes: int = 0
+    broadcast_shards: int = 0
+    retries: int = 0
+    retry_causes: dict[str, int] = field(default_factory=dict)
+    retries_by_rank: list[int] = field(default_factory=list)  # index: rank
+    # Per rank: the bytes each of its download worker processes fetched ([] if it had none:
+    # its GETs ran in the rank itself).
+    worker_bytes_by_rank: list[list[int]] = field(default_factory=list)
+    exit_code: int = 0
+    error: str | None = None
+    dry_run: bool = False
+    overlap: bool = False  # download and fan-out ran at once (their stage times overlap)
+    plan_loads: list[int] = field(default_factory=list)
+    plan_spread: float = 0.0
+    verified_files: int = 0
+    peak_rss_bytes: int = 0  # the largest peak resident memory of any rank
+    stages: dict[str, StageFigures] = field(default_factory=lambda: {s: StageFigures() for s in STAGES})
+    # Where the time goes: per stage agreed (in the order run), each rank's start and end of
+    # its own work, in seconds since that rank's run started ({"stage", "start": [per rank],
+    # "end": [per rank]}; None where a rank had no part: the download inside a streaming
+    # transfer, on a rank with nothing to fetch). The wait for the slowest rank follows each.
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    timeline_origin: list[float] = field(default_factory=list)  # per rank: its run's start, Unix time
+
+    def record_download(self, seconds: float) -> None:
+        """The download stage's time (the slowest rank's), and the rate it achieved."""
+        self.stages["download"] = StageFigures(seconds, self.downloaded_bytes)
+        self.download_rate = self.downloaded_bytes / seconds if seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document written by ``--json``."""
+        return asdict(self)
+
+    def write_json(self, path: str, **override: Any) -> None:
+        """Write the JSON report atomically: a temporary name in the same directory, fsync, rename.
+
+        ``override`` replaces top-level fields in what is written (the report itself is left
+        as it is). The temporary file is created anew (``O_EXCL``, never through a symlink
+        someone put at its name) and removed again on any failure, so a failed write leaves
+        nothing behind. Raises the ``OSError``.
+        """
+        write_json_document({**self.to_json(), **override}, path)
+
+
+def write_json_document(doc: dict[str, Any], path: str, durable: bool = True) -> None:
+    """:meth:`Report.write_json` for a document already made; ``durable=False`` skips the fsync."""
+    from azcp_cluster.dest.localfs import write_synced  # not at the top: numpy, for the CLI's quick paths
+
+    data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    tmp = f"{path}.tmp{os.getpid()}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o644)
+    try:
+        try:
+            if durable:
+                write_synced(fd, data)
+            else:
+                os.write(fd, data)  # a small file: one write
+        finally:
+            os.close(fd)
+        if not _replaceable(path):  # put there since the start: not ours to replace
+            raise OSError(errno.EEXIST, "exists and is not a regular file", path)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def say(line: str) -> None:
+    """``line`` on stderr in one write, flushed (a closed stderr loses it, nothing more).
+
+    One write: under ``PYTHONUNBUFFERED`` print() writes the text and its newline apart, and
+    two ranks' lines on one launcher's stderr then run together on one line."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def write_json_report(report: Report, path: str) -> None:
+    """The JSON report at ``path``; one that cannot be written is a warning, not a failed copy."""
+    try:
+        report.write_json(path)
+    except OSError as exc:
+        say(f"azcp-cluster: warning: cannot write the JSON report to {path}: {exc.strerror}")
+
+
+def gbps(nbytes: int, seconds: float) -> str:
+    """Bandwidth in the reference's ``x.xx Gb/s`` form (below 0.01, three significant digits:
+    a small copy's rate is not ``0.00``)."""
+    if seconds <= 0 or nbytes <= 0:
+        return "0.00 Gb/s"
+    rate = nbytes * 8 / seconds / 1e9
+    # The reference's two decimals; below 0.01, three significant digits (never 1e-06).
+    decimals = 2 if rate >= 0.01 else 2 - math.floor(math.log10(rate))
+    return f"{rate:.{decimals}f} Gb/s"
+
+
+def _human(nbytes: int, seconds: float | None = None) -> str:
+    """The figures in people's units, after a line's exact ones: `` (1.50 GiB at 1.20 GiB/s)``."""
+    if nbytes <= 0:
+        return ""
+    rate = f" at {format_bytes(nbytes / seconds)}/s" if seconds else ""
+    return f" ({format_bytes(nbytes)}{rate})"
+
+
+def _against_cap(report: Report) -> str:
+    """With --max-bandwidth: the cap and the rate achieved, in bytes per second (added to ``[download]``)."""
+    cap = report.max_bandwidth
+    if cap is None:
+        return ""
+    rate = report.download_rate
+    return f" cap={cap:.0f}B/s rate={rate:.0f}B/s ({100 * rate / cap:.1f}% of the cap)"
+
+
+def _s(count: int) -> str:
+    return "" if count == 1 else "s"
+
+
+# The report's sections in the order they are printed; rank 0 prints each as soon as its stage
+# ends (report_sections), so that a person watching a launcher's output sees the run move.
+SECTIONS = ("cluster", "list", "diff", "transfer", "verify", "end")
+
+
+class ReportPrinter:
+    """Rank 0's report lines on ``out``, each section once, as soon as its stage has ended.
+
+    Under a launcher the run's output is a pipe or a log: ``[cluster]`` and ``[list]``, known in
+    the first second, should not wait for the end of a copy of hours. A reader that went away
+    (``| head``, a dead ``tee``) loses the lines, nothing more: a closed pipe must not fail a copy.
+    """
+
+    def __init__(self, report: Report, out: Any, enabled: bool) -> None:
+        self.report = report
+        self.out = out
+        self.enabled = enabled
+        self.printed: set[str] = set()
+
+    def through(self, section: str) -> None:
+        """Print every section up to and including ``section`` not printed yet."""
+        if self.enabled:
+            upto = SECTIONS[: SECTIONS.index(section) + 1]
+            self._print(report_sections(self.report), set(upto))
+
+    def rest(self, failed: bool, after_diff: Sequence[str] = ()) -> None:
+        """At the end: the sections not printed yet (a failed run: those of the stages it
+        reached), with ``after_diff`` (the dry run's plan) after ``[diff]``."""
+        if not self.enabled:
+            return
+        sections = report_sections(self.report, failed)
+        lines = [line for section, line in sections if section not in self.printed]
+        if after_diff:
+            at = next((i + 1 for i, line in enumerate(lines) if line.startswith("[diff] ")), 0)
+            lines[at:at] = after_diff
+        self.printed.update(SECTIONS)
+        _write_lines(lines, self.out)
+
+    def _print(self, sections: list[tuple[str, str]], wanted: set[str]) -> None:
+        lines = [line for section, line in sections if section in wanted and section not in self.printed]
+        self.printed.update(wanted)
+        _write_lines(lines, self.out)
+
+
+def _write_lines(lines: list[str], out: Any) -> None:
+    """``lines`` on ``out`` in one write (a reader of the first gets them all); a reader gone loses them."""
+    if lines:
+        with contextlib.suppress(OSError, ValueError):
+            out.write("".join(f"{line}\n" for line in lines))
+            out.flush()
+
+
+def report_lines(report: Report, failed: bool = False) -> list[str]:
+    """The stable report lines (a contract: scripts parse them).
+
+    ``failed``: the run stopped early; only the lines of the stages it reached (their figures
+    so far), the retries and ``[total]``.
+    """
+    return [line for _, line in report_sections(report, failed)]
+
+
+def report_sections(report: Report, failed: bool = False) -> list[tuple[str, str]]:
+    """The report lines, each with its section (:data:`SECTIONS`); see :func:`report_lines`."""
+    lines = _lines(report)
+    if not failed:
+        return lines
+    st = report.stages
+    reached = {
+        "[cluster] ": report.nodes > 0,
+        "[list] ": st["list"].seconds > 0,
+        "[diff] ": st["diff"].seconds > 0,
+        "[download] ": st["download"].seconds > 0 or report.downloaded_bytes > 0,
+        "[bcast] ": st["bcast"].seconds > 0 or report.broadcast_bytes > 0,
+    }
+    return [(section, line) for section, line in lines if reached.get(line[: line.index(" ") + 1], True)]
+
+
+def _lines(report: Report) -> list[tuple[str, str]]:
+    st = report.stages
+    head = [
+        f"[cluster] {report.nodes} node{_s(report.nodes)}, {report.ranks} rank{_s(report.ranks)}, "
+        f"{report.writers} writer{_s(report.writers)}, "
+        + (
+            f"source read by ranks {', '.join(map(str, report.source_readers))}"
+            if len(report.source_readers) > 1
+            else f"source read by rank {report.source_rank}"
+            if report.source_rank is not None
+            else f"{report.download_ranks} downloading"
+        ),
+        f"[list] {report.files} files, {report.bytes} bytes T={st['list'].seconds:.3f}s" + _human(report.bytes),
+        f"[diff] {report.transfer_files} to transfer ({report.peer_files} peer, {report.azure_files} "
+        f"{'azure' if report.source_rank is None else 'source'}), "
+        f"{report.skipped_files} skipped"
+        + (f", {report.resumed_files} resumed ({report.resumed_bytes} bytes kept)" if report.resumed_files else "")
+        + f" T={st['diff'].seconds:.3f}s",
+    ]
+    lines = list(zip(SECTIONS[:3], head, strict=True))
+    if not report.dry_run:
+        lines += [
+            (
+                "transfer",
+                f"[download] {report.downloaded_bytes} bytes T={st['download'].seconds:.3f}s "
+                f"BW={gbps(report.downloaded_bytes, st['download'].seconds)}"
+                + _against_cap(report)
+                + _human(report.downloaded_bytes, st["download"].seconds),
+            ),
+        ]
+        # One node copying from Azure sends nothing: no broadcast line (a local SOURCE's copy is
+        # its reader's fan-out, reported as one).
+        if report.writers != 1 or report.source_rank is not None or report.source_readers:
+            lines.append(
+                (
+                    "transfer",
+                    f"[bcast] {report.broadcast_shards} shards {report.broadcast_bytes} bytes "
+                    f"T={st['bcast'].seconds:.3f}s BW={gbps(report.broadcast_bytes, st['bcast'].seconds)}"
+                    + _human(report.broadcast_bytes, st["bcast"].seconds),
+                )
+            )
+        if report.verified_files:
+            lines.append(
+                ("verify", f"[verify] {report.verified_files} files T={st['verify'].seconds:.3f}s: all copies match")
+            )
+        if report.retries:
+            causes = ", ".join(f"{k}={v}" for k, v in sorted(report.retry_causes.items()))
+            ranks = ", ".join(f"{rank}:{n}" for rank, n in enumerate(report.retries_by_rank) if n)
+            lines.append(("end", f"[cluster] retries: {report.retries} ({causes}) by rank {ranks}"))
+    lines.append(("end", f"[total] T={st['total'].seconds:.3f}s"))
+    return lines
