@@ -165,3 +165,59 @@ def test_pure_modules_only_reach_pure_modules() -> None:
 
 def test_the_core_folder_holds_the_pure_modules() -> None:
     assert len(PURE_MODULES) >= 14 and f"{CORE}.fanout" in PURE_MODULES and f"{CORE}.plan" in PURE_MODULES
+
+
+# ---------------------------------------------------------------------------------------
+# Layers: nothing imports upward. A folder may import its own modules and any lower layer's.
+
+LAYERS = (
+    ("core",),
+    ("run",),  # the cluster's agreements, signals, progress, the report
+    ("azure", "dest"),  # Azure's client and credentials; the node's copy on disk
+    ("download",),
+    ("fanout",),
+    ("stages", "devtools"),
+    ("pipeline",),
+    ("api", "options"),
+    ("cli", "__main__"),
+)
+
+
+def layer_of(module: str) -> int:
+    """The layer of ``azcp_cluster.X[.Y]`` (its folder, or its own name at the top level)."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return -1  # the package's __init__: version and lazy names only
+    for index, names in enumerate(LAYERS):
+        if parts[1] in names:
+            return index
+    raise AssertionError(f"{module} is in no layer: add its folder to LAYERS")
+
+
+def _modules() -> list[str]:
+    return sorted(
+        ".".join((PACKAGE, *p.relative_to(PACKAGE_DIR).with_suffix("").parts)).removesuffix(".__init__")
+        for p in PACKAGE_DIR.rglob("*.py")
+    )
+
+
+def test_nothing_imports_upward() -> None:
+    upward = []
+    for module in _modules():
+        path = module_file(module)
+        assert path is not None
+        mine = layer_of(module)
+        for target in scan(path.read_text(encoding="utf-8"), module).imports:
+            if top(target) == PACKAGE and module_file(target) is not None and layer_of(target) > mine:
+                upward.append(f"{module} imports {target}")
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_the_layering_check_sees_an_upward_import() -> None:
+    found = scan("from azcp_cluster.fanout import broadcast", f"{PACKAGE}.core.plan").imports
+    assert any(layer_of(t) > layer_of(f"{PACKAGE}.core.plan") for t in found if top(t) == PACKAGE)
+
+
+def test_the_package_top_level_is_small() -> None:
+    top_modules = [p for p in PACKAGE_DIR.glob("*.py")]
+    assert len(top_modules) <= 12, sorted(p.name for p in top_modules)

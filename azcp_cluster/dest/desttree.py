@@ -33,9 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from azcp_cluster.core.errors import DiffError, LocalFSError
 from azcp_cluster.dest.directio import Opener
-from azcp_cluster.dest.localfs import fs_error, preallocate, syncfs, temp_name, write_synced
+from azcp_cluster.dest.localfs import fs_error, preallocate, syncfs, temp_name
 from azcp_cluster.dest.syscalls import CallPool
 from azcp_cluster.run.interrupts import shield
+from azcp_cluster.run.report import write_synced
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # No file the tool opens may block the open (a FIFO) or be followed (a link).

@@ -373,14 +373,6 @@ def preallocate(fd: int, size: int) -> bool:
     return False
 
 
-def write_synced(fd: int, data: bytes) -> None:
-    """Write all of ``data`` at ``fd``'s position, then fsync (a small file of the tool's own)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-    os.fsync(fd)
-
-
 def pwritev_all(fd: int, buffers: list[memoryview] | list[bytes], offset: int) -> int:
     """Write every byte of ``buffers`` at ``offset``, looping over short writes."""
     views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]

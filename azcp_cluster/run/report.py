@@ -126,9 +126,17 @@ class Report:
         write_json_document({**self.to_json(), **override}, path)
 
 
+def write_synced(fd: int, data: bytes) -> None:
+    """Write all of ``data`` at ``fd``'s position, then fsync (a small file of the tool's own: the
+    JSON report, the manifest)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.fsync(fd)
+
+
 def write_json_document(doc: dict[str, Any], path: str, durable: bool = True) -> None:
     """:meth:`Report.write_json` for a document already made; ``durable=False`` skips the fsync."""
-    from azcp_cluster.dest.localfs import write_synced  # not at the top: numpy, for the CLI's quick paths
 
     data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
     tmp = f"{path}.tmp{os.getpid()}"
