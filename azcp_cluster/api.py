@@ -68,9 +68,9 @@ def stage(
 
     cfg = make_config(source, dest, options)
     if comm is None:
-        from mpi4py import MPI
+        from azcp_cluster.run.mpi import world
 
-        comm = MPI.COMM_WORLD
+        comm = world()
     sink = io.StringIO() if quiet else out
     return run(cfg, comm, out=sink, credential=credential)  # it writes the JSON report (rank 0)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.cli import launched_tasks, launcher_mismatch
+from azcp_cluster.run.mpi import launched_tasks, launcher_mismatch
 from tests.conftest import clean_env
 
 # What `srun -n 2 --mpi=none` sets in each task (beside the job's own variables).

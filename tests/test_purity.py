@@ -221,3 +221,14 @@ def test_the_layering_check_sees_an_upward_import() -> None:
 def test_the_package_top_level_is_small() -> None:
     top_modules = [p for p in PACKAGE_DIR.glob("*.py")]
     assert len(top_modules) <= 12, sorted(p.name for p in top_modules)
+
+
+def test_mpi4py_is_imported_by_at_most_two_modules() -> None:
+    # MPI's start and end (run/mpi.py) and the fan-out's transport: everything else gets a
+    # communicator passed in, so that it can run in process without MPI.
+    importers = sorted(
+        module
+        for module in _modules()
+        if any(top(m) == "mpi4py" for m in scan(module_file(module).read_text(encoding="utf-8"), module).imports)  # type: ignore[union-attr]
+    )
+    assert len(importers) <= 2, importers

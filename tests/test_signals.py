@@ -39,6 +39,7 @@ from azcp_cluster.core.naming import TEMP_SUFFIX
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.run.interrupts import Interrupts
+from azcp_cluster.run.mpi import MpiRuntime
 from tests.conftest import clean_env, mpiexec_path, run_cli, tree_of
 from tests.test_reliability import _assert_nothing_partial, _errors, _pid_of_rank, _write_tree
 
@@ -109,7 +110,7 @@ def test_a_keyboard_interrupt_before_mpi_exits_130_with_one_line(
     def interrupted(self: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli._Runtime, "comm", interrupted)
+    monkeypatch.setattr(MpiRuntime, "comm", interrupted)
     for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
     assert cli.main([str(tmp_path), str(tmp_path / "d")]) == 130

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 WATCH = os.path.realpath(os.environ["AZCP_AUDIT_WATCH"])
-from azcp_cluster.cli import launcher_rank  # noqa: E402
+from azcp_cluster.run.mpi import launcher_rank  # noqa: E402
 
 RANK = launcher_rank()
 LOG = open(os.path.join(os.environ["AZCP_AUDIT_LOG"], f"rank-{RANK}.log"), "a", encoding="utf-8")  # noqa: SIM115

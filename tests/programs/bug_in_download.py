@@ -13,8 +13,8 @@ import os
 import sys
 from typing import Any
 
-from azcp_cluster.cli import launcher_rank
 from azcp_cluster.download import downloader as download
+from azcp_cluster.run.mpi import launcher_rank
 
 if int(os.environ.get("AZCP_TEST_BUG_RANK", "0")) == launcher_rank():
     get_once = download.Downloader._get_once

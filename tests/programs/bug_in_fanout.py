@@ -18,8 +18,8 @@ import sys
 import threading
 from typing import Any
 
-from azcp_cluster.cli import launcher_rank
 from azcp_cluster.fanout import broadcast, streaming
+from azcp_cluster.run.mpi import launcher_rank
 from azcp_cluster.stages import transfer
 
 RANK = str(launcher_rank())

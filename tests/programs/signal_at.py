@@ -14,7 +14,8 @@ import signal
 import sys
 from typing import Any
 
-from azcp_cluster.cli import command, launcher_rank
+from azcp_cluster.cli import command
+from azcp_cluster.run.mpi import launcher_rank
 
 module_name, _, path = os.environ["AZCP_SIGNAL_AT"].partition(":")
 owner: Any = importlib.import_module(module_name)

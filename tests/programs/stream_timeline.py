@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from azcp_cluster.cli import launcher_rank
+from azcp_cluster.run.mpi import launcher_rank
 
 RANK = launcher_rank()
 LOGDIR = sys.argv.pop(1)
