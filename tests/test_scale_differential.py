@@ -183,6 +183,7 @@ def hand_made_plans(draw: st.DrawFn) -> tuple[list[Shard], int, dict[tuple[int, 
     return shards, nranks, named
 
 
+@pytest.mark.slow  # about 10 s of 300 examples: CI's slow step runs it (.ci/run)
 @given(hand_made_plans(), st.integers(1, 4 * DIRECT_MIN), st.booleans(), st.booleans())
 @settings(max_examples=300, deadline=None)
 def test_hand_made_plans_schedule_as_main(

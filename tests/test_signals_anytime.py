@@ -199,6 +199,9 @@ def _instants(length: float) -> Iterator[tuple[int, float | None]]:
         yield (signal.SIGINT if i % 2 == 0 else signal.SIGTERM), at
 
 
+# About 50 s: CI's slow step runs it under MPICH, scripts/test-openmpi under Open MPI (.ci/run).
+@pytest.mark.slow
+@pytest.mark.openmpi
 def test_a_signal_at_any_instant_ends_the_run_as_documented(
     emulator: azurite.Emulator, container: str, tmp_path: Path
 ) -> None:

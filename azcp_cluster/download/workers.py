@@ -223,7 +223,10 @@ class WorkerDownloader:
 
     def _start(self, index: int, part: list[Block], count: int) -> _Worker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        import azcp_cluster
+
+        # The directory holding the package (never the package's own: its azure/ would hide Azure's).
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(azcp_cluster.__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
         # Blocked while the child starts, so that it inherits them blocked: a Ctrl-C to the
