@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from azcp_cluster.azure.bloblist import parse_page
+from azcp_cluster.azure.blobxml import parse_page
 from azcp_cluster.azure.credentials import Authorizer, resolve_credential
 from azcp_cluster.azure.listing import list_source, list_with_sdk
 from azcp_cluster.core.config import Config
@@ -64,11 +64,11 @@ def test_the_lean_listing_is_the_sdks(emulator: azurite.Emulator, container: str
 
 
 def test_a_listing_of_more_pages_than_one(emulator: azurite.Emulator, monkeypatch: pytest.MonkeyPatch) -> None:
-    from azcp_cluster.azure import bloblist
+    from azcp_cluster.azure import blobrest
 
     name = "pages" + uuid.uuid4().hex[:12]
     azurite.upload(emulator, name, {f"d{i % 3}/f{i:03d}": b"x" * i for i in range(45)} | {"root": b"r"})
-    monkeypatch.setattr(bloblist, "PAGE", 7)  # markers followed, at the top and in every directory
+    monkeypatch.setattr(blobrest, "PAGE", 7)  # markers followed, at the top and in every directory
     lean, sdk = _both(emulator, emulator.url(name))
     assert lean == sdk and len(lean.files) == 46  # type: ignore[attr-defined]
 
@@ -80,10 +80,10 @@ def test_the_listing_is_the_same_however_deep_it_descends(
     # Down to every leaf directory with the delimiter, one level, or none (all flat from the
     # top's directories): the same listing, the SDK's; pages of two blobs, so the probes
     # find big directories, and their delimiter listings are continued from their markers.
-    from azcp_cluster.azure import bloblist
+    from azcp_cluster.azure import bloblist, blobrest
 
     monkeypatch.setattr(bloblist, "MAX_DESCENT", levels)
-    monkeypatch.setattr(bloblist, "PAGE", 2)
+    monkeypatch.setattr(blobrest, "PAGE", 2)
     calls = counted_listings(monkeypatch)
     lean, sdk = _both(emulator, emulator.url(container))
     assert lean == sdk and len(lean.files) == len(NAMES)  # type: ignore[attr-defined]
@@ -132,15 +132,15 @@ def test_parse_page_reads_encoded_names_prefixes_and_the_marker() -> None:
 
 
 def counted_listings(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
-    """Record the (prefix, delimiter) of every listing request of bloblist._Lister."""
-    from azcp_cluster.azure import bloblist
+    """Record the (prefix, delimiter) of every listing request of blobrest.Lister."""
+    from azcp_cluster.azure import blobrest
 
     calls: list[tuple[str, str]] = []
-    original = bloblist._Lister.everything
+    original = blobrest.Lister.everything
 
-    async def counted(self: bloblist._Lister, prefix: str, delimiter: str = "", **more: int | str) -> tuple:  # type: ignore[type-arg]
+    async def counted(self: blobrest.Lister, prefix: str, delimiter: str = "", **more: int | str) -> tuple:  # type: ignore[type-arg]
         calls.append((prefix, delimiter))
         return await original(self, prefix, delimiter, **more)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(bloblist._Lister, "everything", counted)
+    monkeypatch.setattr(blobrest.Lister, "everything", counted)
     return calls

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from azcp_cluster.azure import bloblist
+from azcp_cluster.azure import bloblist, blobrest
 from azcp_cluster.azure.credentials import Authorizer, resolve_credential
 from azcp_cluster.azure.listing import list_with_sdk
 from azcp_cluster.core.config import Config
@@ -41,15 +41,15 @@ def _lean(url: str, key_env: dict[str, str]) -> object:
 
 
 def _count_fallbacks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Record each time a key-range listing gives up for page after page (_OutOfOrder)."""
+    """Record each time a key-range listing gives up for page after page (OutOfOrder)."""
     seen: list[int] = []
 
-    class Counted(bloblist._OutOfOrder):
+    class Counted(blobrest.OutOfOrder):
         def __init__(self) -> None:
             seen.append(1)
             super().__init__()
 
-    monkeypatch.setattr(bloblist, "_OutOfOrder", Counted)
+    monkeypatch.setattr(blobrest, "OutOfOrder", Counted)
     return seen
 
 
@@ -63,8 +63,8 @@ def _sdk(emulator: azurite.Emulator, url: str) -> object:
 def test_a_huge_directory_in_key_ranges_is_the_sdks_listing(
     emulator: azurite.Emulator, container: str, monkeypatch: pytest.MonkeyPatch, prefix: str
 ) -> None:
-    monkeypatch.setattr(bloblist, "PAGE", 20)  # 480 blobs: 24 pages in one go, many ranges here
-    monkeypatch.setattr(bloblist, "SPLIT", 6)
+    monkeypatch.setattr(blobrest, "PAGE", 20)  # 480 blobs: 24 pages in one go, many ranges here
+    monkeypatch.setattr(blobrest, "SPLIT", 6)
     fallbacks = _count_fallbacks(monkeypatch)
     with FaultProxy(emulator, [], start_from=True) as proxy:
         lean = _lean(proxy.url(container, prefix), emulator.key_env())
@@ -77,7 +77,7 @@ def test_a_huge_directory_in_key_ranges_is_the_sdks_listing(
 def test_a_service_that_ignores_start_from_is_listed_page_after_page(
     emulator: azurite.Emulator, container: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(bloblist, "PAGE", 20)
+    monkeypatch.setattr(blobrest, "PAGE", 20)
     with FaultProxy(emulator, []) as proxy:  # startFrom reaches the emulator, which ignores it
         lean = _lean(proxy.url(container, "flat/"), emulator.key_env())
     assert lean == _sdk(emulator, emulator.url(container, "flat/"))
@@ -100,8 +100,8 @@ def test_names_the_service_orders_by_utf16_code_unit_are_all_listed(
     container = "utf16" + uuid.uuid4().hex[:12]
     names = [f"d/\U0001f600{i:04d}" for i in range(90)] + [f"d/\uff01{i}" for i in range(10)] + ["d/\uffee"]
     azurite.upload(emulator, container, {n: b"u" for n in names})
-    monkeypatch.setattr(bloblist, "PAGE", 10)
-    monkeypatch.setattr(bloblist, "SPLIT", 4)
+    monkeypatch.setattr(blobrest, "PAGE", 10)
+    monkeypatch.setattr(blobrest, "SPLIT", 4)
     fallbacks = _count_fallbacks(monkeypatch)
     with FaultProxy(emulator, [], start_from=True) as proxy:
         lean = _lean(proxy.url(container, "d/"), emulator.key_env())
@@ -113,8 +113,8 @@ def test_names_the_service_orders_by_utf16_code_unit_are_all_listed(
 def test_a_service_that_stops_taking_start_from_is_listed_again_page_after_page(
     emulator: azurite.Emulator, container: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(bloblist, "PAGE", 20)
-    monkeypatch.setattr(bloblist, "SPLIT", 6)
+    monkeypatch.setattr(blobrest, "PAGE", 20)
+    monkeypatch.setattr(blobrest, "SPLIT", 6)
     fallbacks = _count_fallbacks(monkeypatch)
     with FaultProxy(emulator, [], start_from=True, start_from_served=3) as proxy:  # the probe and two ranges
         lean = _lean(proxy.url(container, "flat/"), emulator.key_env())
@@ -134,11 +134,11 @@ def test_a_name_no_piece_keeps_makes_the_directory_be_listed_again(
     # The last page, in the service's order, is 😀0090..😀0094 then ！0..！4: no page goes back.
     names = [f"d/\U0001f600{i:04d}" for i in range(95)] + [f"d/\uff01{i}" for i in range(5)]
     azurite.upload(emulator, container, {n: b"n" for n in names})
-    monkeypatch.setattr(bloblist, "PAGE", 10)
-    monkeypatch.setattr(bloblist, "SPLIT", 4)
-    monkeypatch.setattr(bloblist, "order", lambda name: name.encode("utf-32-be"))
-    monkeypatch.setattr(bloblist, "ascending", lambda names: True)
-    monkeypatch.setattr(bloblist, "in_piece", lambda n, lo, hi: (lo is None or n > lo) and (hi is None or n <= hi))
+    monkeypatch.setattr(blobrest, "PAGE", 10)
+    monkeypatch.setattr(blobrest, "SPLIT", 4)
+    monkeypatch.setattr(blobrest, "order", lambda name: name.encode("utf-32-be"))
+    monkeypatch.setattr(blobrest, "ascending", lambda names: True)
+    monkeypatch.setattr(blobrest, "in_piece", lambda n, lo, hi: (lo is None or n > lo) and (hi is None or n <= hi))
     import azcp_cluster.core.keyspace as keyspace
 
     monkeypatch.setattr(keyspace, "order", lambda name: name.encode("utf-32-be"))

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.azure import bloblist
+from azcp_cluster.azure import bloblist, blobrest
 from azcp_cluster.azure.bloblist import FirstPage
 from azcp_cluster.azure.credentials import Authorizer, resolve_credential
 from azcp_cluster.azure.listing import list_with_sdk
@@ -95,7 +95,7 @@ def test_every_shape_lists_as_the_sdk_over_many_pages(
 ) -> None:
     # Pages smaller than the listing: the first flat page, then the descent, the probes, the
     # levels and the flat listings, with the first page's whole directories taken from it.
-    monkeypatch.setattr(bloblist, "PAGE", page)
+    monkeypatch.setattr(blobrest, "PAGE", page)
     monkeypatch.setattr(bloblist, "PROBE", 3)
     url = emulator.url(containers[shape])
     assert _lean(url, emulator.key_env()) == _sdk(url, emulator.key_env())
@@ -107,7 +107,7 @@ def test_a_prefix_lists_as_the_sdk(
 ) -> None:
     url = emulator.url(containers["mixed"], prefix)
     assert _lean(url, emulator.key_env()) == _sdk(url, emulator.key_env())
-    monkeypatch.setattr(bloblist, "PAGE", 3)
+    monkeypatch.setattr(blobrest, "PAGE", 3)
     assert _lean(url, emulator.key_env()) == _sdk(url, emulator.key_env())
 
 
@@ -116,7 +116,7 @@ def test_the_first_pages_whole_directories_are_not_listed_again(
 ) -> None:
     # 25 directories of 5 blobs (d00/ to d19/) or 4, pages of 22: the first page holds d00/
     # to d03/ whole and the start of d04/ (its last name). Only d04/ onwards are listed again.
-    monkeypatch.setattr(bloblist, "PAGE", 22)
+    monkeypatch.setattr(blobrest, "PAGE", 22)
     calls = counted_listings(monkeypatch)
     url = emulator.url(containers["25 directories"])
     assert _lean(url, emulator.key_env()) == _sdk(url, emulator.key_env())
@@ -131,7 +131,7 @@ def test_a_directory_the_first_page_shows_big_is_not_probed(
     # train/ alone at the top, 120 blobs in 10 directories of 12, pages of 50: the first page
     # is all train/, more than a probe's worth, so train/ goes a level down at once; and
     # part-00/ to part-03/ are whole on it.
-    monkeypatch.setattr(bloblist, "PAGE", 50)
+    monkeypatch.setattr(blobrest, "PAGE", 50)
     monkeypatch.setattr(bloblist, "PROBE", 3)
     calls = counted_listings(monkeypatch)
     url = emulator.url(containers["one directory"])
@@ -213,14 +213,14 @@ def test_the_page_and_the_directories_left_list_every_blob_once(names: list[str]
 IMPORTS = textwrap.dedent(
     """
     import sys, time
-    from azcp_cluster.azure import bloblist
+    from azcp_cluster.azure import bloblist, blobrest
     from azcp_cluster.core.config import Config
     from azcp_cluster.azure.credentials import Authorizer, resolve_credential
     from azcp_cluster.core.source import parse_blob_url
 
     url, page = sys.argv[1], int(sys.argv[2])
     if page:
-        bloblist.PAGE = page
+        blobrest.PAGE = page
     source = parse_blob_url(url)
     auth = Authorizer(source, resolve_credential(source, {KEY}, "auto"), time.time)
     listing = bloblist.list_blobs(source, auth, Config(source=url, dest="/tmp/unused"))
@@ -245,17 +245,17 @@ def test_a_dropped_connection_on_the_first_page_is_retried(
     emulator: azurite.Emulator, containers: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     failed: list[str] = []
-    original = bloblist._Plain.request
+    original = blobrest.Plain.request
 
-    def drops_once(self: bloblist._Plain, method: str, url: str, headers: dict[str, str]) -> tuple:  # type: ignore[type-arg]
+    def drops_once(self: blobrest.Plain, method: str, url: str, headers: dict[str, str]) -> tuple:  # type: ignore[type-arg]
         if not failed:
             failed.append(url)
             self.close()
             raise ConnectionResetError(104, "Connection reset by peer")
         return original(self, method, url, headers)
 
-    monkeypatch.setattr(bloblist._Plain, "request", drops_once)
-    monkeypatch.setattr("azcp_cluster.azure.bloblist.backoff_delay", lambda *args: 0.0)
+    monkeypatch.setattr(blobrest.Plain, "request", drops_once)
+    monkeypatch.setattr("azcp_cluster.azure.blobrest.backoff_delay", lambda *args: 0.0)
     url = emulator.url(containers["mixed"])
     assert _lean(url, emulator.key_env()) == _sdk(url, emulator.key_env()) and failed
 
@@ -284,7 +284,7 @@ def test_the_listing_over_https_trusts_the_bundle_and_checks_the_name(
     # One page: the standard library's client; more: aiohttp's after it. Both trust the
     # bundle named (tls.py), and without it the system's authorities only.
     assert https_emulator.ca_file is not None
-    monkeypatch.setattr(bloblist, "PAGE", page)
+    monkeypatch.setattr(blobrest, "PAGE", page)
     url = https_emulator.url("tls")
     for name in ("REQUESTS_CA_BUNDLE", "SSL_CERT_FILE"):
         monkeypatch.setenv(name, https_emulator.ca_file)

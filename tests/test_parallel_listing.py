@@ -18,10 +18,10 @@ from tests.conftest import assert_copies, run_cli
 WRAPPER = textwrap.dedent(
     """
     import json, os, sys
-    from azcp_cluster.azure import bloblist
+    from azcp_cluster.azure import bloblist, blobrest
     from azcp_cluster import cli
 
-    bloblist.PAGE, bloblist.PROBE = 3, 2
+    blobrest.PAGE, bloblist.PROBE = 3, 2
     real = bloblist.list_levels
     log = sys.argv.pop(1)
 

@@ -115,7 +115,7 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
     listing everywhere, without a broadcast. Each step is an agreement: a failure on any
     rank is every rank's, with its one line.
     """
-    from azcp_cluster.azure import bloblist
+    from azcp_cluster.azure import bloblist, blobrest
 
     cluster = ctx.cluster
     cfg = ctx.cfg
@@ -124,7 +124,7 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
     assert place.auth is not None
     outcome = StageOutcome()
     helpers = list(place.topo.downloaders)
-    parallel = len(helpers) * bloblist.IN_FLIGHT
+    parallel = len(helpers) * blobrest.IN_FLIGHT
     start = bloblist.Start(None, [], [], [], 0)
     if ctx.rank == lister:
         with cluster.stage(outcome), cluster.abandonable():
