@@ -6,7 +6,7 @@
 For each size mix (``--mix`` for one, default all of :data:`MIXES`): makes the listing,
 times its encoding (what rank 0 broadcasts), then, in a fresh process that holds only what
 a rank holds, its decoding (every rank decodes it), the plan (``plan.plan_transfers``: LPT
-over the ranks, 1 GiB shards) and the schedule (``schedule.transfer_schedule``: the
+over the ranks, 1 GiB shards) and the schedule (``packing.transfer_schedule``: the
 transfers, packed into 64 MiB slots), with that process's peak RSS, the number of shards
 and transfers and the plan's spread over the mean. The cyclic collector is paused as the
 pipeline pauses it (``collector.paused``); ``--collector-running`` measures it running too.
@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from azcp_cluster.core.model import FileEntry, Listing, decode_listing, encode_listing
+from azcp_cluster.core.packing import transfer_schedule
 from azcp_cluster.core.plan import plan_transfers
-from azcp_cluster.core.schedule import transfer_schedule
 from azcp_cluster.run import collector
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 from azcp_cluster.core.errors import BroadcastError
 from azcp_cluster.core.fanout import MAKE_AHEAD, Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
+from azcp_cluster.core.packing import transfer_schedule
 from azcp_cluster.core.plan import make_plan
-from azcp_cluster.core.schedule import Extent, Transfer, transfer_schedule
+from azcp_cluster.core.schedule import Extent, Transfer
 
 
 @dataclass

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from azcp_cluster.core import resume
+from azcp_cluster.core.packing import transfer_schedule
 from azcp_cluster.core.plan import plan_transfers
 from azcp_cluster.core.resume import GEOMETRY, MAGIC, Drop, Expected, Header, Range, Segment
-from azcp_cluster.core.schedule import transfer_schedule
 
 KiB = 1024
 MiB = 1 << 20

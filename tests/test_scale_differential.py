@@ -20,8 +20,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from azcp_cluster.core.packing import MAX_EXTENTS, transfer_schedule
 from azcp_cluster.core.plan import SHARD_ALIGN, Plan, Shard, lpt_owners, plan_transfers, split_columns, split_ranges
-from azcp_cluster.core.schedule import ALIGN, DIRECT_MIN, MAX_EXTENTS, transfer_schedule
+from azcp_cluster.core.schedule import ALIGN, DIRECT_MIN
 from tests import reference_plan_schedule as reference
 
 CASES = int(os.environ.get("AZCP_DIFFERENTIAL_CASES", "1500"))

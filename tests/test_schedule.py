@@ -1,4 +1,4 @@
-"""Unit and property tests for the transfer schedule (azcp_cluster/core/schedule.py)."""
+"""Unit and property tests for the transfer schedule (azcp_cluster/core/schedule.py, packing.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from azcp_cluster.core.packing import MAX_EXTENTS, transfer_schedule
 from azcp_cluster.core.plan import Plan, Shard, make_plan
 from azcp_cluster.core.schedule import (
     ALIGN,
     DIRECT_MIN,
     MAX_CALL_BYTES,
-    MAX_EXTENTS,
     Extent,
     Landing,
     Transfer,
@@ -28,7 +28,6 @@ from azcp_cluster.core.schedule import (
     max_length,
     payload,
     streamed_files,
-    transfer_schedule,
     transfers_at,
 )
 

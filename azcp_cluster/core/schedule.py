@@ -8,25 +8,22 @@ broadcast communicator that sends it (its *root*), the ranks that receive it, an
 reader, several readers, a replica or scatter mode) is a different list of transfers, not
 a different engine.
 
-* **Packing.** Consecutive pieces from one root with the same receivers share a slot: a
-  tree of small files travels in a few large messages, not one message per file.
-* **Alignment.** An extent of at least :data:`DIRECT_MIN` bytes that starts on an aligned
-  file offset is placed on an aligned offset of the slot, so it can be written (and read
-  back by its root) with O_DIRECT; shorter extents are packed tightly and written buffered.
-* **Order.** Transfers are ordered by when their bytes are expected on their root's node
-  (each root's share is downloaded in schedule order, at about the same rate as the other
-  roots'), so a streaming fan-out never waits for one root while another's bytes sit idle.
+This module holds the schedule as data (:class:`Transfer`, :class:`Transfers`: columns
+made into transfers as they are read) and what the engine asks of it (who writes which
+file, which files stream, which downloaded blocks a transfer waits for: :class:`Landing`).
+Making it from the plan (packing, alignment, order) is
+:func:`azcp_cluster.core.packing.transfer_schedule`'s.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
-from azcp_cluster.core.plan import SHARD_ALIGN, Plan
+from azcp_cluster.core.plan import SHARD_ALIGN
 
 # MPI counts are C ints; the reference tool splits each call at 1 GiB to stay well below.
 MAX_CALL_BYTES = 1 << 30
@@ -34,9 +31,6 @@ MAX_CALL_BYTES = 1 << 30
 # tightly and written through the page cache (for a 10 KiB file, two descriptors and an
 # aligned head plus a buffered tail cost more than one buffered write).
 DIRECT_MIN = 64 * 1024
-# At most this many extents share a slot: the writes of one slot are spread over the writer
-# threads, and a slot comes back (for the next read) after its last extent is written.
-MAX_EXTENTS = 1024
 ALIGN = SHARD_ALIGN
 
 
@@ -78,9 +72,6 @@ class Transfer(NamedTuple):
     def involves(self, rank: int) -> bool:
         """Whether ``rank`` takes part (sends or receives)."""
         return rank == self.root or rank in self.receivers
-
-
-Receivers = Callable[[int, int], tuple[int, ...]]  # (file, root) -> the ranks that receive it
 
 
 class ExtentColumns(NamedTuple):
@@ -318,255 +309,6 @@ def files_of(schedule: Sequence[Transfer]) -> int:
     if isinstance(schedule, Transfers):
         return len(np.unique(schedule.extents.file))
     return len({e.file for t in schedule for e in t.extents})
-
-
-class _Receivers:
-    """The receivers of each shard as small integers: equal tuples, one number (the packing
-    compares numbers, not tuples of a thousand ranks)."""
-
-    def __init__(self, ranks: int) -> None:
-        self.ranks = ranks
-        self.tuples: list[tuple[int, ...]] = []
-        self.numbers: dict[tuple[int, ...], int] = {}
-
-    def number(self, to: tuple[int, ...]) -> int:
-        """The number of ``to`` (the first of its value to come keeps its object)."""
-        found = self.numbers.get(to)
-        if found is None:
-            found = self.numbers[to] = len(self.tuples)
-            self.tuples.append(to)
-        return found
-
-    def everyone_but(self, roots: np.ndarray) -> np.ndarray:
-        """The number of "every rank but the root" for each of ``roots``."""
-        present = np.flatnonzero(np.bincount(roots)).tolist()
-        numbers = np.zeros(max(present) + 1 if present else 0, dtype=np.int64)
-        ranks = list(range(self.ranks))  # one int object per rank, shared by the tuples
-        for root in present:
-            numbers[root] = self.number(tuple(ranks[:root] + ranks[root + 1 :]))
-        chosen: np.ndarray = numbers[roots]
-        return chosen
-
-
-def _receivers(
-    plan: Plan,
-    file: np.ndarray,
-    offset: np.ndarray,
-    root: np.ndarray,
-    ranks: int,
-    root_of: Sequence[int] | None,
-    receivers_of: Receivers | None,
-) -> tuple[np.ndarray, list[tuple[int, ...]]]:
-    """Each shard's receivers, numbered (see :class:`_Receivers`), and the tuples by number."""
-    numbered = _Receivers(ranks)
-    named = plan.receivers
-    if receivers_of is None:
-        group = numbered.everyone_but(root)  # one object per root, sorted, without the root
-    else:
-        lists = (file.tolist(), root.tolist())
-        group = np.array(
-            [numbered.number(tuple(sorted(set(receivers_of(f, r)) - {r}))) for f, r in zip(*lists, strict=True)],
-            dtype=np.int64,
-        ).reshape(-1)
-    if named:  # a resumed run: the ranges some copies kept go only to the copies that lack them
-        files = np.fromiter({f for f, _ in named}, dtype=np.int64)
-        for k in np.flatnonzero(np.isin(file, files)).tolist():
-            to = named.get((int(file[k]), int(offset[k])))
-            if to is not None:
-                r = int(root[k])
-                group[k] = numbered.number(tuple(sorted({t if root_of is None else root_of[t] for t in to} - {r})))
-    return group, numbered.tuples
-
-
-_CHUNK = 1 << 16  # pieces packed per batch of Python lists (their memory stays small)
-
-
-def _pack(length: np.ndarray, direct: np.ndarray, forced: np.ndarray, slot_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Which pieces open a transfer, and where in its slot each piece goes: a piece joins its
-    root's open transfer if it fits (aligned when ``direct``, else tight) and the transfer
-    holds fewer than MAX_EXTENTS, else it opens the next one.
-
-    ``forced``: the pieces known to open one (a root's first, new receivers, no packing, or
-    with the piece before more than a slot); the loop visits only the others, a batch of
-    plain lists at a time.
-    """
-    at = np.zeros(len(length), dtype=length.dtype)  # within a slot: as narrow as the lengths
-    visit = np.flatnonzero(~forced)
-    up, down = ALIGN - 1, -ALIGN  # ALIGN is a power of two
-    used = count = 0
-    for start in range(0, len(visit), _CHUNK):
-        chunk = visit[start : start + _CHUNK]
-        # A visited piece right after a forced one finds a transfer holding just that one:
-        # ``previous`` is that one's length (never 0), else 0.
-        previous = np.where(forced[chunk - 1], length[chunk - 1], 0)
-        places: list[int] = []
-        placed = places.append
-        for size, before, aligned in zip(
-            length[chunk].tolist(), previous.tolist(), direct[chunk].tolist(), strict=True
-        ):
-            if before:
-                used, count = before, 1
-            place = (used + up) & down if aligned else used
-            if place + size > slot_size or count >= MAX_EXTENTS:
-                place = count = 0
-            placed(place)
-            used = place + size
-            count += 1
-        at[chunk] = places
-    # A visited piece that joins a transfer lies after that one's first bytes: at 0, it opens one.
-    opens = forced | (at == 0)
-    return opens, at
-
-
-class _Pieces(NamedTuple):
-    """The plan's shards cut into slot-sized pieces, each root's in plan order, root after root."""
-
-    file: np.ndarray
-    offset: np.ndarray
-    length: np.ndarray
-    root: np.ndarray
-    group: np.ndarray  # the receivers' number
-    last: np.ndarray  # the last extent of its file from its root
-
-
-def _narrow(array: np.ndarray, most: int | None = None) -> np.ndarray:
-    """``array`` (integers from 0 up to ``most``, default its largest) as int32 where they fit."""
-    top = int(array.max()) if most is None and len(array) else (most or 0)
-    if top < 1 << 31 and (not len(array) or int(array.min()) >= -(1 << 31)):
-        narrow: np.ndarray = array.astype(np.int32)
-        return narrow
-    return array
-
-
-def _pieces(
-    file: np.ndarray, offset: np.ndarray, length: np.ndarray, root: np.ndarray, group: np.ndarray, slot_size: int
-) -> _Pieces:
-    """The shards (of positive length, in plan order) grouped by root, and cut into pieces of
-    at most ``slot_size``: a root's packing and landing order depend on its own pieces only.
-    The columns that fit are int32 (millions of pieces: a third less memory)."""
-    root, group, file = _narrow(root), _narrow(group), _narrow(file)
-    by_root = np.argsort(root.astype(np.int16) if len(root) and root.max() < 1 << 15 else root, kind="stable")
-    file, offset, length, root, group = file[by_root], offset[by_root], length[by_root], root[by_root], group[by_root]
-    del by_root
-    # A shard's last extent is its file's last from this root unless the root's next shard
-    # is of the same file.
-    last = np.ones(len(file), dtype=np.bool_)
-    last[:-1] = (root[1:] != root[:-1]) | (file[1:] != file[:-1])
-    count = -(-length // slot_size)
-    if int(count.max()) == 1:
-        return _Pieces(file, offset, _narrow(length, slot_size), root, group, last)
-    end = np.repeat(offset + length, count)
-    first = np.cumsum(count) - count
-    offset = np.repeat(offset, count) + (np.arange(len(end), dtype=np.int64) - np.repeat(first, count)) * slot_size
-    del first
-    length = np.minimum(slot_size, end - offset)
-    last = np.repeat(last, count) & (offset + length == end)
-    del end
-    length = _narrow(length, slot_size)
-    return _Pieces(np.repeat(file, count), offset, length, np.repeat(root, count), np.repeat(group, count), last)
-
-
-def transfer_schedule(
-    plan: Plan,
-    slot_size: int,
-    ranks: int,
-    *,
-    root_of: Sequence[int] | None = None,
-    receivers_of: Receivers | None = None,
-    pack: bool = True,
-) -> Transfers:
-    """Cut ``plan`` into transfers of at most ``slot_size`` bytes, packed and ordered (see the module).
-
-    ``ranks`` is the size of the broadcast communicator. A piece's root is its shard's
-    owner, or ``root_of[owner]`` when the broadcast runs on a smaller communicator than the
-    plan (between node leaders: the owner's leader sends). ``receivers_of(file, root)``
-    names the ranks that get a file; by default every rank but the root (a full copy on
-    every node). A shard the plan names receivers for (``Plan.receivers``: a range some
-    copies kept from a stopped run) goes to those only. ``pack=False`` gives every piece
-    its own transfer.
-
-    Column-wise: the pieces, their roots and receivers are numpy columns; one loop of plain
-    integers packs the pieces that may share a slot (:func:`_pack`); the schedule stays
-    columns (:class:`Transfers`), its transfers made as they are read.
-    """
-    if slot_size <= 0:
-        raise ValueError("slot_size must be positive")
-    c = plan.columns
-    roots = c.owner if root_of is None else np.asarray(root_of, dtype=np.int64).reshape(-1)[c.owner]
-    loads = _sums(roots, c.length)
-    kept = c.length > 0  # no bytes, no extent (and the file's last extent stays its last)
-    if not kept.any():
-        return Transfers.of([], ranks)
-    file, offset, root = c.file[kept], c.offset[kept], roots[kept]
-    group, tuples = _receivers(plan, file, offset, root, ranks, root_of, receivers_of)
-    p = _pieces(file, offset, c.length[kept], root, group, slot_size)
-    del file, offset, root, group, kept, roots
-    # Pieces that open a transfer whatever came before: a root's first, new receivers, no
-    # packing, or a piece that cannot share a slot with the one before (that one is at its
-    # slot's offset 0 or later).
-    forced = np.ones(len(p.length), dtype=np.bool_)
-    if pack:
-        forced[1:] = (p.root[1:] != p.root[:-1]) | (p.group[1:] != p.group[:-1])
-        forced[1:] |= p.length[1:] > slot_size - p.length[:-1]  # (no sum: it could overflow int32)
-    direct = (p.length >= DIRECT_MIN) & ((p.offset & (ALIGN - 1)) == 0)  # aligned in the slot if it can be
-    opens, at = _pack(p.length, direct, forced, slot_size)
-    del forced, direct
-    starts = np.flatnonzero(opens)
-    del opens
-    order, counts = _landing_order(p, starts, loads)
-    bounds = np.concatenate(([0], np.cumsum(counts)))
-    # The extents in schedule order: each transfer's run of pieces, the transfers in order.
-    places = np.repeat(starts[order] - bounds[:-1], counts) + np.arange(len(p.length), dtype=np.int64)
-    t_root, t_group = p.root[starts][order], p.group[starts][order]
-    del starts, order, counts
-    columns = [p.file, p.offset, p.length, at, p.last]
-    del p, at
-    for i, column in enumerate(columns):  # one at a time: each piece column freed as it is replaced
-        columns[i] = column[places]
-        del column
-    return Transfers(t_root, t_group, tuples, bounds, ExtentColumns(*columns), ranks)
-
-
-def _landing_order(p: _Pieces, starts: np.ndarray, loads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The transfers (opened at ``starts``) by expected landing: the share of its root's bytes
-    (``loads``) landed at each one's end, ties by root; a root's transfers keep their order
-    (their keys only grow, and the sort is stable). Returns the order and each one's count of
-    extents, in that order."""
-    last = np.append(starts[1:], len(p.length)) - 1  # each transfer's last piece
-    landed = np.cumsum(p.length, dtype=np.int64)
-    root_first = np.flatnonzero(np.append(True, p.root[1:] != p.root[:-1]))
-    before = landed[root_first] - p.length[root_first]  # the bytes of the roots before each root
-    t_root = p.root[starts]
-    # Each transfer's root's place among the roots (roots come one after another, ascending).
-    landed = landed[last] - before[np.searchsorted(root_first, starts, side="right") - 1]
-    key = _landing_keys(landed, loads[t_root])
-    del landed, t_root
-    # Ties by root, then by position: the pieces come root after root, ascending.
-    order = np.argsort(key, kind="stable")
-    counts: np.ndarray = (last + 1 - starts)[order]
-    return order, counts
-
-
-def _sums(index: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``values`` summed by ``index`` (non-negative integers), exactly."""
-    if not len(index):
-        return np.zeros(0, dtype=np.int64)
-    if int(np.abs(values).max()) * len(values) < 1 << 53:  # float sums of integers are exact below 2**53
-        return np.bincount(index, weights=values).astype(np.int64)
-    sums = np.zeros(int(index.max()) + 1, dtype=np.int64)
-    np.add.at(sums, index, values)
-    return sums
-
-
-def _landing_keys(landed: np.ndarray, total: np.ndarray) -> np.ndarray:
-    """``landed / total`` as Python divides integers (correctly rounded; 0.0 where ``total`` is 0)."""
-    if len(total) and int(np.abs(total).max()) < 1 << 53 and int(np.abs(landed).max()) < 1 << 53:
-        # Both exact in a double: the IEEE quotient is Python's correctly rounded one.
-        with np.errstate(divide="ignore", invalid="ignore"):
-            key = landed.astype(np.float64) / total.astype(np.float64)
-        return np.where(total != 0, key, 0.0)
-    pairs = zip(landed.tolist(), total.tolist(), strict=True)
-    return np.array([a / b if b else 0.0 for a, b in pairs], dtype=np.float64)
 
 
 def files_written(schedule: Sequence[Transfer], rank: int) -> set[int]:

@@ -15,6 +15,7 @@ import numpy as np
 
 from azcp_cluster.core.model import Listing
 from azcp_cluster.core.naming import JOURNAL_DIR
+from azcp_cluster.core.packing import transfer_schedule
 from azcp_cluster.core.plan import Plan
 from azcp_cluster.core.schedule import (
     DIRECT_MIN,
@@ -24,7 +25,6 @@ from azcp_cluster.core.schedule import (
     files_written,
     max_length,
     payload,
-    transfer_schedule,
 )
 from azcp_cluster.core.topology import workers_for
 from azcp_cluster.dest import journal

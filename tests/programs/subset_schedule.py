@@ -17,8 +17,9 @@ import sys
 from mpi4py import MPI
 
 from azcp_cluster.core.model import FileEntry
+from azcp_cluster.core.packing import transfer_schedule
 from azcp_cluster.core.plan import make_plan
-from azcp_cluster.core.schedule import files_written, transfer_schedule
+from azcp_cluster.core.schedule import files_written
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import temp_path
 from azcp_cluster.fanout.broadcast import Broadcaster
