@@ -54,7 +54,8 @@ from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.devtools.azurite import free_port
 from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.download.downloader import Block, Downloader
+from azcp_cluster.download.blocks import Block
+from azcp_cluster.download.downloader import Downloader
 from azcp_cluster.download.workers import WorkerDownloader
 from benchmarks.run import _raw_download
 

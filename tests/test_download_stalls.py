@@ -27,7 +27,9 @@ from azcp_cluster.dest.localfs import temp_path
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
-from azcp_cluster.download.downloader import Downloader, DownloadStats, WritePool, blocks_for
+from azcp_cluster.download.blocks import DownloadStats, blocks_for
+from azcp_cluster.download.downloader import Downloader
+from azcp_cluster.download.writepool import WritePool
 
 SIZE = 6 * MiB
 WRITE_DELAY = 0.4  # each 2 MiB write takes this long...

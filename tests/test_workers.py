@@ -36,7 +36,7 @@ from azcp_cluster.core.topology import (
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
-from azcp_cluster.download.downloader import Block, DownloadStats
+from azcp_cluster.download.blocks import Block, DownloadStats
 from azcp_cluster.download.workers import AutoDownloader, deal
 from tests.conftest import assert_copies, clean_env, mpiexec_path, run_cli
 

@@ -11,7 +11,7 @@ import pytest
 
 from azcp_cluster.api import make_config
 from azcp_cluster.dest.directio import DirectFile
-from azcp_cluster.download.downloader import WritePool, _BlockWrites, pool_buffers, pool_buffers_for
+from azcp_cluster.download.writepool import BlockWrites, WritePool, pool_buffers, pool_buffers_for
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def test_a_waiting_request_is_woken_by_the_write_that_frees_a_buffer(pool: Write
         assert len(pool.waiters) == 1
         held[0][:] = 7
         target = DirectFile(str(target_path))
-        tracker = _BlockWrites(asyncio.get_running_loop(), target)
+        tracker = BlockWrites(asyncio.get_running_loop(), target)
         pool.submit(target, held[0], pool.size, 0, tracker)
         got = await asyncio.wait_for(waiting, 5)  # the writer thread hands the buffer back
         await tracker.wait()

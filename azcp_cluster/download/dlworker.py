@@ -128,7 +128,7 @@ def run(job: Any, pushed: _PushedToken, stop: threading.Event, say: Any, seen: l
     if credential.kind == "token":
         credential = replace(credential, token_credential=pushed)
     auth = Authorizer(job.source, credential, time.time)
-    from azcp_cluster.download.downloader import WritePool
+    from azcp_cluster.download.writepool import WritePool
 
     tree = DestTree(job.dest, create=False)
     tree.adopt(dict(job.made))

@@ -7,20 +7,18 @@ pool allocated before the stage, and each batch of full buffers is written with 
 on a thread (the GIL is released during the write) while the event loop keeps reading.
 Under ``--max-bandwidth`` each request is booked on the rank's :class:`~azcp_cluster.core.throttle.Pacer`,
 sent when its first bytes are due, and its body read a piece (the pacer's burst) at a time.
+
+The buffers and their writer threads are writepool.py's; what a download is asked and
+answers (blocks, stats, the Fetcher protocol) blocks.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import ssl
-import threading
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -29,35 +27,20 @@ from azcp_cluster.azure.credentials import Authorizer
 from azcp_cluster.azure.netfailure import network_cause
 from azcp_cluster.azure.proxies import Proxy, proxy_refused, refusal_message
 from azcp_cluster.azure.tls import ssl_context
-from azcp_cluster.core.config import Config, MiB
+from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import DownloadError
 from azcp_cluster.core.model import FileEntry
-from azcp_cluster.core.plan import Shard, round_up
 from azcp_cluster.core.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
 from azcp_cluster.core.source import API_VERSION
 from azcp_cluster.core.throttle import Pacer, Slot
 from azcp_cluster.dest.desttree import DestTree
-from azcp_cluster.dest.directio import ALIGN, DirectFile, aligned_buffers
-from azcp_cluster.dest.diskwriter import DiskWriter
+from azcp_cluster.dest.directio import DirectFile
 from azcp_cluster.dest.localfs import fs_error
+from azcp_cluster.download.blocks import Block, DownloadStats, Fetcher, blocks_for
 from azcp_cluster.download.http1 import ConnectFailed, Connection, Head, ProtocolError, TunnelRefused, request_bytes
+from azcp_cluster.download.writepool import BlockWrites, WritePool
 from azcp_cluster.run import collector
 
-# One pool buffer: the body is received into it, and it is written with one O_DIRECT call
-# when full. O_DIRECT costs CPU per call (0.19 CPU-s/GiB at 1 MiB, 0.09 at 4 MiB here), and
-# the disk keeps pace better with fewer, larger writes; 2 MiB keeps the pool's memory at
-# what it was when bodies were copied into 1 MiB buffers.
-BUFFER_BYTES = 2 * MiB
-# The pool: one buffer per request in flight plus these spares, so that every request can
-# receive while the writers write ((concurrency + 8) x 2 MiB: 144 MiB at the default 64).
-# A request holds at most one buffer and takes the next only after handing the full one
-# to the writers, so it never waits for a buffer while holding one.
-SPARE_BUFFERS = 8
-# O_DIRECT writes are synchronous: a few threads keep several in flight. Four, not two: a
-# thread whose write has finished waits for the GIL while the event loop runs, and the
-# disk idles unless others have writes queued (2 -> 4 took the benchmark's download from
-# about 750 to about 820 MiB/s against a disk that does about 900 alone).
-WRITER_THREADS = 4
 # How often the event loop checks whether another rank failed.
 PEER_POLL_SECONDS = 0.1
 # Requests in flight while auto download workers are judged (Downloader's ``handover``): few,
@@ -67,79 +50,11 @@ PROBE_REQUESTS = 8
 BLOB_DELETED = "the blob was deleted during the copy; rerun to copy what is there now"
 
 
-def pool_buffers(concurrency: int) -> int:
-    """Buffers in the download pool: one per request in flight, plus spares."""
-    return concurrency + SPARE_BUFFERS
-
-
-def pool_buffers_for(concurrency: int, blocks: int) -> int:
-    """Buffers for a rank with ``blocks`` ranged GETs to make: never more than they can fill at once."""
-    return min(pool_buffers(concurrency), blocks + SPARE_BUFFERS)
-
-
-def pool_bytes(concurrency: int) -> int:
-    """Memory the download pool takes at most (stated in the README, checked at start-up)."""
-    return pool_buffers(concurrency) * BUFFER_BYTES
-
-
-@dataclass(frozen=True)
-class Block:
-    """One ranged GET: ``length`` bytes of file ``file`` at ``offset``."""
-
-    file: int
-    offset: int
-    length: int
-
-
-@dataclass
-class DownloadStats:
-    """What one rank's download did."""
-
-    bytes: int = 0
-    requests: int = 0
-    retries: int = 0
-    retry_causes: Counter[str] = field(default_factory=Counter)
-    direct_refused: str = ""  # a path whose filesystem refused O_DIRECT, if any
-    worker_bytes: list[int] = field(default_factory=list)  # by download worker process (workers.py)
-
-
 class _Retryable(Exception):
     def __init__(self, cause: str, retry_after: float | None = None) -> None:
         super().__init__(cause)
         self.cause = cause
         self.retry_after = retry_after
-
-
-def blocks_for(shards: Sequence[Shard], block_size: int) -> list[Block]:
-    """Cut shards into ranged-GET blocks of at most ``block_size`` bytes."""
-    blocks = []
-    for shard in shards:
-        offset, end = shard.offset, shard.offset + shard.length
-        while offset < end:
-            length = min(block_size, end - offset)
-            blocks.append(Block(shard.file, offset, length))
-            offset += length
-    return blocks
-
-
-class Fetcher(Protocol):
-    """What fetches a rank's blocks: :class:`Downloader` (in the rank), or over worker processes
-    (:class:`~azcp_cluster.download.workers.WorkerDownloader`, :class:`~azcp_cluster.download.workers.AutoDownloader`).
-
-    The callbacks may be set after construction and before :meth:`run`, and are called on the
-    thread that runs it; ``stats`` is live, also after a failure.
-    """
-
-    peer_failed: Callable[[], bool]
-    on_bytes: Callable[[int], None]
-    on_landed: Callable[[Block], None]
-
-    @property
-    def stats(self) -> DownloadStats:
-        """What was fetched so far."""
-
-    def run(self, blocks: Sequence[Block]) -> DownloadStats:
-        """Fetch every block; raise DownloadError (or PeerFailed) on failure."""
 
 
 class Downloader:
@@ -457,7 +372,7 @@ class Downloader:
         # The body is received straight into page-aligned buffers from the pool (no copy in
         # Python), and each full buffer goes to the writer threads, which write it with
         # O_DIRECT and put it back in the pool.
-        tracker = _BlockWrites(asyncio.get_running_loop(), target)
+        tracker = BlockWrites(asyncio.get_running_loop(), target)
         writes = self._writes
         pacer = self.pacer if slot is not None else None
         # Under a cap, a buffer is read a piece (the pacer's burst) at a time, each once due.
@@ -530,159 +445,7 @@ class _Watch:
         self.stalled = False
 
 
-class _BlockWrites:
-    """Completion of one block's writes into ``target``, signalled from the writer threads."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, target: DirectFile) -> None:
-        self.loop = loop
-        self.target = target
-        self.lock = threading.Lock()
-        self.outstanding = 0
-        self.closed = False
-        self.abandoned = False  # the request stopped waiting: the last write closes the file
-        self.error: BaseException | None = None
-        self.done: asyncio.Future[None] = loop.create_future()
-
-    def started(self) -> None:
-        with self.lock:
-            self.outstanding += 1
-
-    def finished(self, error: BaseException | None) -> None:
-        with self.lock:
-            self.outstanding -= 1
-            if error is not None and self.error is None:
-                self.error = error
-            wake = self.closed and self.outstanding == 0
-            close = self.abandoned and self.outstanding == 0
-        if close:
-            self.target.close()
-        elif wake:
-            with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
-                self.loop.call_soon_threadsafe(self._resolve)
-
-    def _resolve(self) -> None:
-        if not self.done.done():
-            self.done.set_result(None)
-
-    async def wait(self) -> None:
-        """Wait until every write submitted for the block has finished, then close the file.
-
-        Cancelled while writes are in flight, it leaves the file to the last of them: closing
-        it now would pull the descriptor from under a writer thread.
-        """
-        with self.lock:
-            self.closed = True
-            pending = self.outstanding > 0
-        try:
-            if pending:
-                await self.done
-        except BaseException:
-            with self.lock:
-                self.abandoned = True
-                close = self.outstanding == 0
-            if close:
-                self.target.close()
-            raise
-        self.target.close()
-
-
-class WritePool:
-    """Writer threads fed through a queue, and the pool of aligned buffers they recycle.
-
-    Made before the download starts (its memory mapped up front, so the stage pays no page
-    faults for it) and closed after it. Submitting costs a queue put (no event-loop wake-up
-    per buffer); the event loop is woken once per block, when the block's last write has
-    finished, and once per finished write while a request waits for a buffer. Buffers are
-    reused last-in first-out, so the ones in use stay warm in the caches.
-    """
-
-    def __init__(
-        self,
-        cfg: Config,
-        threads: int = WRITER_THREADS,
-        populate: bool = False,
-        buffers: int | None = None,
-        writer: DiskWriter | None = None,
-    ) -> None:
-        self.size = max(ALIGN, min(BUFFER_BYTES, round_up(cfg.block_size, ALIGN)))
-        buffers = pool_buffers(cfg.concurrency) if buffers is None else buffers
-        self.free: deque[np.ndarray] = deque(aligned_buffers(self.size, buffers, populate))
-        self.lock = threading.Lock()
-        self.waiters: deque[asyncio.Future[None]] = deque()  # requests waiting for a buffer
-        self.loop: asyncio.AbstractEventLoop | None = None  # the event loop of the current run
-        # The node's disk writers (shared with the fan-out when both run at once), or our own.
-        self._own_writer = writer is None
-        self.writer = writer if writer is not None else DiskWriter(threads)
-
-    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Use ``loop`` for wake-ups (each download runs its own event loop)."""
-        self.loop = loop
-
-    async def take(self) -> np.ndarray:
-        """A free buffer; while every buffer is being written, waits for a writer to return one.
-
-        No polling: a request polling every half millisecond cost CPU exactly when the
-        disk, not the network, set the pace.
-        """
-        while True:
-            if self.free:
-                return self.free.pop()
-            assert self.loop is not None
-            with self.lock:  # a writer returning buffers either sees this waiter or we see its buffers
-                if self.free:
-                    continue
-                waiter: asyncio.Future[None] = self.loop.create_future()
-                self.waiters.append(waiter)
-            try:
-                await waiter
-            except BaseException:
-                with self.lock:
-                    woken = waiter not in self.waiters
-                    if not woken:
-                        self.waiters.remove(waiter)
-                if woken:
-                    self._wake()  # woken, then cancelled: pass the wake-up on to another request
-                raise
-
-    def give_back(self, buf: np.ndarray) -> None:
-        """Return an unused buffer to the pool (on the event loop)."""
-        self.free.append(buf)
-        if self.waiters:
-            self._wake()
-
-    def _wake(self) -> None:
-        """On the event loop: wake as many waiting requests as there are free buffers."""
-        with self.lock:
-            ready = min(len(self.free), len(self.waiters))
-            woken = [self.waiters.popleft() for _ in range(ready)]
-        for waiter in woken:
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def submit(self, target: DirectFile, buf: np.ndarray, length: int, offset: int, tracker: _BlockWrites) -> None:
-        """Queue ``buf[:length]`` for writing at ``offset``; ``buf`` comes back to the pool once written."""
-        tracker.started()
-
-        def done(error: BaseException | None) -> None:
-            with self.lock:
-                self.free.append(buf)
-                wake = self.loop if self.waiters else None
-            if wake is not None:
-                with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
-                    wake.call_soon_threadsafe(self._wake)
-            tracker.finished(error)
-
-        try:
-            self.writer.submit(lambda: target.write_at(buf[:length], offset), done)
-        except BaseException as exc:  # (a closed writer): the write fails, and nobody waits for it
-            done(exc)
-            raise
-
-    def close(self) -> None:
-        """Stop our own writer threads once the queued writes are done (idempotent); a shared
-        writer is its owner's to close."""
-        if self._own_writer:
-            self.writer.close()
-
-
-__all__ = ["Block", "DownloadStats", "Downloader", "Fetcher", "WritePool", "blocks_for"]
+# Block, DownloadStats, Fetcher and blocks_for are blocks.py's, exported here as well for
+# stages/transfer.py, which imports them from this module (the transport work of issue 26
+# rewrites it; then they go).
+__all__ = ["Block", "DownloadStats", "Downloader", "Fetcher", "blocks_for"]

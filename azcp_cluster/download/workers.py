@@ -42,7 +42,8 @@ from azcp_cluster.azure.proxies import Proxy
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import AzcpError, DownloadError, InternalError
 from azcp_cluster.core.model import FileEntry
-from azcp_cluster.download.downloader import SPARE_BUFFERS, Block, DownloadStats
+from azcp_cluster.download.blocks import Block, DownloadStats
+from azcp_cluster.download.writepool import SPARE_BUFFERS
 
 # How often the rank looks at the other ranks and at its token while its workers run.
 TICK_SECONDS = 0.1

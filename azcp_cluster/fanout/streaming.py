@@ -55,7 +55,7 @@ def node_blocks(
 ) -> tuple[NodeBlocks, Landing]:
     """The blocks of ``node``'s ``downloaders`` (world ranks) and when each of its transfers is ready.
 
-    ``cut`` is :func:`azcp_cluster.download.downloader.blocks_for` (shards into ranged GETs). Each
+    ``cut`` is :func:`azcp_cluster.download.blocks.blocks_for` (shards into ranged GETs). Each
     downloader fetches its blocks in the order the schedule needs them.
     """
     blocks: list[tuple[int, int, int]] = []

@@ -116,12 +116,13 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
         # With worker processes, each has its own buffers and writers (workers.py).
         workers = download_workers(ctx, place, plan) if not ctx.local and mine else 1
         if workers > 1:
-            from azcp_cluster.download.downloader import pool_bytes
             from azcp_cluster.download.workers import WORKER_MEMORY
+            from azcp_cluster.download.writepool import pool_bytes
 
             cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency) + workers * WORKER_MEMORY)
         if not ctx.local and mine and (workers == 1 or cfg.download_workers is None):  # auto starts alone
-            from azcp_cluster.download.downloader import WritePool, blocks_for, pool_buffers_for
+            from azcp_cluster.download.blocks import blocks_for
+            from azcp_cluster.download.writepool import WritePool, pool_buffers_for
 
             # Mapped now, with its writer threads started: the download stage then
             # measures the transfer, not page faults and thread start-up. No more
@@ -131,7 +132,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
                 # Streaming: this rank's download and its fan-out write at once; one
                 # set of writer threads for both (diskwriter.py).
                 from azcp_cluster.dest.diskwriter import DiskWriter
-                from azcp_cluster.download.downloader import WRITER_THREADS
+                from azcp_cluster.download.writepool import WRITER_THREADS
 
                 ctx.disk = DiskWriter(WRITER_THREADS + cfg.bcast_writers)
             ctx.write_pool = WritePool(

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from azcp_cluster.dest.destlock import DestLock
     from azcp_cluster.dest.diskwriter import DiskWriter
     from azcp_cluster.dest.journal import Journal
-    from azcp_cluster.download.downloader import WritePool
+    from azcp_cluster.download.writepool import WritePool
 
 
 class RunContext:
