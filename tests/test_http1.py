@@ -16,16 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.download.http1 import (
-    HEAD_LIMIT,
-    RECV_LOW_WATER,
-    TLS_SLACK,
-    Connection,
-    Head,
-    ProtocolError,
-    parse_head,
-    request_bytes,
-)
+from azcp_cluster.download.http1 import RECV_LOW_WATER, TLS_SLACK, Connection
+from azcp_cluster.download.httpwire import HEAD_LIMIT, Head, ProtocolError, parse_head, request_bytes
 
 # -- pure ---------------------------------------------------------------------------------
 

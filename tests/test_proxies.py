@@ -34,7 +34,8 @@ from azcp_cluster.core.errors import UsageError
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.forwardproxy import ForwardProxy, Seen
-from azcp_cluster.download.http1 import ConnectFailed, Connection, TunnelRefused, connect_bytes, request_bytes
+from azcp_cluster.download.http1 import ConnectFailed, Connection, TunnelRefused
+from azcp_cluster.download.httpwire import connect_bytes, request_bytes
 from tests.conftest import assert_copies, clean_env, mpiexec_path, run_cli
 
 # -- pure -------------------------------------------------------------------------------------

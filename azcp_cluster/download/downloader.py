@@ -37,7 +37,8 @@ from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.directio import DirectFile
 from azcp_cluster.dest.localfs import fs_error
 from azcp_cluster.download.blocks import Block, DownloadStats, Fetcher, blocks_for
-from azcp_cluster.download.http1 import ConnectFailed, Connection, Head, ProtocolError, TunnelRefused, request_bytes
+from azcp_cluster.download.http1 import ConnectFailed, Connection, TunnelRefused
+from azcp_cluster.download.httpwire import Head, ProtocolError, request_bytes
 from azcp_cluster.download.writepool import BlockWrites, WritePool
 from azcp_cluster.run import collector
 

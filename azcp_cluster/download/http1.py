@@ -13,7 +13,8 @@ What it does: GET with keep-alive over TCP or TLS, one request at a time per con
 ``Content-Length`` body. What it refuses (as :class:`ProtocolError`, which the caller retries
 on a new connection): a malformed or oversized head, a chunked or unsized success body.
 Error responses are not read: the caller takes the status and headers and the connection
-is closed. The pure part (:func:`parse_head`, :func:`request_bytes`) has no I/O.
+is closed. The pure part (the heads' bytes: :func:`~azcp_cluster.download.httpwire.parse_head`,
+:func:`~azcp_cluster.download.httpwire.request_bytes`) is httpwire.py, with no I/O.
 """
 
 from __future__ import annotations
@@ -22,17 +23,14 @@ import asyncio
 import socket
 import ssl
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
 from azcp_cluster.azure.netfailure import network_cause
+from azcp_cluster.download.httpwire import HEAD_END, HEAD_LIMIT, Head, ProtocolError, connect_bytes, parse_head
 
 if TYPE_CHECKING:
     from azcp_cluster.azure.proxies import Proxy
-
-HEAD_LIMIT = 64 * 1024  # status line and headers; Azure's are under 2 KiB
-_END = b"\r\n\r\n"
 
 
 # While a body is read, the socket is reported readable only once this many of its bytes
@@ -45,10 +43,6 @@ RECV_LOW_WATER = 1 << 20
 # from the socket at a time), where they no longer count against the socket: the mark is
 # kept this far below what is left, so that it never waits for bytes that will not come.
 TLS_SLACK = 512 * 1024
-
-
-class ProtocolError(Exception):
-    """The server's response cannot be used (malformed, unsized, too large a head)."""
 
 
 class ConnectFailed(OSError):
@@ -68,96 +62,6 @@ class TunnelRefused(Exception):
     def __init__(self, status: int, reason: str, proxy: str, target: str) -> None:
         super().__init__(f"proxy {proxy} refused the tunnel to {target}: HTTP {status} {reason}".rstrip())
         self.status = status
-
-
-def connect_bytes(host: str, port: int, authorization: str | None) -> bytes:
-    """The bytes of ``CONNECT host:port`` to a forward proxy (``authorization``: Proxy-Authorization)."""
-    if any(c in host for c in "\r\n /") or (authorization and ("\r" in authorization or "\n" in authorization)):
-        raise ValueError("CR, LF or a space inside a CONNECT target or header")
-    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    lines = [f"CONNECT {target} HTTP/1.1", f"Host: {target}"]
-    if authorization:
-        lines.append(f"Proxy-Authorization: {authorization}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-@dataclass(frozen=True)
-class Head:
-    """Status line and headers of a response (header names lower-cased)."""
-
-    version: str
-    status: int
-    reason: str
-    headers: dict[str, str]
-
-    @property
-    def content_length(self) -> int | None:
-        """The body's size as announced, or None."""
-        value = self.headers.get("content-length")
-        if value is None:
-            return None
-        if not (value.isascii() and value.isdigit()):
-            raise ProtocolError(f"bad Content-Length {value[:40]!r}")
-        return int(value)
-
-    @property
-    def keep_alive(self) -> bool:
-        """Whether the connection can carry another request after this body."""
-        tokens = {t.strip().lower() for t in self.headers.get("connection", "").split(",")}
-        if self.version == "HTTP/1.0":
-            return "keep-alive" in tokens
-        return "close" not in tokens
-
-
-def parse_head(data: bytes) -> Head:
-    """Parse a status line and headers (without the blank line that ends them)."""
-    try:
-        text = data.decode("latin-1")
-    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
-        raise ProtocolError("undecodable response head") from None
-    lines = text.split("\r\n")
-    parts = lines[0].split(" ", 2)
-    status = parts[1] if len(parts) > 1 else ""
-    if not parts[0].startswith("HTTP/1.") or not (len(status) == 3 and status.isascii() and status.isdigit()):
-        raise ProtocolError(f"malformed status line {lines[0][:60]!r}")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
-            raise ProtocolError(f"malformed header line {line[:60]!r}")
-        key = name.lower()
-        value = value.strip()
-        if key not in headers:
-            headers[key] = value
-        elif key == "content-length":  # repeated: allowed only when it says the same
-            if headers[key] != value:
-                raise ProtocolError("conflicting Content-Length headers")
-        else:
-            headers[key] = f"{headers[key]}, {value}"
-    return Head(parts[0], int(parts[1]), parts[2] if len(parts) > 2 else "", headers)
-
-
-def request_bytes(url: str, headers: dict[str, str], method: str = "GET", *, absolute: bool = False) -> bytes:
-    """The bytes of ``GET url`` (or ``method``, e.g. ``HEAD``) with ``headers`` (the URL already percent-encoded).
-
-    A ``HEAD`` response has no body: read its head with :meth:`Connection.request`, then
-    drop the connection. ``absolute``: the request line names the whole URL, as a request
-    for an ``http://`` URL sent to a forward proxy does.
-    """
-    if method not in ("GET", "HEAD"):
-        raise ValueError(f"unsupported method {method!r}")
-    parts = urlsplit(url)
-    target = parts.path or "/"
-    if parts.query:
-        target += "?" + parts.query
-    if absolute:
-        target = f"{parts.scheme}://{parts.netloc}{target}"
-    fields = [target, parts.netloc, *headers, *headers.values()]
-    if any("\r" in f or "\n" in f for f in fields):
-        raise ValueError("CR or LF inside a request line or header")
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}"]
-    lines += [f"{name}: {value}" for name, value in headers.items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -280,7 +184,7 @@ class Connection(asyncio.BufferedProtocol):
         self._resume()
         while self._state == self.HEAD:
             await self._wait()
-        head = parse_head(bytes(self._head[: self._head_end - len(_END)]))
+        head = parse_head(bytes(self._head[: self._head_end - len(HEAD_END)]))
         if head.status in (200, 206):
             if head.headers.get("transfer-encoding", "identity").lower() != "identity":
                 raise ProtocolError(f"unexpected Transfer-Encoding {head.headers['transfer-encoding'][:40]!r}")
@@ -388,11 +292,11 @@ class Connection(asyncio.BufferedProtocol):
         if self._state != self.HEAD:
             self._fail(ProtocolError("bytes from the server with no request out"))
             return
-        start = max(0, self._head_len - len(_END) + 1)
+        start = max(0, self._head_len - len(HEAD_END) + 1)
         self._head_len += nbytes
-        end = self._head.find(_END, start, self._head_len)
+        end = self._head.find(HEAD_END, start, self._head_len)
         if end >= 0:
-            self._head_end = end + len(_END)
+            self._head_end = end + len(HEAD_END)
             if self._head_len > self._head_end:  # body bytes that came with the head
                 self._keep(memoryview(bytes(memoryview(self._head)[self._head_end : self._head_len])))
             self._state = self.BODY
@@ -520,7 +424,7 @@ async def _tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, host: st
     """Ask the proxy on ``sock`` for a tunnel to ``host:port``; return once it is open."""
     await loop.sock_sendall(sock, connect_bytes(host, port, proxy.authorization))
     head = bytearray()
-    while _END not in head:
+    while HEAD_END not in head:
         if len(head) > HEAD_LIMIT:
             raise ProtocolError(f"proxy {proxy.shown}: CONNECT response head too large")
         # Byte by byte would be slow; a server speaks only after our TLS hello, so nothing
@@ -529,12 +433,12 @@ async def _tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, host: st
         if not chunk:
             raise ConnectionResetError(f"proxy {proxy.shown} closed the connection during CONNECT")
         head += chunk
-    end = head.index(_END)
+    end = head.index(HEAD_END)
     try:
         reply = parse_head(bytes(head[:end]))
     except ProtocolError as exc:
         raise ProtocolError(f"proxy {proxy.shown}: {exc}") from None
     if not 200 <= reply.status < 300:  # a refusal often carries a page of HTML: not read
         raise TunnelRefused(reply.status, reply.reason, proxy.shown, f"{host}:{port}")
-    if end + len(_END) != len(head):
+    if end + len(HEAD_END) != len(head):
         raise ProtocolError(f"proxy {proxy.shown}: bytes after the CONNECT response")
