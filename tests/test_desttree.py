@@ -304,10 +304,10 @@ def test_is_present_reports_an_unreadable_directory_as_an_error(dest: Path) -> N
 def test_the_threaded_compare_matches_file_by_file_and_names_the_first_failing_batch(
     dest: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import azcp_cluster.dest.desttree as desttree
+    import azcp_cluster.dest.destroot as destroot
     from azcp_cluster.dest import syscalls
 
-    monkeypatch.setattr(desttree, "STAT_BATCH", 3)  # many batches, some directories split
+    monkeypatch.setattr(destroot, "STAT_BATCH", 3)  # many batches, some directories split
     monkeypatch.setattr(syscalls, "SLOW_CALL", 0.0)  # every call "slow": all on threads
     monkeypatch.setattr(syscalls, "CALIBRATE", 0)
     tree = DestTree(str(dest))

@@ -50,7 +50,7 @@ class Header(NamedTuple):
     path: str  # below DEST
     size: int  # as listed
     tag: str  # the listed version: the blob's ETag, a local file's size and mtime
-    identity: int  # the temporary file's (device, owner, inode): desttree.identity
+    identity: int  # the temporary file's (device, owner, inode): destroot.identity
     geometry: int = GEOMETRY
     # The inode's generation (FS_IOC_GETVERSION; 0 where the filesystem has none): a file made
     # in a removed one's place may get its inode number, by the same owner, never its generation.

@@ -23,7 +23,8 @@ import time
 
 from azcp_cluster.core.errors import LocalFSError
 from azcp_cluster.core.naming import LOCK_NAME
-from azcp_cluster.dest.desttree import DestTree, NotAFileError, checked, identity
+from azcp_cluster.dest.destroot import NotAFileError, checked, identity
+from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import fs_error
 
 # Pauses between tries grow from 50 ms to 2 s, each drawn at random below its bound, so

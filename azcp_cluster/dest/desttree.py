@@ -19,6 +19,9 @@ to the kernel whole:
 
 What this does not defend against is stated in docs/reliability.md (a root attacker, and
 someone who moves a directory of the run's own files away while it runs).
+
+Looking at DEST without writing (the root descriptor, directories, lstat in batches, the
+regular-file checks) is destroot.py's, which :class:`DestTree` extends.
 """
 
 from __future__ import annotations
@@ -28,19 +31,16 @@ import errno
 import os
 import stat
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-from azcp_cluster.core.errors import DiffError, LocalFSError
+from azcp_cluster.core.errors import LocalFSError
+from azcp_cluster.dest.destroot import FILE_FLAGS, DestRoot, NotAFileError, checked, identity, split
 from azcp_cluster.dest.directio import Opener
 from azcp_cluster.dest.localfs import fs_error, preallocate, syncfs, temp_name
-from azcp_cluster.dest.syscalls import CallPool
 from azcp_cluster.run.interrupts import shield
 from azcp_cluster.run.report import write_synced
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# No file the tool opens may block the open (a FIFO) or be followed (a link).
-_FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # Tries at creating a temporary name that someone keeps putting something at.
 _CREATE_TRIES = 3
 # From this many files (or directories) on, one syncfs makes them durable instead of one
@@ -52,199 +52,22 @@ BULK_SYNC = 16
 # ftruncate that gives it its size (20,000 files of 0 to 16 KiB: about 0.35 s of a rank's
 # CPU). The space check covers both.
 PREALLOCATE_MIN = 1 << 20
-# Names stat'ed per batch of the compare (one directory's: one directory opened per batch).
-STAT_BATCH = 1024
 
 
-def split(rel: str) -> tuple[list[str], str]:
-    """``"a/b/c"`` -> (``["a", "b"]``, ``"c"``)."""
-    head, _, base = rel.rpartition("/")
-    return (head.split("/") if head else []), base
-
-
-class NotAFileError(OSError):
-    """A name the tool must write or read is not a regular file with a single link."""
-
-
-class DestTree:
+class DestTree(DestRoot):
     """DEST, opened by its real path; the files and directories below it, reached without links.
 
     ``path`` is DEST as the user gave it (expanded), used in messages. Thread-safe: every
-    method works on descriptors of its own, relative to the one root descriptor.
+    method works on descriptors of its own, relative to the one root descriptor. Looking
+    (directories, lstat in batches) is :class:`~azcp_cluster.dest.destroot.DestRoot`'s; this
+    class makes, opens, syncs and renames the run's own temporary files.
     """
 
     def __init__(self, path: str, create: bool = False) -> None:
-        self.path = path
-        self.real = os.path.realpath(path)
-        self.fd = -1
         # The temporary files this run made (relative path -> identity): only these are ever
         # written into, read back, synced or renamed. A node's other ranks adopt the leader's.
         self.made: dict[str, int] = {}
-        try:
-            # The real path's last component must itself be a directory, not a link put there
-            # since realpath() looked.
-            self.fd = os.open(self.real, _DIR_FLAGS)
-        except FileNotFoundError:
-            if create:
-                missing = FileNotFoundError(errno.ENOENT, "No such file or directory")
-                raise fs_error(missing, path, "open DEST") from None
-        except OSError as exc:
-            raise fs_error(exc, path, "open DEST") from None
-
-    @property
-    def exists(self) -> bool:
-        """Whether DEST existed when opened (a dry run's DEST may not)."""
-        return self.fd >= 0
-
-    @property
-    def removed(self) -> bool:
-        """Whether DEST was removed since it was opened (another run that made it removed it, empty)."""
-        if self.fd < 0:
-            return False
-        try:
-            return os.fstat(self.fd).st_nlink == 0
-        except OSError:
-            return False
-
-    def close(self) -> None:
-        """Close the root descriptor."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def shown(self, rel: str) -> str:
-        """``rel`` as a path below DEST, for messages."""
-        return os.path.join(self.path, *rel.split("/")) if rel else self.path
-
-    # -- directories ----------------------------------------------------------------------
-
-    def _open_dir(self, parts: list[str], create: bool) -> int:
-        """A descriptor of DEST/``parts`` (the caller closes it), reached component by component.
-
-        A component that is a symlink, or anything but a directory, is refused with a
-        :class:`LocalFSError` naming it. Missing components are made when ``create``; else
-        FileNotFoundError.
-        """
-        if self.fd < 0:
-            raise FileNotFoundError(errno.ENOENT, "DEST does not exist")
-        fd = os.dup(self.fd)
-        try:
-            for depth, part in enumerate(parts):
-                if create:
-                    # Whatever stands there already (a directory, or a link: refused below) stays.
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(part, 0o755, dir_fd=fd)
-                try:
-                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise self._not_a_directory(fd, parts, depth) from None
-                    raise
-                os.close(fd)
-                fd = child
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _not_a_directory(self, fd: int, parts: list[str], depth: int) -> LocalFSError:
-        where = self.shown("/".join(parts[: depth + 1]))
-        try:
-            st = os.stat(parts[depth], dir_fd=fd, follow_symlinks=False)
-        except OSError:
-            st = None
-        if st is not None and stat.S_ISLNK(st.st_mode):
-            return LocalFSError(
-                "is a symbolic link where the copy needs a directory; refusing to write through it "
-                "(remove it, or make DEST a directory that holds no links)",
-                path=where,
-            )
-        return LocalFSError("is not a directory, but the copy needs a directory there", path=where)
-
-    @contextlib.contextmanager
-    def directory(self, parts: list[str], create: bool = False) -> Iterator[int]:
-        """The descriptor of DEST/``parts`` for the ``with`` block."""
-        fd = self._open_dir(parts, create)
-        try:
-            yield fd
-        finally:
-            os.close(fd)
-
-    # -- looking ----------------------------------------------------------------------------
-
-    def lstat(self, rel: str) -> os.stat_result | None:
-        """What stands at DEST/``rel`` itself (a link is not followed); None if nothing, or if a
-        directory on the way is missing, a link or not a directory."""
-        parts, base = split(rel)
-        try:
-            with self.directory(parts) as fd:
-                return os.stat(base, dir_fd=fd, follow_symlinks=False)
-        except (FileNotFoundError, NotADirectoryError, LocalFSError):
-            return None
-
-    def lstat_all(self, rels: Iterable[str]) -> list[os.stat_result | None]:
-        """:meth:`lstat` of every name, each directory walked once per batch (a million files,
-        a few directories: a few million system calls fewer), the batches on threads where the
-        calls are slow (a shared filesystem: azcp_cluster/dest/syscalls.py). Errors other than "not
-        there" raise ``OSError``, with ``filename`` set to the name looked at: that of the
-        first failing batch, whatever the threads did."""
-        names = list(rels)
-        found: list[os.stat_result | None] = [None] * len(names)
-        # Grouped by the directory's name, split into its components once per directory.
-        by_dir: dict[str, list[tuple[int, str]]] = defaultdict(list)
-        for index, rel in enumerate(names):
-            head, _, base = rel.rpartition("/")
-            by_dir[head].append((index, base))
-        batches = [
-            (head.split("/") if head else [], entries[at : at + STAT_BATCH])
-            for head, entries in by_dir.items()
-            for at in range(0, len(entries), STAT_BATCH)
-        ]
-
-        def stat_batch(batch: tuple[list[str], list[tuple[int, str]]]) -> int:
-            folder, entries = batch
-            try:
-                dfd = self._open_dir(folder, create=False)
-            except (FileNotFoundError, NotADirectoryError, LocalFSError):
-                return 1  # missing, a link or not a directory: nothing of ours below it
-            try:
-                for index, base in entries:
-                    try:
-                        found[index] = os.stat(base, dir_fd=dfd, follow_symlinks=False)
-                    except FileNotFoundError:
-                        pass
-                    except OSError as exc:
-                        exc.filename = names[index]
-                        raise
-            finally:
-                os.close(dfd)
-            return len(folder) + 1 + len(entries)  # the system calls made: the opens, the stats
-
-        with CallPool() as calls:
-            calls.map(stat_batch, batches, calls=int)
-        return found
-
-    def present_all(self, files: Iterable[tuple[str, int]]) -> list[bool]:
-        """For each (path, size): whether it stands in DEST as a regular file of that size with one link.
-
-        A link, a hard-linked file, a FIFO or a file below a symlinked directory is not a copy:
-        it is copied again (and replaced by the rename). Absent is an answer; a file that
-        cannot be looked at (permissions, I/O error) is a :class:`DiffError`.
-        """
-        wanted = list(files)
-        try:
-            stats = self.lstat_all(rel for rel, _ in wanted)
-        except OSError as exc:
-            where = self.shown(str(exc.filename)) if exc.filename else self.path
-            raise DiffError(f"cannot inspect the local copy: {exc.strerror or exc}", path=where) from None
-        return [
-            st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size == size
-            for st, (_, size) in zip(stats, wanted, strict=True)
-        ]
-
-    def is_present(self, rel: str, size: int) -> bool:
-        """:meth:`present_all` of one file."""
-        return self.present_all([(rel, size)])[0]
+        super().__init__(path, create)
 
     def space_needed(self, files: Iterable[tuple[str, int]]) -> int:
         """Bytes that writing ``files`` (relative path, size) will take from DEST's free space.
@@ -266,11 +89,6 @@ class DestTree:
 
     # -- opening files --------------------------------------------------------------------
 
-    def _open_file(self, parts: list[str], name: str, flags: int) -> int:
-        with self.directory(parts) as dfd:
-            fd = os.open(name, flags | _FILE_FLAGS, dir_fd=dfd)
-        return checked(fd)
-
     def opener(self, rel: str, temp: bool, dfd: int | None = None) -> Opener:
         """For :mod:`directio`: opens ``rel``'s temporary (``temp``) or final name with the flags given.
 
@@ -287,7 +105,7 @@ class DestTree:
                 if dfd is None:
                     fd = self._open_file(parts, name, flags)
                 else:
-                    fd = checked(os.open(name, flags | _FILE_FLAGS, dir_fd=dfd))
+                    fd = checked(os.open(name, flags | FILE_FLAGS, dir_fd=dfd))
             except NotAFileError as exc:
                 raise LocalFSError(exc.strerror or str(exc), path=self.shown("/".join([*parts, name]))) from None
             except OSError as exc:
@@ -366,7 +184,7 @@ class DestTree:
         for _ in range(_CREATE_TRIES):
             self._clear(dfd, name, shown)
             try:
-                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o644, dir_fd=dfd)
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o644, dir_fd=dfd)
             except FileExistsError:
                 continue  # someone put something there again since: clear it again
             except OSError as exc:
@@ -529,7 +347,7 @@ class DestTree:
         tmp = temp_name(name)
         try:
             self._clear(self.fd, tmp, shown)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o644, dir_fd=self.fd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o644, dir_fd=self.fd)
             try:
                 write_synced(fd, data)
             finally:
@@ -542,30 +360,9 @@ class DestTree:
             raise fs_error(exc, shown, "write") from None
 
 
-def identity(st: os.stat_result) -> int:
-    """One number for (device, owner, inode): which file a name or a descriptor is.
-
-    The owner is part of it because a filesystem may give a removed file's inode number to
-    the next file made (ext4 does at once): a file someone else put there in its place is
-    theirs, not the run's.
-    """
-    return (st.st_dev << 96) | (st.st_uid << 64) | st.st_ino
-
-
 def _blocks_of_our_own(st: os.stat_result | None) -> int:
     """Disk bytes a leftover temporary file gives back when it is replaced (0 for a link, a FIFO, a hard link)."""
     return st.st_blocks * 512 if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
-
-
-def checked(fd: int, close: bool = True) -> int:
-    """``fd`` if it is a regular file with a single link; else closed (when ``close``) and refused."""
-    st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-        return fd
-    if close:
-        os.close(fd)
-    what = "a hard-linked file" if stat.S_ISREG(st.st_mode) else "not a regular file"
-    raise NotAFileError(errno.EPERM, f"is {what}; the copy writes and reads only files it made itself")
 
 
 def source_opener(path: str) -> Opener:
@@ -579,3 +376,8 @@ def source_opener(path: str) -> Opener:
         return fd
 
     return open_with
+
+
+# split is destroot.py's, exported here as well for fanout/broadcast.py, which imports it from
+# this module (the transport work of issue 26 rewrites that module; then this goes).
+__all__ = ["BULK_SYNC", "PREALLOCATE_MIN", "DestTree", "source_opener", "split"]

@@ -31,7 +31,8 @@ from azcp_cluster.core import resume
 from azcp_cluster.core.errors import AzcpError, LocalFSError
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.naming import JOURNAL_DIR
-from azcp_cluster.dest.desttree import DestTree, identity
+from azcp_cluster.dest.destroot import identity
+from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import fs_error, temp_name
 from azcp_cluster.run.interrupts import shield
 from azcp_cluster.run.report import say
