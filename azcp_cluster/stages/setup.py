@@ -73,49 +73,17 @@ def setup(ctx: RunContext) -> Placement:
     proxy: Proxy | None = None
     sees = False
     with cluster.stage(outcome):
-        cfg.validate()
-        if ctx.local:
-            # With --source-rank, only that rank looks: a shared filesystem sees one client.
-            if cfg.source_rank in (None, ctx.rank):
-                sees = os.path.exists(ctx.source_root)
-            if not cfg.dry_run:
-                cfg.check_memory(available_memory(), 0)
-        else:
-            if cfg.source_readers > 1:
-                raise UsageError("--source-readers is for a local SOURCE; a blob URL is read by the downloaders")
-            # Imported here: a local SOURCE never pays for the Azure and HTTP libraries.
-            from azcp_cluster.azure.credentials import Authorizer, resolve_credential
-            from azcp_cluster.download.writepool import pool_bytes
-
-            source = parse_blob_url(cfg.source)
-            if not cfg.dry_run:
-                cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency))
-            auth = Authorizer(source, resolve_credential(source, ctx.env, cfg.auth, ctx.credential), ctx.wall)
-            proxy = proxy_for(source.endpoint, ctx.env)  # a proxy variable that cannot be used: exit 2 here
+        auth, proxy, sees = _check_arguments(ctx)
         outcome.stats = {"place": place_of(ctx), "sees": sees}
     result = cluster.conclude(t0, outcome, stage="setup")
     places = [Place(*st["place"]) for st in result.stats]
     outcome = StageOutcome()
     t1 = cluster.clock()
-    reader = 0
     readers: list[int] = []
     topo = Topology(group_of=(0,), leaders=(0,), downloaders=(0,), hosts=1)
     leader = False
     with cluster.stage(outcome):
-        if ctx.local:
-            sees_all = [st["sees"] for st in result.stats]
-            if cfg.source_readers > 1:
-                readers = choose_readers(sees_all, places, cfg.source_readers)
-            else:
-                readers = [choose_reader(sees_all, cfg.source_rank, cfg.source)]
-            reader = readers[0]
-        topo = group_ranks(
-            places,
-            preferred_leader=reader if ctx.local else None,
-            download_ranks=cfg.download_ranks,
-            readers=readers,
-        )
-        check_nesting(places, topo.group_of)  # on every rank alike: the same error everywhere
+        readers, topo = _roles(ctx, [st["sees"] for st in result.stats], places)
         leader = topo.is_leader(ctx.rank)
         if ctx.local:  # on every rank: each knows only its own DEST
             check_overlap(os.path.realpath(ctx.source_root), ctx.dest_identity)
@@ -126,6 +94,7 @@ def setup(ctx: RunContext) -> Placement:
         outcome.stats = {"made": ctx.dest_made.paths}
     cluster.note("roles", t1)
     made = cluster.conclude(t0, outcome)
+    reader = readers[0] if ctx.local else 0
     # DESTs side by side below directories this run made: whichever leader of the machine is
     # the last to remove its own DEST (a failed run) removes the parents too, if empty.
     ctx.dest_made.shared = {
@@ -141,17 +110,11 @@ def setup(ctx: RunContext) -> Placement:
     # Each node's own ranks, its leader first: the leader hands its downloaders the
     # identities of the temporary files it made (they write into no other file).
     ctx.group_comm = cluster.comm.Split(topo.group_of[ctx.rank], 0 if leader else ctx.rank + 1)
-    report = ctx.report
-    report.nodes = topo.hosts
-    report.writers = topo.groups
-    report.download_ranks = 0 if ctx.local else len(topo.downloaders)
-    report.source_rank = reader if ctx.local else None
-    report.source_readers = list(readers)
-    group = topo.group_of[ctx.rank]
+    _report_roles(ctx, topo, reader, readers)
     on_host = sum(1 for r in topo.downloaders if places[r][0] == ctx.host)
     return Placement(
         topo=topo,
-        group=group,
+        group=topo.group_of[ctx.rank],
         leader=leader,
         reader=reader,
         readers=tuple(readers),
@@ -159,6 +122,64 @@ def setup(ctx: RunContext) -> Placement:
         proxy=proxy,
         downloaders_on_host=max(1, on_host),
     )
+
+
+def _check_arguments(ctx: RunContext) -> tuple[Authorizer | None, Proxy | None, bool]:
+    """This rank's part of the first agreement: the arguments and the memory checked, and a
+    local SOURCE looked for (whether this rank sees it) or a blob SOURCE's credential and
+    proxy resolved (the run's :class:`Authorizer`, no token yet)."""
+    cfg = ctx.cfg
+    if ctx.local:
+        sees = False
+        # With --source-rank, only that rank looks: a shared filesystem sees one client.
+        if cfg.source_rank in (None, ctx.rank):
+            sees = os.path.exists(ctx.source_root)
+        if not cfg.dry_run:
+            cfg.check_memory(available_memory(), 0)
+        return None, None, sees
+    if cfg.source_readers > 1:
+        raise UsageError("--source-readers is for a local SOURCE; a blob URL is read by the downloaders")
+    # Imported here: a local SOURCE never pays for the Azure and HTTP libraries.
+    from azcp_cluster.azure.credentials import Authorizer, resolve_credential
+    from azcp_cluster.download.writepool import pool_bytes
+
+    source = parse_blob_url(cfg.source)
+    if not cfg.dry_run:
+        cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency))
+    auth = Authorizer(source, resolve_credential(source, ctx.env, cfg.auth, ctx.credential), ctx.wall)
+    proxy = proxy_for(source.endpoint, ctx.env)  # a proxy variable that cannot be used: exit 2 here
+    return auth, proxy, False
+
+
+def _roles(ctx: RunContext, sees_all: list[bool], places: list[Place]) -> tuple[list[int], Topology]:
+    """The readers of a local SOURCE (none for a blob SOURCE) and the ranks grouped by node,
+    computed from the first agreement on every rank alike (so a nesting error is the same
+    everywhere)."""
+    cfg = ctx.cfg
+    readers: list[int] = []
+    if ctx.local:
+        if cfg.source_readers > 1:
+            readers = choose_readers(sees_all, places, cfg.source_readers)
+        else:
+            readers = [choose_reader(sees_all, cfg.source_rank, cfg.source)]
+    topo = group_ranks(
+        places,
+        preferred_leader=readers[0] if ctx.local else None,
+        download_ranks=cfg.download_ranks,
+        readers=readers,
+    )
+    check_nesting(places, topo.group_of)  # on every rank alike: the same error everywhere
+    return readers, topo
+
+
+def _report_roles(ctx: RunContext, topo: Topology, reader: int, readers: list[int]) -> None:
+    """The roles in the run's report."""
+    report = ctx.report
+    report.nodes = topo.hosts
+    report.writers = topo.groups
+    report.download_ranks = 0 if ctx.local else len(topo.downloaders)
+    report.source_rank = reader if ctx.local else None
+    report.source_readers = list(readers)
 
 
 def open_dest(ctx: RunContext) -> None:
