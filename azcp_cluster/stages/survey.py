@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, TypeVar, cast
@@ -20,7 +20,7 @@ from azcp_cluster.core.errors import ListError
 from azcp_cluster.core.model import FileEntry, Listing, decode_listing, encode_listing
 from azcp_cluster.core.naming import Selected, merge, prefilter
 from azcp_cluster.core.resume import Segment, segments, total
-from azcp_cluster.core.source import parse_blob_url
+from azcp_cluster.core.source import BlobSource, parse_blob_url
 from azcp_cluster.dest import journal, manifest
 from azcp_cluster.dest.localsource import list_local
 from azcp_cluster.run.cluster import StageOutcome, error_from_payload, error_payload
@@ -145,14 +145,40 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
     if done is not None:
         return cast(Listing, done)  # the prefix named one blob
 
-    def mine(items: list[T]) -> list[T]:
-        return items[helpers.index(ctx.rank) :: len(helpers)] if ctx.rank in helpers else []
+    entries, folders = _list_levels(ctx, place, source, folders, list(continuing), depth, parallel)
+    outcome = StageOutcome()
+    with cluster.stage(outcome), cluster.abandonable():
+        mine = _share(bloblist.unique(folders + flat), helpers, ctx.rank)
+        entries += bloblist.list_folders(source, place.auth, cfg, mine)
+    return _merge_parts(ctx, source.prefix, chain(here, entries), outcome)
 
+
+def _share(items: list[T], helpers: list[int], rank: int) -> list[T]:
+    """``rank``'s share of ``items``, dealt round-robin over ``helpers`` (none if it is not one)."""
+    return items[helpers.index(rank) :: len(helpers)] if rank in helpers else []
+
+
+def _list_levels(
+    ctx: RunContext,
+    place: Placement,
+    source: BlobSource,
+    folders: list[str],
+    levels: list[tuple[str, str]],
+    depth: int,
+    parallel: int,
+) -> tuple[list[Any], list[str]]:
+    """The directories with more than a page that stopped the lister (``levels``: each with the
+    marker to go on from), then each level down while there are too few directories to keep
+    every helper's listings busy: shared out round-robin, and the next level's directories
+    agreed by all (``depth``: the levels below the top listed so far; ``parallel``: the
+    listings the helpers run at once). Returns this rank's blobs from every level and the
+    directories left to list flat."""
+    from azcp_cluster.azure import bloblist
+
+    cluster = ctx.cluster
+    assert place.auth is not None
+    helpers = list(place.topo.downloaders)
     entries: list[Any] = []  # this rank's, from every level
-    # The directories with more than a page that stopped the lister, then each level down
-    # while there are too few directories to keep every helper's listings busy: shared out
-    # round-robin, and the next level's directories agreed by all.
-    levels: list[tuple[str, str]] = list(continuing)  # directories of level depth - 1 to finish
     while True:
         if not levels:
             if not bloblist.descend(len(folders), parallel, depth):
@@ -161,7 +187,7 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
         outcome = StageOutcome()
         below: list[str] = []
         with cluster.stage(outcome), cluster.abandonable():
-            found, below = bloblist.list_levels(source, place.auth, cfg, mine(levels))
+            found, below = bloblist.list_levels(source, place.auth, ctx.cfg, _share(levels, helpers, ctx.rank))
             entries += found
         cluster.settle()
         gathered_levels = cluster.allgather((below, error_payload(outcome.error) if outcome.error else None))
@@ -170,22 +196,27 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
             raise error_from_payload(failure)
         folders = bloblist.unique(chain(folders, chain.from_iterable(level for level, _ in gathered_levels)))
         levels = []
-    outcome = StageOutcome()
-    with cluster.stage(outcome), cluster.abandonable():
-        entries += bloblist.list_folders(source, place.auth, cfg, mine(bloblist.unique(folders + flat)))
-    # The rules that look at one blob at a time, on each rank's own part (while the others
-    # still list); every rank then merges the same parts into the same listing. A listing
-    # that failed somewhere is reported before any name a rank found unsafe.
+    return entries, folders
+
+
+def _merge_parts(ctx: RunContext, prefix: str, mine: Iterable[Any], listed: StageOutcome) -> Listing:
+    """The same listing on every rank from every rank's part (``mine``: this rank's blobs;
+    ``listed``: how its listing went). The rules that look at one blob at a time run on each
+    rank's own part (while the others still list); every rank then merges the same parts
+    into the same listing. A listing that failed somewhere is reported before any name a
+    rank found unsafe."""
+    cluster = ctx.cluster
+    cfg = ctx.cfg
     named = StageOutcome()
     part = Selected([], 0, 0)
-    if outcome.error is None:
+    if listed.error is None:
         with cluster.stage(named), cluster.abandonable():
-            part = prefilter(source.prefix, chain(here, entries), cfg.include, cfg.exclude)
+            part = prefilter(prefix, mine, cfg.include, cfg.exclude)
     # Compressed: names share their prefixes (a tenth of the pickle), and the parts' total
     # stays far below MPI's 2 GiB count for tens of millions of blobs.
     packed = zlib.compress(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL), 1)
     cluster.settle()  # the ranks done first wait without spinning a core
-    parts = cluster.allgather((packed, *(error_payload(o.error) if o.error else None for o in (outcome, named))))
+    parts = cluster.allgather((packed, *(error_payload(o.error) if o.error else None for o in (listed, named))))
     failure = next((err for _, err, _ in parts if err is not None), None)
     failure = failure or next((err for _, _, err in parts if err is not None), None)
     if failure is not None:
