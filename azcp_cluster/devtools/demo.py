@@ -99,8 +99,7 @@ def next_step(mpiexec: str, tool: str, ranks: int) -> list[str]:
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the demo; returns 0 when all the copies are identical to the source."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="96MiB", help="dataset size to generate (default 96MiB)")
     parser.add_argument("-n", "--ranks", type=int, default=4, help="MPI ranks, one per simulated node")
@@ -110,7 +109,50 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the node directories and the emulator's data, and leave the emulator running, "
         "so the printed command can be run again (the demo says where they are and how to stop it)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _check_copies(work: Path, ranks: int, blobs: dict[str, bytes]) -> int:
+    """Raise :class:`_Failed` unless every node directory holds the dataset; the number of files."""
+    expected = {name[len("llama-tiny/") :]: hashlib.md5(data).hexdigest() for name, data in blobs.items()}
+    for rank in range(ranks):
+        node = work / f"node{rank}"
+        got = {
+            p.relative_to(node).as_posix(): _digest(p)
+            for p in node.rglob("*")
+            if p.is_file() and p.name != MANIFEST_NAME  # the tool's own record of the copy
+        }
+        if got != expected:
+            raise _Failed(f"node{rank}: copy differs from the source")
+    return len(expected)
+
+
+def _write_env_file(work: Path, emu: azurite.Emulator) -> Path:
+    """The file that exports the emulator's connection string, for the command run again by hand."""
+    env_file = work / ENV_FILE
+    fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(f"export {CREDENTIAL_VARIABLE}={shlex.quote(emu.connection_string)}\n")
+    return env_file
+
+
+def _say_kept(
+    work: Path, ranks: int, emu: azurite.Emulator, emulator_data: Path | None, cmd: list[str], env_file: Path
+) -> None:
+    """Where --keep left the copies and the emulator, and how to run the command again."""
+    print(f"== kept (--keep), in {work}:")
+    print(f"   the copies: {work}/node0 .. node{ranks - 1}")
+    print(f"   the emulator's data: {emulator_data}; the emulator still serves it on {emu.host}:{emu.port}")
+    print(f"   the command again, from {os.getcwd()} (nothing moves; remove a node directory and it is copied anew):")
+    print(f"   . {shlex.quote(str(env_file))}    # exports {CREDENTIAL_VARIABLE}")
+    print(f"   {shlex.join(cmd)}")
+    print(f"   stop the emulator: kill {emu.pid}")
+    print(f"   remove everything: rm -rf {shlex.quote(str(work))}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; returns 0 when all the copies are identical to the source."""
+    args = _parser().parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="azcp-demo-"))
     dest = str(work / "node{rank}")
     print(
@@ -144,34 +186,12 @@ def main(argv: list[str] | None = None) -> int:
             for attempt in ("first run", "second run, the same command (already staged: nothing moves)"):
                 print(f"== {attempt}", flush=True)
                 subprocess.run(cmd, env=env, check=True)
-            expected = {name[len("llama-tiny/") :]: hashlib.md5(data).hexdigest() for name, data in blobs.items()}
-            for rank in range(args.ranks):
-                node = work / f"node{rank}"
-                got = {
-                    p.relative_to(node).as_posix(): _digest(p)
-                    for p in node.rglob("*")
-                    if p.is_file() and p.name != MANIFEST_NAME  # the tool's own record of the copy
-                }
-                if got != expected:
-                    raise _Failed(f"node{rank}: copy differs from the source")
-            print(f"== all {args.ranks} node directories hold identical copies of the {len(expected)} files")
+            files = _check_copies(work, args.ranks, blobs)
+            print(f"== all {args.ranks} node directories hold identical copies of the {files} files")
             if args.keep:
-                env_file = work / ENV_FILE
-                fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "w") as out:
-                    out.write(f"export {CREDENTIAL_VARIABLE}={shlex.quote(emu.connection_string)}\n")
+                env_file = _write_env_file(work, emu)
                 kept = True
-                print(f"== kept (--keep), in {work}:")
-                print(f"   the copies: {work}/node0 .. node{args.ranks - 1}")
-                print(f"   the emulator's data: {emulator_data}; the emulator still serves it on {emu.host}:{emu.port}")
-                print(
-                    f"   the command again, from {os.getcwd()} (nothing moves; remove a node directory "
-                    "and it is copied anew):"
-                )
-                print(f"   . {shlex.quote(str(env_file))}    # exports {CREDENTIAL_VARIABLE}")
-                print(f"   {shlex.join(cmd)}")
-                print(f"   stop the emulator: kill {emu.pid}")
-                print(f"   remove everything: rm -rf {shlex.quote(str(work))}")
+                _say_kept(work, args.ranks, emu, emulator_data, cmd, env_file)
             else:
                 print(f"== removing {work} and stopping the emulator (--keep keeps them)")
         print("\n".join(next_step(mpiexec, tool, args.ranks)))
