@@ -34,12 +34,13 @@ from azcp_cluster.core.errors import AzcpError, BroadcastError, InternalError, S
 from azcp_cluster.core.fanout import Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.plan import round_up
-from azcp_cluster.core.schedule import Extent, Transfer, call_slices, completions, streamed_files
+from azcp_cluster.core.schedule import Extent, Transfer, completions, streamed_files
 from azcp_cluster.dest.desttree import DestTree, source_opener, split
 from azcp_cluster.dest.directio import ALIGN, DirectFile, DirectReader, Opener, aligned_buffer
 from azcp_cluster.dest.diskwriter import DiskWriter
 from azcp_cluster.dest.localfs import fs_error, pwritev_all
 from azcp_cluster.dest.localsource import as_listed
+from azcp_cluster.fanout.transport import Request, Transport
 from azcp_cluster.run.cluster import PeerFailed, redact
 from azcp_cluster.run.interrupts import shield
 
@@ -53,8 +54,6 @@ POLL_NAP = 0.0002
 MAX_NAP = 0.002
 # Seconds between looks at signals, landings and peers while nothing is in flight.
 IDLE_NAP = 0.005
-# The tag of point-to-point transfers on the broadcast communicator (collectives never match it).
-P2P_TAG = 11
 
 
 @dataclass
@@ -96,7 +95,7 @@ class Broadcaster:
 
     def __init__(
         self,
-        comm: Any,
+        transport: Transport,
         files: Sequence[FileEntry],
         tree: DestTree,
         slot_size: int,
@@ -117,8 +116,8 @@ class Broadcaster:
     ) -> None:
         if pipeline < 1 or writers < 1:
             raise ValueError("pipeline and writers must be at least 1")
-        self.comm = comm
-        self.rank = comm.Get_rank()
+        self.transport = transport
+        self.rank = transport.rank
         self.files = files
         self.tree = tree
         self.direct = direct
@@ -183,8 +182,6 @@ class Broadcaster:
         part without reading or writing until the first agreement, where all ranks stop, as it
         does when anything else fails before its first post here (its threads cannot start).
         """
-        from mpi4py import MPI
-
         self._schedule = schedule
         self._completes = completions(schedule)
         rank = self.rank
@@ -222,7 +219,7 @@ class Broadcaster:
         threads = [t for t in threads if t.ident is not None]  # only the started ones are joined
         if failed is not None:
             machine.failed(failed)  # before start(): nothing is read or written, everything posted
-        inflight: deque[tuple[Transfer, list[Any], int]] = deque()  # (transfer, its calls, its slot)
+        inflight: deque[tuple[Transfer, Request, int]] = deque()  # (transfer, its calls, its slot)
         todo: deque[Instruction] = deque(machine.start())
         finish: Finish | None = None
         nap = POLL_NAP
@@ -238,7 +235,7 @@ class Broadcaster:
                         # The root says whether the slot holds the bytes; a receiver's byte is
                         # overwritten by the root's (0 until then).
                         buffer[transfer.length] = 1 if step.intact and transfer.root == self.rank else 0
-                        inflight.append((transfer, self._post(transfer, buffer, MPI), step.slot))
+                        inflight.append((transfer, self._post(transfer, buffer), step.slot))
                     elif isinstance(step, Write):
                         try:
                             if disk is None:
@@ -251,11 +248,11 @@ class Broadcaster:
                     elif isinstance(step, Hash):
                         hashes.put(step)
                     elif isinstance(step, Agree):
-                        any_failed = self.comm.allreduce(1 if step.failed else 0) > 0
+                        any_failed = self.transport.agree(step.failed)
                         todo.extend(machine.agreed(any_failed))
                     elif isinstance(step, Drain):
                         while inflight:
-                            MPI.Request.Waitall(inflight.popleft()[1])
+                            self.transport.wait(inflight.popleft()[1])
                     else:
                         finish = step
                         break
@@ -265,7 +262,7 @@ class Broadcaster:
                 if todo:
                     nap = POLL_NAP
                     continue
-                if inflight and MPI.Request.Testall(inflight[0][1]):
+                if inflight and self.transport.test(inflight[0][1]):
                     transfer, _, slot = inflight.popleft()
                     intact = self.slots[slot].buffer[transfer.length] == 1
                     try:
@@ -290,7 +287,7 @@ class Broadcaster:
                 todo.extend(self._event(machine, event))
         finally:
             while inflight:  # leaving early (an exception here): complete what was posted
-                MPI.Request.Waitall(inflight.popleft()[1])
+                self.transport.wait(inflight.popleft()[1])
             reads.put(None)
             hashes.put(None)
             for thread in threads:
@@ -338,16 +335,11 @@ class Broadcaster:
             return machine.read_done(seq, error)
         return machine.write_done(seq, error)
 
-    def _post(self, transfer: Transfer, buffer: Any, mpi: Any) -> list[Any]:
-        """Start a transfer's calls: a broadcast when every rank receives it, else sends and receives
-        (its bytes and the root's ``intact`` byte after them)."""
-        view = buffer[: transfer.length + 1]
-        pieces = [[view[start:stop], mpi.BYTE] for start, stop in call_slices(transfer.length + 1)]
-        if transfer.everyone:
-            return [self.comm.Ibcast(piece, root=transfer.root) for piece in pieces]
-        if transfer.root == self.rank:
-            return [self.comm.Isend(piece, dest=to, tag=P2P_TAG) for to in transfer.receivers for piece in pieces]
-        return [self.comm.Irecv(piece, source=transfer.root, tag=P2P_TAG) for piece in pieces]
+    def _post(self, transfer: Transfer, buffer: Any) -> Request:
+        """Start a transfer: its bytes and the root's ``intact`` byte after them, to every other
+        rank or to its receivers."""
+        receivers = None if transfer.everyone else transfer.receivers
+        return self.transport.post(buffer[: transfer.length + 1], transfer.root, receivers)
 
     def _retired(self, transfer: Transfer) -> None:
         """Count a completed transfer."""
