@@ -1,7 +1,10 @@
-"""--verify's verdict: every node's MD5 of every file it holds, against the blob's and each other. Pure code."""
+"""--verify's digests: each file's MD5 hashed as its bytes stream past, and the verdict on
+every node's MD5 of every file it holds, against the blob's and each other. Pure code."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
@@ -32,4 +35,25 @@ def verdict(files: Sequence[FileEntry], reports: Sequence[tuple[int, Mapping[int
     return agreed
 
 
-__all__ = ["verdict"]
+class StreamDigests:
+    """The MD5 of files whose bytes arrive in offset order, a piece at a time (``--verify stream``).
+
+    ``add`` each file's pieces in order, the last one with ``last``; ``digests`` then holds
+    its MD5 (base64, as Content-MD5 has it). Files may interleave; one caller at a time.
+    """
+
+    def __init__(self, digests: dict[int, str] | None = None) -> None:
+        self.digests = digests if digests is not None else {}  # file index -> base64 MD5
+        self._open: dict[int, hashlib._Hash] = {}
+
+    def add(self, file: int, data: bytes | memoryview, last: bool) -> None:
+        """Hash ``data``, the next bytes of ``file``; ``last``: its last ones."""
+        md5 = self._open.get(file)
+        if md5 is None:
+            md5 = self._open[file] = hashlib.md5(usedforsecurity=False)
+        md5.update(data)
+        if last:
+            self.digests[file] = base64.b64encode(self._open.pop(file).digest()).decode("ascii")
+
+
+__all__ = ["StreamDigests", "verdict"]

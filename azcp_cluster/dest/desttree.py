@@ -376,8 +376,3 @@ def source_opener(path: str) -> Opener:
         return fd
 
     return open_with
-
-
-# split is destroot.py's, exported here as well for fanout/broadcast.py, which imports it from
-# this module (the transport work of issue 26 rewrites that module; then this goes).
-__all__ = ["BULK_SYNC", "PREALLOCATE_MIN", "DestTree", "source_opener", "split"]

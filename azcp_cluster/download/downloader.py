@@ -36,7 +36,7 @@ from azcp_cluster.core.throttle import Pacer, Slot
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.directio import DirectFile
 from azcp_cluster.dest.localfs import fs_error
-from azcp_cluster.download.blocks import Block, DownloadStats, Fetcher, blocks_for
+from azcp_cluster.download.blocks import Block, DownloadStats
 from azcp_cluster.download.http1 import ConnectFailed, Connection, TunnelRefused
 from azcp_cluster.download.httpwire import Head, ProtocolError, request_bytes
 from azcp_cluster.download.writepool import BlockWrites, WritePool
@@ -444,9 +444,3 @@ class _Watch:
         self.seen = conn.received
         self.idle = 0.0
         self.stalled = False
-
-
-# Block, DownloadStats, Fetcher and blocks_for are blocks.py's, exported here as well for
-# stages/transfer.py, which imports them from this module (the transport work of issue 26
-# rewrites it; then they go).
-__all__ = ["Block", "DownloadStats", "Downloader", "Fetcher", "blocks_for"]

@@ -4,42 +4,50 @@ The schedule (:mod:`azcp_cluster.core.schedule`) is a list of transfers; the sta
 (:class:`azcp_cluster.core.fanout.FanOut`) decides when each slot is read, posted, written and
 released. This module owns what the machine does not: ``pipeline`` slots of the largest
 transfer's size, page-aligned and allocated once; a read-ahead thread that fills a slot
-from the source, the node's download or a complete copy; ``writers`` threads that write
-the extents of a completed slot (O_DIRECT where the extent allows it, see
-``schedule.Extent.direct``) and a hasher thread (``--verify stream``); and the MPI calls,
-made on this (the main) thread only: one ``MPI_Ibcast`` per transfer that every other rank
-receives, point-to-point sends and receives for a transfer with fewer receivers.
+(:class:`azcp_cluster.fanout.readahead.ReadAhead`: from the source, the node's download or a
+complete copy); ``writers`` threads that write the extents of a completed slot (O_DIRECT
+where the extent allows it, see ``schedule.Extent.direct``) and a hasher thread
+(``--verify stream``, :class:`azcp_cluster.core.digests.StreamDigests`); and the calls to the
+other ranks, made on this (the main) thread only, through a
+:class:`azcp_cluster.fanout.transport.Transport` (MPI's between the node leaders; threads of
+one process in tests).
+
+The driver is a dispatcher: what happens (a thread's read or write done, a transfer
+complete, an agreement's answer, bytes landed, a failure) becomes a typed event, each event
+one call of the machine, and the driver carries out the instructions it answers with.
 
 Errors never leave a rank behind in a collective: a rank that fails keeps taking part
-(without touching the disk) until the next agreement, where all ranks stop together.
-Streaming (the download still running) adds one input: which transfers' bytes have landed
-on this node (see :class:`Landed`).
+(without touching the disk) until the next agreement, where all ranks stop together; an
+instruction that cannot be carried out fails the rank the same way, its calls to the other
+ranks still made. Streaming (the download still running) adds one input: which transfers'
+bytes have landed on this node (see :class:`Landed`).
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
 import os
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from azcp_cluster.core.errors import AzcpError, BroadcastError, InternalError, SourceError
+from azcp_cluster.core.digests import StreamDigests
+from azcp_cluster.core.errors import AzcpError, InternalError
 from azcp_cluster.core.fanout import Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.plan import round_up
-from azcp_cluster.core.schedule import Extent, Transfer, call_slices, completions, streamed_files
-from azcp_cluster.dest.desttree import DestTree, source_opener, split
-from azcp_cluster.dest.directio import ALIGN, DirectFile, DirectReader, Opener, aligned_buffer
+from azcp_cluster.core.schedule import Extent, Transfer, completions, streamed_files
+from azcp_cluster.dest.destroot import split
+from azcp_cluster.dest.desttree import DestTree
+from azcp_cluster.dest.directio import ALIGN, DirectFile, aligned_buffer
 from azcp_cluster.dest.diskwriter import DiskWriter
 from azcp_cluster.dest.localfs import fs_error, pwritev_all
-from azcp_cluster.dest.localsource import as_listed
+from azcp_cluster.fanout.readahead import ReadAhead
+from azcp_cluster.fanout.transport import Request, Transport
 from azcp_cluster.run.cluster import PeerFailed, redact
 from azcp_cluster.run.interrupts import shield
 
@@ -53,8 +61,6 @@ POLL_NAP = 0.0002
 MAX_NAP = 0.002
 # Seconds between looks at signals, landings and peers while nothing is in flight.
 IDLE_NAP = 0.005
-# The tag of point-to-point transfers on the broadcast communicator (collectives never match it).
-P2P_TAG = 11
 
 
 @dataclass
@@ -81,6 +87,56 @@ class Landed(Protocol):
         """This rank's own download error, if any (a peer's shows in ``peer_failed``)."""
 
 
+# -- what happens, as the driver tells the machine ----------------------------------------
+
+
+@dataclass(frozen=True)
+class ReadDone:
+    """The read-ahead filled transfer ``seq``'s slot (or failed: ``error``)."""
+
+    seq: int
+    error: AzcpError | None = None
+
+
+@dataclass(frozen=True)
+class WriteDone:
+    """A writer or the hasher finished one job of transfer ``seq`` (or failed: ``error``)."""
+
+    seq: int
+    error: AzcpError | None = None
+
+
+@dataclass(frozen=True)
+class CallDone:
+    """The oldest transfer in flight completed; ``intact``: the byte its root sent with it."""
+
+    intact: bool
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The agreement ended; ``any_failed``: some rank failed."""
+
+    any_failed: bool
+
+
+@dataclass(frozen=True)
+class LandedHere:
+    """Streaming: transfer ``seq``'s bytes are all on this node."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """This rank failed (``error``), or learnt that another one did (None)."""
+
+    error: AzcpError | None
+
+
+Event = ReadDone | WriteDone | CallDone | Agreed | LandedHere | Failed
+
+
 class _Slot:
     """One pipeline buffer."""
 
@@ -91,12 +147,39 @@ class _Slot:
         self.buffer = aligned_buffer(round_up(size + 1, ALIGN), populate=True)
 
 
+@dataclass
+class _InFlight:
+    """A transfer posted and not yet complete."""
+
+    transfer: Transfer
+    request: Request
+    slot: int
+
+
+@dataclass
+class _Run:
+    """One run's machine and what the driver keeps beside it."""
+
+    schedule: Sequence[Transfer]
+    machine: FanOut
+    landed: Landed | None
+    reader: ReadAhead
+    digests: StreamDigests
+    disk: DiskWriter | None
+    own_disk: bool = False  # the disk writers are this run's, closed at its end
+    threads: list[threading.Thread] = field(default_factory=list)
+    reads: queue.SimpleQueue[Read | None] = field(default_factory=queue.SimpleQueue)
+    hashes: queue.SimpleQueue[Hash | None] = field(default_factory=queue.SimpleQueue)
+    todo: deque[Instruction] = field(default_factory=deque)
+    inflight: deque[_InFlight] = field(default_factory=deque)  # in posting order
+
+
 class Broadcaster:
     """Drives one rank's :class:`FanOut` over a schedule: read ahead (root), MPI (all), write behind."""
 
     def __init__(
         self,
-        comm: Any,
+        transport: Transport,
         files: Sequence[FileEntry],
         tree: DestTree,
         slot_size: int,
@@ -117,8 +200,8 @@ class Broadcaster:
     ) -> None:
         if pipeline < 1 or writers < 1:
             raise ValueError("pipeline and writers must be at least 1")
-        self.comm = comm
-        self.rank = comm.Get_rank()
+        self.transport = transport
+        self.rank = transport.rank
         self.files = files
         self.tree = tree
         self.direct = direct
@@ -159,7 +242,7 @@ class Broadcaster:
         # A local SOURCE's files that changed while they were read (or since they were
         # listed): their copies are torn, and the pipeline reads them again or fails.
         self.changed: set[int] = set()
-        self._events: queue.SimpleQueue[tuple[str, int, AzcpError | None]] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
 
     def release(self) -> None:
         """Free the slots and the per-file state once the fan-out has ended normally (a second
@@ -171,7 +254,7 @@ class Broadcaster:
         self._completes = []
         self.digests = {}
 
-    # -- the MPI side (main thread) -------------------------------------------------------
+    # -- the driver (main thread) ----------------------------------------------------------
 
     def run(
         self, schedule: Sequence[Transfer], landed: Landed | None = None, failed: AzcpError | None = None
@@ -183,8 +266,19 @@ class Broadcaster:
         part without reading or writing until the first agreement, where all ranks stop, as it
         does when anything else fails before its first post here (its threads cannot start).
         """
-        from mpi4py import MPI
+        run = self._begin(schedule, landed, failed)
+        try:
+            finish = self._drive(run)
+        finally:
+            self._end(run)
+        if finish.error is not None:
+            raise finish.error
+        if finish.peer:
+            raise PeerFailed()
+        return self.stats
 
+    def _begin(self, schedule: Sequence[Transfer], landed: Landed | None, failed: AzcpError | None) -> _Run:
+        """The machine for ``schedule``, the read-ahead, hasher and writer threads started, the first instructions."""
         self._schedule = schedule
         self._completes = completions(schedule)
         rank = self.rank
@@ -204,114 +298,187 @@ class Broadcaster:
             writers=self.writer_count,
             waits_landing=landed.waits if landed is not None else (lambda seq: False),
         )
-        reads: queue.SimpleQueue[Read | None] = queue.SimpleQueue()
-        hashes: queue.SimpleQueue[Hash | None] = queue.SimpleQueue()
-        threads: list[threading.Thread] = []
-        own_disk = self.disk is None
-        disk = self.disk
+        reader = ReadAhead(
+            self.files,
+            self.tree,
+            schedule,
+            rank,
+            have=self.have,
+            source_of=self.source_of,
+            direct=self.direct,
+            hint_window=4 * len(self.slots),
+            changed=self.changed,
+        )
+        run = _Run(schedule, machine, landed, reader, StreamDigests(self.digests), disk=self.disk)
         try:
-            threads.append(threading.Thread(target=self._reader, args=(reads,), name="azcp-readahead", daemon=True))
-            if hashed:
-                threads.append(threading.Thread(target=self._hasher, args=(hashes,), name="azcp-md5", daemon=True))
-            for thread in threads:
-                thread.start()
-            if disk is None:
-                disk = DiskWriter(self.writer_count, name="azcp-bcast-writer")
+            self._start_threads(run, hashed=bool(hashed))
         except Exception as exc:  # no thread (a process limit): fail here, but never leave the others
             failed = failed or _as_error(exc, "starting the fan-out's threads")
-        threads = [t for t in threads if t.ident is not None]  # only the started ones are joined
+        run.threads = [t for t in run.threads if t.ident is not None]  # only the started ones are joined
         if failed is not None:
-            machine.failed(failed)  # before start(): nothing is read or written, everything posted
-        inflight: deque[tuple[Transfer, list[Any], int]] = deque()  # (transfer, its calls, its slot)
-        todo: deque[Instruction] = deque(machine.start())
-        finish: Finish | None = None
-        nap = POLL_NAP
-        try:
-            while finish is None:
-                while todo:
-                    step = todo.popleft()
-                    if isinstance(step, Read):
-                        reads.put(step)
-                    elif isinstance(step, Post):
-                        transfer = schedule[step.seq]
-                        buffer = self.slots[step.slot].buffer
-                        # The root says whether the slot holds the bytes; a receiver's byte is
-                        # overwritten by the root's (0 until then).
-                        buffer[transfer.length] = 1 if step.intact and transfer.root == self.rank else 0
-                        inflight.append((transfer, self._post(transfer, buffer, MPI), step.slot))
-                    elif isinstance(step, Write):
-                        try:
-                            if disk is None:
-                                raise RuntimeError("no disk writer")
-                            disk.submit(self._work(step), self._reported(step.seq, "writer"))
-                        except Exception as exc:  # (a closed writer): the write fails, reported as one
-                            self._reported(step.seq, "writer")(exc)
-                        else:
-                            self.stats.received_bytes += sum(e.length for e in step.extents)
-                    elif isinstance(step, Hash):
-                        hashes.put(step)
-                    elif isinstance(step, Agree):
-                        any_failed = self.comm.allreduce(1 if step.failed else 0) > 0
-                        todo.extend(machine.agreed(any_failed))
-                    elif isinstance(step, Drain):
-                        while inflight:
-                            MPI.Request.Waitall(inflight.popleft()[1])
-                    else:
-                        finish = step
-                        break
-                if finish is not None:
-                    break
-                todo.extend(self._events_now(machine, landed))
-                if todo:
-                    nap = POLL_NAP
-                    continue
-                if inflight and MPI.Request.Testall(inflight[0][1]):
-                    transfer, _, slot = inflight.popleft()
-                    intact = self.slots[slot].buffer[transfer.length] == 1
-                    try:
-                        if intact or transfer.root == self.rank:
-                            self._retired(transfer)  # counters and the progress bar
-                    except Exception as exc:  # fail this rank; never leave the others in a collective
-                        todo.extend(machine.failed(_as_error(exc, "the fan-out")))
-                    todo.extend(machine.call_done(intact))
-                    nap = POLL_NAP
-                    continue
-                # Nothing to do until a thread, MPI or the download moves: nap, then look
-                # again, testing MPI (which moves only inside MPI calls) often. A nap, not a
-                # timed wait on the events queue: a signal landing in that wait can hang it
-                # (see interrupts.shield).
-                time.sleep(nap if inflight else IDLE_NAP)
-                nap = min(nap * 2, MAX_NAP)
-                try:
-                    event = self._events.get_nowait()
-                except queue.Empty:
-                    continue
-                nap = POLL_NAP
-                todo.extend(self._event(machine, event))
-        finally:
-            while inflight:  # leaving early (an exception here): complete what was posted
-                MPI.Request.Waitall(inflight.popleft()[1])
-            reads.put(None)
-            hashes.put(None)
-            for thread in threads:
-                thread.join()
-            if own_disk and disk is not None:
-                disk.close()  # after the queued writes (a shared one: its owner closes it)
-        if finish.error is not None:
-            raise finish.error
-        if finish.peer:
-            raise PeerFailed()
-        return self.stats
+            # Before start(): nothing is read or written, everything posted. What it asks for
+            # (an agreement, for a rank whose first transfer is past one) is carried out first.
+            run.todo.extend(machine.failed(failed))
+        run.todo.extend(machine.start())
+        return run
 
-    def _events_now(self, machine: FanOut, landed: Landed | None) -> list[Instruction]:
+    def _start_threads(self, run: _Run, hashed: bool) -> None:
+        """The read-ahead thread, the hasher (if any file is hashed) and our own disk writers (if none is shared)."""
+        run.threads.append(threading.Thread(target=self._reader, args=(run,), name="azcp-readahead", daemon=True))
+        if hashed:
+            run.threads.append(threading.Thread(target=self._hasher, args=(run,), name="azcp-md5", daemon=True))
+        for thread in run.threads:
+            thread.start()
+        if run.disk is None:
+            run.disk = DiskWriter(self.writer_count, name="azcp-bcast-writer")
+            run.own_disk = True
+
+    def _end(self, run: _Run) -> None:
+        """Complete what was posted (leaving early: an exception), stop the threads, close our own writers."""
+        try:
+            while run.inflight:
+                self.transport.wait(run.inflight.popleft().request)
+        finally:
+            run.reads.put(None)
+            run.hashes.put(None)
+            for thread in run.threads:
+                thread.join()
+            self.stats.source_bytes += run.reader.source_bytes
+            if run.own_disk and run.disk is not None:
+                run.disk.close()  # after the queued writes (a shared one: its owner closes it)
+
+    def _drive(self, run: _Run) -> Finish:
+        """Carry out the machine's instructions and feed it what happened, until it says Finish."""
+        todo = run.todo
+        nap = POLL_NAP
+        while True:
+            while todo:
+                step = todo.popleft()
+                if isinstance(step, Finish):
+                    return step
+                for event in self._dispatch(run, step):
+                    todo.extend(self._handle(run.machine, event))
+            todo.extend(self._events_now(run))
+            if todo:
+                nap = POLL_NAP
+                continue
+            if run.inflight and self.transport.test(run.inflight[0].request):
+                for event in self._completed(run):
+                    todo.extend(self._handle(run.machine, event))
+                nap = POLL_NAP
+                continue
+            # Nothing to do until a thread, the transport or the download moves: nap, then
+            # look again, testing the transfer in flight (MPI moves only inside MPI calls)
+            # often. A nap, not a timed wait on the events queue: a signal landing in that
+            # wait can hang it (see interrupts.shield).
+            time.sleep(nap if run.inflight else IDLE_NAP)
+            nap = min(nap * 2, MAX_NAP)
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                continue
+            nap = POLL_NAP
+            todo.extend(self._handle(run.machine, event))
+
+    def _handle(self, machine: FanOut, event: Event) -> list[Instruction]:
+        """Tell the machine what happened; what it asks for next."""
+        if isinstance(event, ReadDone):
+            return machine.read_done(event.seq, event.error)
+        if isinstance(event, WriteDone):
+            return machine.write_done(event.seq, event.error)
+        if isinstance(event, CallDone):
+            return machine.call_done(event.intact)
+        if isinstance(event, Agreed):
+            return machine.agreed(event.any_failed)
+        if isinstance(event, LandedHere):
+            return machine.landed(event.seq)
+        return machine.failed(event.error)
+
+    def _dispatch(self, run: _Run, step: Instruction) -> list[Event]:
+        """Carry out one instruction; should that fail, fail this rank without leaving the others."""
+        try:
+            return self._carry_out(run, step)
+        except Exception as exc:
+            return self._failed_at(run, step, _as_error(exc, "the fan-out") or InternalError("the fan-out failed"))
+
+    def _carry_out(self, run: _Run, step: Instruction) -> list[Event]:
+        """Do what ``step`` says; what came of it at once (an agreement's answer), as events."""
+        if isinstance(step, Read):
+            run.reads.put(step)
+        elif isinstance(step, Post):
+            self._send(run, step)
+        elif isinstance(step, Write):
+            if run.disk is None:
+                raise RuntimeError("no disk writer")
+            run.disk.submit(self._work(step), self._reported(step.seq, "writer"))
+            self.stats.received_bytes += sum(e.length for e in step.extents)
+        elif isinstance(step, Hash):
+            run.hashes.put(step)
+        elif isinstance(step, Agree):
+            # As the rank stands now: a failure since the machine asked (an instruction of
+            # the same batch carried out before this one) is not hidden from the others.
+            return [Agreed(self.transport.agree(step.failed or run.machine.failing))]
+        elif isinstance(step, Drain):
+            while run.inflight:
+                self.transport.wait(run.inflight.popleft().request)
+        else:
+            raise InternalError(f"the fan-out cannot carry out {step!r}")
+        return []
+
+    def _failed_at(self, run: _Run, step: Instruction, error: AzcpError) -> list[Event]:
+        """Carrying out ``step`` failed (``error``): the events that fail this rank, the step's
+        share of the calls still made, so that no other rank waits for it."""
+        if isinstance(step, Read):
+            return [ReadDone(step.seq, error)]  # never queued: nothing read
+        if isinstance(step, Write | Hash):
+            return [WriteDone(step.seq, error)]  # never queued: nothing written or hashed
+        if isinstance(step, Post):
+            if not (run.inflight and run.inflight[-1].transfer.seq == step.seq):
+                self._send(run, replace(step, intact=False))  # the others wait for it; it carries nothing
+            return [Failed(error)]
+        if isinstance(step, Agree):
+            return [Failed(error), Agreed(self.transport.agree(True))]
+        if isinstance(step, Drain):
+            while run.inflight:
+                self.transport.wait(run.inflight.popleft().request)
+        return [Failed(error)]
+
+    def _send(self, run: _Run, step: Post) -> None:
+        """Post transfer ``step.seq`` from its slot (the root says whether the slot holds its
+        bytes; a receiver's byte is overwritten by the root's, 0 until then)."""
+        transfer = run.schedule[step.seq]
+        buffer = self.slots[step.slot].buffer
+        buffer[transfer.length] = 1 if step.intact and transfer.root == self.rank else 0
+        run.inflight.append(_InFlight(transfer, self._post(transfer, buffer), step.slot))
+
+    def _post(self, transfer: Transfer, buffer: Any) -> Request:
+        """Start a transfer: its bytes and the root's ``intact`` byte after them, to every other
+        rank or to its receivers."""
+        receivers = None if transfer.everyone else transfer.receivers
+        return self.transport.post(buffer[: transfer.length + 1], transfer.root, receivers)
+
+    def _completed(self, run: _Run) -> list[Event]:
+        """The oldest transfer in flight completed: count it (if its root's bytes came), then tell the machine."""
+        done = run.inflight.popleft()
+        transfer = done.transfer
+        intact = bool(self.slots[done.slot].buffer[transfer.length] == 1)
+        try:
+            if intact or transfer.root == self.rank:
+                self._retired(transfer)  # counters and the progress bar
+        except Exception as exc:  # fail this rank; never leave the others in a collective
+            return [Failed(_as_error(exc, "the fan-out")), CallDone(intact)]
+        return [CallDone(intact)]
+
+    def _events_now(self, run: _Run) -> list[Instruction]:
         """What happened since the last look: thread events, a signal, landings, a peer's failure."""
+        machine, landed = run.machine, run.landed
         out: list[Instruction] = []
         while True:
             try:
                 event = self._events.get_nowait()
             except queue.Empty:
                 break
-            out.extend(self._event(machine, event))
+            out.extend(self._handle(machine, event))
         try:
             if machine.error is None:
                 stop = self.stop_requested()
@@ -321,7 +488,7 @@ class Broadcaster:
                     out.extend(machine.failed(stop))
             if landed is not None and not machine.finished:
                 for seq in landed.poll():
-                    out.extend(machine.landed(seq))
+                    out.extend(self._handle(machine, LandedHere(seq)))
                 if not machine.failing and self.peer_failed():
                     out.extend(machine.failed(None))
         except Exception as exc:  # a bug here must fail this rank, not leave the others in a collective
@@ -332,23 +499,6 @@ class Broadcaster:
                 self.announce()
         return out
 
-    def _event(self, machine: FanOut, event: tuple[str, int, AzcpError | None]) -> list[Instruction]:
-        kind, seq, error = event
-        if kind == "read":
-            return machine.read_done(seq, error)
-        return machine.write_done(seq, error)
-
-    def _post(self, transfer: Transfer, buffer: Any, mpi: Any) -> list[Any]:
-        """Start a transfer's calls: a broadcast when every rank receives it, else sends and receives
-        (its bytes and the root's ``intact`` byte after them)."""
-        view = buffer[: transfer.length + 1]
-        pieces = [[view[start:stop], mpi.BYTE] for start, stop in call_slices(transfer.length + 1)]
-        if transfer.everyone:
-            return [self.comm.Ibcast(piece, root=transfer.root) for piece in pieces]
-        if transfer.root == self.rank:
-            return [self.comm.Isend(piece, dest=to, tag=P2P_TAG) for to in transfer.receivers for piece in pieces]
-        return [self.comm.Irecv(piece, source=transfer.root, tag=P2P_TAG) for piece in pieces]
-
     def _retired(self, transfer: Transfer) -> None:
         """Count a completed transfer."""
         self.stats.chunks += 1
@@ -358,8 +508,14 @@ class Broadcaster:
 
     # -- threads --------------------------------------------------------------------------
 
-    def _serve(self, jobs: queue.SimpleQueue[Any], work: Callable[[Any], None], kind: str, what: str) -> None:
-        """A thread's loop: ``work`` each job and always report it done (with its error, if any).
+    def _serve(
+        self,
+        jobs: queue.SimpleQueue[Any],
+        work: Callable[[Any], None],
+        done: Callable[[int, AzcpError | None], Event],
+        what: str,
+    ) -> None:
+        """A thread's loop: ``work`` each job and always report it ``done`` (with its error, if any).
 
         A thread that died would leave its slot waiting forever, so nothing escapes.
         """
@@ -373,87 +529,34 @@ class Broadcaster:
                 work(job)
             except BaseException as exc:
                 error = exc
-            self._events.put((kind, job.seq, _as_error(error, what)))
+            self._events.put(done(job.seq, _as_error(error, what)))
 
     def _reported(self, seq: int, what: str) -> Callable[[BaseException | None], None]:
-        """The disk writer's callback for a job of transfer ``seq``: an event for the MPI thread."""
-        return lambda error: self._events.put(("write", seq, _as_error(error, what)))
+        """The disk writer's callback for a job of transfer ``seq``: an event for the driver."""
+        return lambda error: self._events.put(WriteDone(seq, _as_error(error, what)))
 
-    def _reader(self, jobs: queue.SimpleQueue[Read | None]) -> None:
-        # One file stays open across its extents: (reader, file index, its stat when opened).
-        current: list[tuple[DirectReader, int, os.stat_result]] = []
-
-        def read_extent(extent: Extent, slot: _Slot) -> None:
-            shown, opener = self._source(extent.file)
-            outside = self.source_of(extent.file) is not None
-            try:
-                if current and current[0][1] != extent.file:
-                    current.pop()[0].close()
-                if not current:
-                    direct = self.direct and self._downloaded(extent.file) and extent.direct
-                    reader = DirectReader(shown, direct=direct, opener=opener)
-                    current.append((reader, extent.file, os.fstat(reader.fd)))
-                    if outside and not self._as_listed(extent.file, current[0][2]):
-                        self.changed.add(extent.file)  # changed since it was listed
-                reader, _, opened = current[0]
-                got = reader.read_at(slot.buffer[extent.at :], extent.length, extent.offset)
-                if outside:
-                    self.stats.source_bytes += got
-                if outside and extent.last_of_file and not _same_version(opened, os.fstat(reader.fd)):
-                    self.changed.add(extent.file)  # written to while it was read
-            except OSError as exc:
-                if outside:
-                    raise SourceError(f"cannot read the file: {exc.strerror or exc}", path=shown) from None
-                raise fs_error(exc, shown, "read back") from None
-            if got != extent.length:
-                if outside:
-                    self.changed.add(extent.file)  # shorter than listed: truncated meanwhile
-                    return
-                raise BroadcastError(f"short read ({got} of {extent.length} bytes)", path=shown)
-            if extent.last_of_file and current:
-                current.pop()[0].close()  # a small file's descriptor is not kept to the next
+    def _reader(self, run: _Run) -> None:
+        """The read-ahead thread: each Read's slot filled from where its root reads."""
 
         def read(job: Read) -> None:
-            transfer = self._schedule[job.seq]
-            slot = self.slots[job.slot]
-            for extent in transfer.extents:
-                read_extent(extent, slot)
-            self._advise_next(transfer, current[0][0].fd if current else -1)
+            run.reader.read(run.schedule[job.seq], self.slots[job.slot].buffer)
 
         try:
-            self._serve(jobs, read, "read", "read-ahead")
+            self._serve(run.reads, read, ReadDone, "read-ahead")
         finally:
-            if current:
-                current[0][0].close()
+            run.reader.close()
 
-    def _downloaded(self, index: int) -> bool:
-        """Whether the root reads file ``index`` from its own download of this run.
+    def _hasher(self, run: _Run) -> None:
+        """The hasher thread, fed in schedule order: each hashed file's extents arrive in offset order."""
 
-        Those were written with O_DIRECT, so none of it is cached: read back with O_DIRECT
-        too. A local SOURCE or a copy from an earlier run may well be cached: read through
-        the cache, with the read-ahead hint.
-        """
-        return self.source_of(index) is None and not self.have[index]
+        def update(job: Hash) -> None:
+            buffer = self.slots[job.slot].buffer
+            for extent in job.extents:
+                last = extent.offset + extent.length == self.files[extent.file].size  # its last bytes
+                piece = memoryview(buffer[extent.at : extent.at + extent.length])  # type: ignore[arg-type]
+                run.digests.add(extent.file, piece, last)
 
-    def _advise_next(self, transfer: Transfer, fd: int) -> None:
-        """Ask the kernel to start reading this rank's next transfer while the MPI calls run.
-
-        Only where it costs no open: the next transfer continues the file still open (a
-        large file read through the page cache: a local SOURCE, a copy this rank already
-        had). A range that will be read with O_DIRECT gets none: the hint would read it a
-        second time, into the cache.
-        """
-        if fd < 0:
-            return
-        last = transfer.extents[-1]
-        for later in self._schedule[transfer.seq + 1 : transfer.seq + 1 + 4 * len(self.slots)]:
-            if later.root != self.rank:
-                continue
-            first = later.extents[0]
-            if first.file == last.file and not (self.direct and self._downloaded(first.file) and first.direct):
-                with contextlib.suppress(OSError):  # only a hint
-                    os.posix_fadvise(fd, first.offset, first.length, os.POSIX_FADV_WILLNEED)
-            return
+        self._serve(run.hashes, update, WriteDone, "hashing")
 
     def _work(self, job: Write) -> Callable[[], None]:
         """The disk writer's work for one Write: its extents, from the slot to their files."""
@@ -516,38 +619,6 @@ class Broadcaster:
                 runs.append((folder, [extent]))
         return runs
 
-    def _hasher(self, jobs: queue.SimpleQueue[Hash | None]) -> None:
-        # One thread, fed in schedule order: each hashed file's extents arrive in offset order.
-        state: dict[int, Any] = {}
-
-        def update(job: Hash) -> None:
-            buffer = self.slots[job.slot].buffer
-            for extent in job.extents:
-                md5 = state.get(extent.file)
-                if md5 is None:
-                    md5 = state[extent.file] = hashlib.md5(usedforsecurity=False)
-                md5.update(memoryview(buffer[extent.at : extent.at + extent.length]))  # type: ignore[arg-type]
-                if extent.offset + extent.length == self.files[extent.file].size:  # its last bytes
-                    self.digests[extent.file] = base64.b64encode(state.pop(extent.file).digest()).decode("ascii")
-
-        self._serve(jobs, update, "write", "hashing")
-
-    def _source(self, index: int) -> tuple[str, Opener]:
-        """Where the root reads a file (for messages, and its opener): the local SOURCE, its
-        complete copy, or its download."""
-        outside = self.source_of(index)
-        if outside is not None:
-            return outside, source_opener(outside)
-        rel = self.files[index].path
-        if self.have[index]:
-            return self.tree.shown(rel), self.tree.opener(rel, temp=False)
-        return self.tree.temp_shown(rel), self.tree.opener(rel, temp=True)
-
-    def _as_listed(self, index: int, st: os.stat_result) -> bool:
-        """Whether a local SOURCE file opened now is the version that was listed."""
-        entry = self.files[index]
-        return st.st_size == entry.size and as_listed(st, entry.etag)
-
 
 def _as_error(error: BaseException | None, what: str) -> AzcpError | None:
     """A thread's failure in the project's tree (an unexpected one named by the thread's task)."""
@@ -556,14 +627,15 @@ def _as_error(error: BaseException | None, what: str) -> AzcpError | None:
     return InternalError(f"{what} failed: {type(error).__name__}: {redact(str(error))}")
 
 
-def _same_version(before: os.stat_result, after: os.stat_result) -> bool:
-    """Whether a file was left alone between two stats (size, mtime and ctime: a write moves
-    mtime, and a write that sets mtime back still moves ctime)."""
-    return (before.st_size, before.st_mtime_ns, before.st_ctime_ns) == (
-        after.st_size,
-        after.st_mtime_ns,
-        after.st_ctime_ns,
-    )
-
-
-__all__ = ["BroadcastStats", "Broadcaster", "Landed"]
+__all__ = [
+    "Agreed",
+    "BroadcastStats",
+    "Broadcaster",
+    "CallDone",
+    "Event",
+    "Failed",
+    "Landed",
+    "LandedHere",
+    "ReadDone",
+    "WriteDone",
+]

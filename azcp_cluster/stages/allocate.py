@@ -32,6 +32,7 @@ from azcp_cluster.dest.localfs import check_space, fs_error
 from azcp_cluster.dest.localsource import source_file
 from azcp_cluster.download.cpus import allowed as allowed_cpus
 from azcp_cluster.fanout.broadcast import Broadcaster
+from azcp_cluster.fanout.transport import MpiTransport
 from azcp_cluster.run.cluster import StageOutcome
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement, available_memory
@@ -265,7 +266,7 @@ def make_broadcaster(
     cfg = ctx.cfg
     reads = ctx.local and ctx.rank in place.readers
     return Broadcaster(
-        ctx.node_comm,
+        MpiTransport(ctx.node_comm),
         listed.listing.files,
         ctx.dest_tree(),
         max_length(transfers),  # no slot larger than the largest transfer

@@ -34,7 +34,8 @@ from azcp_cluster.stages.setup import Placement
 from azcp_cluster.stages.survey import Diff, Listed
 
 if TYPE_CHECKING:
-    from azcp_cluster.download.downloader import Downloader, DownloadStats, Fetcher
+    from azcp_cluster.download.blocks import DownloadStats, Fetcher
+    from azcp_cluster.download.downloader import Downloader
     from azcp_cluster.download.workers import WorkerDownloader
 
 
@@ -75,7 +76,7 @@ def move(
 
 def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan) -> None:
     """Every downloader fetches its shards into its node's temporary files."""
-    from azcp_cluster.download.downloader import blocks_for
+    from azcp_cluster.download.blocks import blocks_for
 
     cluster = ctx.cluster
     t0 = cluster.clock()
@@ -214,7 +215,7 @@ def stream(
     stop every leader at the same transfer. Reported as both stages: ``download`` until
     the last byte landed, ``bcast`` the whole stage (they overlap).
     """
-    from azcp_cluster.download.downloader import Block, blocks_for
+    from azcp_cluster.download.blocks import Block, blocks_for
     from azcp_cluster.fanout.streaming import LandingFeed, Streamed, lead, node_blocks, notify_while_downloading
 
     cluster = ctx.cluster

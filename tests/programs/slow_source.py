@@ -13,10 +13,10 @@ import time
 from typing import Any
 
 from azcp_cluster.dest import localsource
-from azcp_cluster.fanout import broadcast
+from azcp_cluster.fanout import readahead
 
 _DELAY = float(os.environ.get("AZCP_SLOW_READ", "0"))
-_read_at = broadcast.DirectReader.read_at
+_read_at = readahead.DirectReader.read_at
 
 
 def slow_read_at(self: Any, buf: Any, length: int, offset: int) -> int:
@@ -24,7 +24,7 @@ def slow_read_at(self: Any, buf: Any, length: int, offset: int) -> int:
     return _read_at(self, buf, length, offset)
 
 
-broadcast.DirectReader.read_at = slow_read_at  # type: ignore[method-assign]
+readahead.DirectReader.read_at = slow_read_at  # type: ignore[method-assign]
 if "AZCP_FSTYPE" in os.environ:
     _magic = int(os.environ["AZCP_FSTYPE"], 0)
     localsource.filesystem_type = lambda path: _magic

@@ -23,6 +23,7 @@ from azcp_cluster.core.schedule import files_written
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import temp_path
 from azcp_cluster.fanout.broadcast import Broadcaster
+from azcp_cluster.fanout.transport import MpiTransport
 
 SIZES = [5000, 3 * (1 << 20) + 123, 70_000]
 RECEIVERS = {0: (1,), 1: (2,), 2: (1, 2)}
@@ -52,7 +53,7 @@ def main() -> int:
     tree.prepare_all([(files[i].path, files[i].size) for i in mine])
     local = {i: sources[i] for i in range(len(SIZES))}
     broadcaster = Broadcaster(
-        comm,
+        MpiTransport(comm),
         files,
         tree,
         max(t.length for t in schedule),

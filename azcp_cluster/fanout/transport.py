@@ -1,0 +1,333 @@
+"""The fan-out's link between the node leaders: every call it makes to another rank, behind one small protocol.
+
+The driver (:class:`azcp_cluster.fanout.broadcast.Broadcaster`) needs four things of the
+ranks it fans out to, and nothing else:
+
+* ``post(data, root, receivers)``: start one transfer. The root's ``data`` goes to each
+  receiver's ``data`` (same length); ``receivers`` None: every other rank (one collective
+  broadcast). Returns a request, opaque to the driver.
+* ``test(request)``: whether it completed (never blocks; the driver polls the oldest).
+* ``wait(request)``: until it completed (the ranks are stopping).
+* ``agree(failed)``: every rank says whether it failed; whether any did (blocks).
+
+Transfers are matched in the order they are posted (collectives among all ranks, each
+sender's transfers to one receiver among themselves), as MPI matches them; an agreement is
+a collective too. :class:`MpiTransport` makes them MPI calls on the leaders' communicator
+(the only module of the fan-out that imports mpi4py); :class:`LoopbackTransport` runs N
+ranks as threads of one process, so tests drive the real driver without ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from azcp_cluster.core.schedule import call_slices
+
+# The tag of point-to-point transfers on the broadcast communicator (collectives never match it).
+P2P_TAG = 11
+
+# What ``post`` returns: opaque to the driver, understood by the transport that made it.
+Request = Any
+
+
+class Transport(Protocol):
+    """The fan-out's calls to the other ranks (see the module)."""
+
+    @property
+    def rank(self) -> int:
+        """This rank, among the ranks of the fan-out."""
+
+    @property
+    def size(self) -> int:
+        """How many ranks take part."""
+
+    def post(self, data: np.ndarray, root: int, receivers: Sequence[int] | None) -> Request:
+        """Start sending the root's ``data`` to ``receivers`` (None: every other rank)."""
+
+    def test(self, request: Request) -> bool:
+        """Whether ``request`` completed (its ``data`` may be read, or reused)."""
+
+    def wait(self, request: Request) -> None:
+        """Block until ``request`` completed."""
+
+    def agree(self, failed: bool) -> bool:
+        """Whether any rank failed: every rank calls it at the same point, and all get the same answer."""
+
+
+class MpiTransport:
+    """:class:`Transport` over an MPI communicator (the node leaders'): ``MPI_Ibcast`` for a
+    transfer every rank receives, ``Isend``/``Irecv`` for one with fewer receivers, each cut
+    into calls below MPI's 2 GiB count; an agreement is an ``allreduce`` of the flags."""
+
+    def __init__(self, comm: Any) -> None:
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self.comm = comm
+        self._rank: int = comm.Get_rank()
+        self._size: int = comm.Get_size()
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def post(self, data: np.ndarray, root: int, receivers: Sequence[int] | None) -> Request:
+        pieces = [[data[start:stop], self._mpi.BYTE] for start, stop in call_slices(len(data))]
+        if receivers is None:
+            return [self.comm.Ibcast(piece, root=root) for piece in pieces]
+        if root == self._rank:
+            return [self.comm.Isend(piece, dest=to, tag=P2P_TAG) for to in receivers for piece in pieces]
+        return [self.comm.Irecv(piece, source=root, tag=P2P_TAG) for piece in pieces]
+
+    def test(self, request: Request) -> bool:
+        return bool(self._mpi.Request.Testall(request))
+
+    def wait(self, request: Request) -> None:
+        self._mpi.Request.Waitall(request)
+
+    def agree(self, failed: bool) -> bool:
+        return int(self.comm.allreduce(1 if failed else 0)) > 0
+
+
+# ---------------------------------------------------------------------------------------
+# Ranks as threads of one process
+
+
+class LoopbackError(RuntimeError):
+    """The loopback ranks went wrong: a rank waited too long, for a rank that left, or the
+    ranks posted calls that do not match (what would hang or corrupt an MPI job)."""
+
+
+@dataclass
+class _Collective:
+    """The ``index``-th collective of the ranks: a broadcast or an agreement."""
+
+    index: int
+    kind: str  # "bcast" or "agree"
+    root: int
+    length: int
+    data: dict[int, np.ndarray] = field(default_factory=dict)  # rank -> its buffer (bcast)
+    flags: dict[int, bool] = field(default_factory=dict)  # rank -> failed (agree)
+    done: bool = False
+    answer: bool = False
+
+
+@dataclass
+class _Message:
+    """One point-to-point transfer from ``src`` to ``dst`` (the ``index``-th between them)."""
+
+    src: int
+    dst: int
+    index: int
+    sent: np.ndarray | None = None
+    into: np.ndarray | None = None
+    done: bool = False
+
+
+@dataclass
+class _Request:
+    rank: int
+    what: str
+    collective: _Collective | None = None
+    messages: list[_Message] = field(default_factory=list)
+    since: float = field(default_factory=time.monotonic)
+
+    def done(self) -> bool:
+        if self.collective is not None:
+            return self.collective.done
+        return all(m.done for m in self.messages)
+
+    def waits_for(self, size: int) -> set[int]:
+        """The ranks whose call this request still needs."""
+        if self.collective is not None:
+            joined = self.collective.data.keys() | self.collective.flags.keys()
+            return set(range(size)) - joined if not self.collective.done else set()
+        return {m.src if m.dst == self.rank else m.dst for m in self.messages if not m.done}
+
+
+class LoopbackHub:
+    """What ``size`` loopback ranks share: their calls, matched as MPI matches them.
+
+    A broadcast completes once every rank has posted it (the root's bytes copied into each
+    receiver's buffer then); a point-to-point transfer once its root and that receiver have;
+    an agreement once every rank has joined it (the OR of their flags). That is the most
+    synchronous order MPI allows, so a driver that relies on anything looser hangs here too:
+    a call not complete within ``timeout`` seconds, or waiting for a rank that left
+    (:meth:`leave`, as a rank that died), raises :class:`LoopbackError` instead of hanging.
+    """
+
+    def __init__(self, size: int, timeout: float = 30.0) -> None:
+        if size < 1:
+            raise ValueError("size must be at least 1")
+        self.size = size
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._collectives: dict[int, _Collective] = {}
+        self._joined = [0] * size  # collectives each rank has joined
+        self._messages: dict[tuple[int, int, int], _Message] = {}
+        self._sent: dict[tuple[int, int], int] = {}
+        self._received: dict[tuple[int, int], int] = {}
+        self.left: dict[int, str] = {}  # rank -> why it left
+        self.collectives = 0  # completed, for tests
+        self.messages = 0
+
+    def transport(self, rank: int) -> LoopbackTransport:
+        """Rank ``rank``'s end."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} outside 0..{self.size - 1}")
+        return LoopbackTransport(self, rank)
+
+    def leave(self, rank: int, why: str = "it left") -> None:
+        """Rank ``rank`` makes no more calls (it finished, failed or died): whoever waits for it fails."""
+        with self._cond:
+            self.left.setdefault(rank, why)
+            self._cond.notify_all()
+
+    # -- calls (under the lock) -------------------------------------------------------------
+
+    def _join(self, rank: int, kind: str, root: int, length: int) -> _Collective:
+        index = self._joined[rank]
+        self._joined[rank] += 1
+        found = self._collectives.get(index)
+        if found is None:
+            found = self._collectives[index] = _Collective(index, kind, root, length)
+        elif (found.kind, found.root, found.length) != (kind, root, length):
+            raise LoopbackError(
+                f"rank {rank}'s collective {index} is a {kind} from {root} of {length} bytes, "
+                f"the others' a {found.kind} from {found.root} of {found.length} bytes"
+            )
+        return found
+
+    def _complete(self, collective: _Collective) -> None:
+        if len(collective.data) + len(collective.flags) < self.size:
+            return
+        if collective.kind == "bcast":
+            sent = collective.data[collective.root]
+            for rank, into in collective.data.items():
+                if rank != collective.root:
+                    into[:] = sent
+        collective.answer = any(collective.flags.values())
+        collective.done = True
+        del self._collectives[collective.index]
+        self.collectives += 1
+        self._cond.notify_all()
+
+    def post(self, rank: int, data: np.ndarray, root: int, receivers: Sequence[int] | None) -> _Request:
+        with self._cond:
+            self._check_alive(rank)
+            if receivers is None:
+                collective = self._join(rank, "bcast", root, len(data))
+                collective.data[rank] = data
+                self._complete(collective)
+                return _Request(rank, f"broadcast {collective.index} from rank {root}", collective=collective)
+            peers = receivers if rank == root else (root,)
+            messages = [self._message(rank, root, peer, data) for peer in peers]
+            return _Request(rank, f"transfer from rank {root}", messages=messages)
+
+    def _message(self, rank: int, root: int, peer: int, data: np.ndarray) -> _Message:
+        pair = (root, peer) if rank == root else (root, rank)
+        counter = self._sent if rank == root else self._received
+        index = counter.get(pair, 0)
+        counter[pair] = index + 1
+        key = (*pair, index)
+        message = self._messages.setdefault(key, _Message(pair[0], pair[1], index))
+        if rank == root:
+            message.sent = data
+        else:
+            message.into = data
+        if message.sent is not None and message.into is not None:
+            if len(message.sent) != len(message.into):
+                raise LoopbackError(
+                    f"rank {pair[0]} sends {len(message.sent)} bytes to rank {pair[1]}, "
+                    f"which receives {len(message.into)}"
+                )
+            message.into[:] = message.sent
+            message.done = True
+            del self._messages[key]
+            self.messages += 1
+            self._cond.notify_all()
+        return message
+
+    def agree(self, rank: int, failed: bool) -> bool:
+        with self._cond:
+            self._check_alive(rank)
+            collective = self._join(rank, "agree", -1, 0)
+            collective.flags[rank] = failed
+            self._complete(collective)
+            request = _Request(rank, f"agreement {collective.index}", collective=collective)
+        self.wait(request)
+        return collective.answer
+
+    def test(self, request: _Request) -> bool:
+        with self._cond:
+            if request.done():
+                return True
+            self._check_stuck(request)
+            return False
+
+    def wait(self, request: _Request) -> None:
+        with self._cond:
+            while not request.done():
+                self._check_stuck(request)
+                self._cond.wait(timeout=0.05)
+
+    def _check_alive(self, rank: int) -> None:
+        if rank in self.left:
+            raise LoopbackError(f"rank {rank} called after it left ({self.left[rank]})")
+
+    def _check_stuck(self, request: _Request) -> None:
+        gone = sorted(r for r in request.waits_for(self.size) if r in self.left and r != request.rank)
+        if gone:
+            raise LoopbackError(
+                f"rank {request.rank} waits in its {request.what} for rank {gone[0]}, which left ({self.left[gone[0]]})"
+            )
+        if time.monotonic() - request.since > self.timeout:
+            waits = sorted(request.waits_for(self.size))
+            raise LoopbackError(
+                f"rank {request.rank}'s {request.what} did not complete in {self.timeout:g} s (waiting for {waits})"
+            )
+
+
+class LoopbackTransport:
+    """One rank's end of a :class:`LoopbackHub` (a :class:`Transport`)."""
+
+    def __init__(self, hub: LoopbackHub, rank: int) -> None:
+        self.hub = hub
+        self._rank = rank
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self.hub.size
+
+    def post(self, data: np.ndarray, root: int, receivers: Sequence[int] | None) -> Request:
+        return self.hub.post(self._rank, data, root, receivers)
+
+    def test(self, request: Request) -> bool:
+        return self.hub.test(request)
+
+    def wait(self, request: Request) -> None:
+        self.hub.wait(request)
+
+    def agree(self, failed: bool) -> bool:
+        return self.hub.agree(self._rank, failed)
+
+    def die(self, why: str = "it died") -> None:
+        """This rank stops making calls: every rank that waits for it fails instead of hanging."""
+        self.hub.leave(self._rank, why)
+
+
+__all__ = ["P2P_TAG", "LoopbackError", "LoopbackHub", "LoopbackTransport", "MpiTransport", "Request", "Transport"]
