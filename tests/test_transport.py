@@ -27,8 +27,9 @@ import pytest
 from azcp_cluster.core.errors import AzcpError, BroadcastError
 from azcp_cluster.core.fanout import CHECK_EVERY, Agree, Hash, Instruction, Post, Read, Write
 from azcp_cluster.core.model import FileEntry
+from azcp_cluster.core.packing import transfer_schedule
 from azcp_cluster.core.plan import make_plan
-from azcp_cluster.core.schedule import DIRECT_MIN, Extent, Transfer, transfer_schedule
+from azcp_cluster.core.schedule import DIRECT_MIN, Extent, Transfer
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import TEMP_SUFFIX, temp_path
 from azcp_cluster.dest.localsource import local_etag
