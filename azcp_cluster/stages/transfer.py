@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from azcp_cluster.download.blocks import DownloadStats, Fetcher
     from azcp_cluster.download.downloader import Downloader
     from azcp_cluster.download.workers import WorkerDownloader
+    from azcp_cluster.fanout.streaming import LandingFeed, Streamed
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,28 @@ def stream(
             digests.update(done.digests or {})
         elif mine:
             done = notify_while_downloading(ctx.group_comm, index, make_downloader, mine, since)
+    _conclude_stream(ctx, t0, outcome, done, made, fanned, progress, broadcaster, feed, total)
+    return FannedOut((), digests)
+
+
+def _conclude_stream(
+    ctx: RunContext,
+    t0: float,
+    outcome: StageOutcome,
+    done: Streamed,
+    made: list[Fetcher],
+    fanned: FanOutTally,
+    progress: Progress,
+    broadcaster: Broadcaster | None,
+    feed: LandingFeed | None,
+    total: int,
+) -> None:
+    """The streaming stage's end on this rank: its figures, what it holds released, the agreement."""
+    cluster = ctx.cluster
+
+    def since() -> float:
+        return cluster.clock() - t0
+
     # A rank stopped early downloaded until now (its own stop came with the stage's).
     downloaded = done.downloaded if outcome.error is None or not made else since()
     stats: dict[str, Any] = {"downloaded": downloaded, "fanned": fanned.bytes}
@@ -299,7 +322,6 @@ def stream(
     fanned.conclude(cluster, t0, outcome, record, report, stage="transfer")
     report.broadcast_bytes += total
     report.stages["bcast"].bytes += total
-    return FannedOut((), digests)
 
 
 class FanOutTally:
