@@ -34,7 +34,8 @@ from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import TEMP_SUFFIX, temp_path
 from azcp_cluster.dest.localsource import local_etag
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.fanout.broadcast import Broadcaster, BroadcastStats
+from azcp_cluster.fanout.broadcast import Broadcaster
+from azcp_cluster.fanout.events import BroadcastStats
 from azcp_cluster.fanout.readahead import ReadAhead
 from azcp_cluster.fanout.transport import LoopbackError, LoopbackHub, LoopbackTransport, Request, Transport
 from azcp_cluster.run.cluster import PeerFailed

@@ -26,14 +26,13 @@ bytes have landed on this node (see :class:`Landed`).
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 from azcp_cluster.core.digests import StreamDigests
 from azcp_cluster.core.errors import AzcpError, InternalError
@@ -41,14 +40,25 @@ from azcp_cluster.core.fanout import Agree, Drain, FanOut, Finish, Hash, Instruc
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.plan import round_up
 from azcp_cluster.core.schedule import Extent, Transfer, completions, streamed_files
-from azcp_cluster.dest.destroot import split
 from azcp_cluster.dest.desttree import DestTree
-from azcp_cluster.dest.directio import ALIGN, DirectFile, aligned_buffer
+from azcp_cluster.dest.directio import ALIGN, aligned_buffer
 from azcp_cluster.dest.diskwriter import DiskWriter
-from azcp_cluster.dest.localfs import fs_error, pwritev_all
+from azcp_cluster.fanout.events import (
+    Agreed,
+    BroadcastStats,
+    CallDone,
+    Event,
+    Failed,
+    Landed,
+    LandedHere,
+    ReadDone,
+    WriteDone,
+    as_error,
+)
 from azcp_cluster.fanout.readahead import ReadAhead
+from azcp_cluster.fanout.slotwrites import SlotWriter
 from azcp_cluster.fanout.transport import Request, Transport
-from azcp_cluster.run.cluster import PeerFailed, redact
+from azcp_cluster.run.cluster import PeerFailed
 from azcp_cluster.run.interrupts import shield
 
 # Seconds between tests of a transfer in flight: from POLL_NAP, doubling while nothing
@@ -61,80 +71,6 @@ POLL_NAP = 0.0002
 MAX_NAP = 0.002
 # Seconds between looks at signals, landings and peers while nothing is in flight.
 IDLE_NAP = 0.005
-
-
-@dataclass
-class BroadcastStats:
-    """What one rank's broadcast did."""
-
-    sent_bytes: int = 0
-    received_bytes: int = 0
-    chunks: int = 0  # transfers this rank took part in
-    source_bytes: int = 0  # bytes read from a local SOURCE
-    direct_refused: str = ""  # a path whose filesystem refused O_DIRECT, if any
-
-
-class Landed(Protocol):
-    """Streaming: what the download has put on this node so far (polled on the MPI thread)."""
-
-    def waits(self, seq: int) -> bool:
-        """Whether transfer ``seq`` (rooted here) must wait for downloaded bytes."""
-
-    def poll(self) -> list[int]:
-        """The transfers rooted here whose bytes have all landed since the last poll."""
-
-    def failed(self) -> AzcpError | None:
-        """This rank's own download error, if any (a peer's shows in ``peer_failed``)."""
-
-
-# -- what happens, as the driver tells the machine ----------------------------------------
-
-
-@dataclass(frozen=True)
-class ReadDone:
-    """The read-ahead filled transfer ``seq``'s slot (or failed: ``error``)."""
-
-    seq: int
-    error: AzcpError | None = None
-
-
-@dataclass(frozen=True)
-class WriteDone:
-    """A writer or the hasher finished one job of transfer ``seq`` (or failed: ``error``)."""
-
-    seq: int
-    error: AzcpError | None = None
-
-
-@dataclass(frozen=True)
-class CallDone:
-    """The oldest transfer in flight completed; ``intact``: the byte its root sent with it."""
-
-    intact: bool
-
-
-@dataclass(frozen=True)
-class Agreed:
-    """The agreement ended; ``any_failed``: some rank failed."""
-
-    any_failed: bool
-
-
-@dataclass(frozen=True)
-class LandedHere:
-    """Streaming: transfer ``seq``'s bytes are all on this node."""
-
-    seq: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    """This rank failed (``error``), or learnt that another one did (None)."""
-
-    error: AzcpError | None
-
-
-Event = ReadDone | WriteDone | CallDone | Agreed | LandedHere | Failed
 
 
 class _Slot:
@@ -234,6 +170,7 @@ class Broadcaster:
         self.disk = disk
         # (file, offset, length) once written (not yet durable): the block journal's feed.
         self.on_written = on_written if on_written is not None else (lambda file, offset, length: None)
+        self._writes = SlotWriter(self.files, tree, self.direct, self.made_on_arrival, self.stats, self.on_written)
         self._schedule: Sequence[Transfer] = ()
         # --verify stream: every file whose bytes pass this rank's slots in order is hashed
         # as it streams past (no second read of anything it wrote).
@@ -313,7 +250,7 @@ class Broadcaster:
         try:
             self._start_threads(run, hashed=bool(hashed))
         except Exception as exc:  # no thread (a process limit): fail here, but never leave the others
-            failed = failed or _as_error(exc, "starting the fan-out's threads")
+            failed = failed or as_error(exc, "starting the fan-out's threads")
         run.threads = [t for t in run.threads if t.ident is not None]  # only the started ones are joined
         if failed is not None:
             # Before start(): nothing is read or written, everything posted. What it asks for
@@ -399,7 +336,7 @@ class Broadcaster:
         try:
             return self._carry_out(run, step)
         except Exception as exc:
-            return self._failed_at(run, step, _as_error(exc, "the fan-out") or InternalError("the fan-out failed"))
+            return self._failed_at(run, step, as_error(exc, "the fan-out") or InternalError("the fan-out failed"))
 
     def _carry_out(self, run: _Run, step: Instruction) -> list[Event]:
         """Do what ``step`` says; what came of it at once (an agreement's answer), as events."""
@@ -410,7 +347,7 @@ class Broadcaster:
         elif isinstance(step, Write):
             if run.disk is None:
                 raise RuntimeError("no disk writer")
-            run.disk.submit(self._work(step), self._reported(step.seq, "writer"))
+            run.disk.submit(self._writes.work(step, self.slots[step.slot].buffer), self._reported(step.seq, "writer"))
             self.stats.received_bytes += sum(e.length for e in step.extents)
         elif isinstance(step, Hash):
             run.hashes.put(step)
@@ -466,7 +403,7 @@ class Broadcaster:
             if intact or transfer.root == self.rank:
                 self._retired(transfer)  # counters and the progress bar
         except Exception as exc:  # fail this rank; never leave the others in a collective
-            return [Failed(_as_error(exc, "the fan-out")), CallDone(intact)]
+            return [Failed(as_error(exc, "the fan-out")), CallDone(intact)]
         return [CallDone(intact)]
 
     def _events_now(self, run: _Run) -> list[Instruction]:
@@ -492,7 +429,7 @@ class Broadcaster:
                 if not machine.failing and self.peer_failed():
                     out.extend(machine.failed(None))
         except Exception as exc:  # a bug here must fail this rank, not leave the others in a collective
-            out.extend(machine.failed(_as_error(exc, "the fan-out") or InternalError("the fan-out failed")))
+            out.extend(machine.failed(as_error(exc, "the fan-out") or InternalError("the fan-out failed")))
         if machine.error is not None and not self._announced:
             self._announced = True
             with contextlib.suppress(Exception):  # the agreement still tells the others
@@ -529,11 +466,11 @@ class Broadcaster:
                 work(job)
             except BaseException as exc:
                 error = exc
-            self._events.put(done(job.seq, _as_error(error, what)))
+            self._events.put(done(job.seq, as_error(error, what)))
 
     def _reported(self, seq: int, what: str) -> Callable[[BaseException | None], None]:
         """The disk writer's callback for a job of transfer ``seq``: an event for the driver."""
-        return lambda error: self._events.put(WriteDone(seq, _as_error(error, what)))
+        return lambda error: self._events.put(WriteDone(seq, as_error(error, what)))
 
     def _reader(self, run: _Run) -> None:
         """The read-ahead thread: each Read's slot filled from where its root reads."""
@@ -558,84 +495,5 @@ class Broadcaster:
 
         self._serve(run.hashes, update, WriteDone, "hashing")
 
-    def _work(self, job: Write) -> Callable[[], None]:
-        """The disk writer's work for one Write: its extents, from the slot to their files."""
 
-        def write_extent(extent: Extent, buffer: Any, dfd: int | None) -> None:
-            rel = self.files[extent.file].path
-            shown = self.tree.temp_shown(rel)
-            if dfd is not None and extent.file in self.made_on_arrival:
-                fd = self.tree.create_at(dfd, rel)
-                try:
-                    pwritev_all(fd, [memoryview(buffer[extent.at : extent.at + extent.length])], extent.offset)
-                except OSError as exc:
-                    raise fs_error(exc, shown, "write") from None
-                finally:
-                    os.close(fd)
-                return
-            try:
-                target = DirectFile(
-                    shown, direct=self.direct and extent.direct, opener=self.tree.opener(rel, temp=True, dfd=dfd)
-                )
-                try:
-                    target.write_at(buffer[extent.at : extent.at + extent.length], extent.offset)
-                finally:
-                    if target.refused:
-                        self.stats.direct_refused = target.path
-                    target.close()
-            except OSError as exc:
-                raise fs_error(exc, shown, "write") from None
-
-        def write() -> None:
-            buffer = self.slots[job.slot].buffer
-            # Small files packed in one slot lie mostly in a few directories: each run of
-            # extents in one directory walks to it once (a large extent walks on its own).
-            for folder, extents in self._by_directory(job.extents):
-                if folder is None:
-                    write_extent(extents[0], buffer, None)
-                    self.on_written(extents[0].file, extents[0].offset, extents[0].length)
-                    continue
-                try:
-                    with self.tree.directory(folder) as dfd:
-                        for extent in extents:
-                            write_extent(extent, buffer, dfd)
-                            self.on_written(extent.file, extent.offset, extent.length)
-                except OSError as exc:
-                    raise fs_error(exc, self.tree.shown("/".join(folder)), "write") from None
-
-        return write
-
-    def _by_directory(self, extents: Sequence[Extent]) -> list[tuple[list[str] | None, list[Extent]]]:
-        """Consecutive runs of small extents in one directory; a direct (large) extent alone, with None."""
-        runs: list[tuple[list[str] | None, list[Extent]]] = []
-        for extent in extents:
-            if extent.direct:
-                runs.append((None, [extent]))
-                continue
-            folder = split(self.files[extent.file].path)[0]
-            if runs and runs[-1][0] == folder:
-                runs[-1][1].append(extent)
-            else:
-                runs.append((folder, [extent]))
-        return runs
-
-
-def _as_error(error: BaseException | None, what: str) -> AzcpError | None:
-    """A thread's failure in the project's tree (an unexpected one named by the thread's task)."""
-    if error is None or isinstance(error, AzcpError):
-        return error
-    return InternalError(f"{what} failed: {type(error).__name__}: {redact(str(error))}")
-
-
-__all__ = [
-    "Agreed",
-    "BroadcastStats",
-    "Broadcaster",
-    "CallDone",
-    "Event",
-    "Failed",
-    "Landed",
-    "LandedHere",
-    "ReadDone",
-    "WriteDone",
-]
+__all__ = ["Broadcaster"]

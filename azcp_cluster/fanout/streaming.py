@@ -73,7 +73,7 @@ def node_blocks(
 
 
 class LandingFeed:
-    """A leader's view of what its node's downloads have landed (implements ``broadcast.Landed``).
+    """A leader's view of what its node's downloads have landed (implements ``events.Landed``).
 
     ``group_comm`` is the node's communicator (the leader is its rank 0); ``others`` the
     group ranks of the node's other downloaders. The leader's own download thread reports
@@ -206,7 +206,7 @@ class Streamed:
 
     downloaded: float  # seconds from the stage's start to the end of this rank's download (0: none)
     download: Any = None  # download.DownloadStats, if this rank downloaded
-    fanout: Any = None  # broadcast.BroadcastStats, if this rank is a leader
+    fanout: Any = None  # events.BroadcastStats, if this rank is a leader
     digests: dict[int, str] | None = None  # --verify stream: MD5 of the files hashed in flight
 
 

@@ -1,0 +1,92 @@
+"""The fan-out driver's vocabulary: what happens (typed events, each one call of the pure
+:class:`azcp_cluster.core.fanout.FanOut`), what a streaming download tells it (:class:`Landed`),
+and what one rank's fan-out did (:class:`BroadcastStats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from azcp_cluster.core.errors import AzcpError, InternalError
+from azcp_cluster.run.cluster import redact
+
+
+@dataclass
+class BroadcastStats:
+    """What one rank's broadcast did."""
+
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    chunks: int = 0  # transfers this rank took part in
+    source_bytes: int = 0  # bytes read from a local SOURCE
+    direct_refused: str = ""  # a path whose filesystem refused O_DIRECT, if any
+
+
+class Landed(Protocol):
+    """Streaming: what the download has put on this node so far (polled on the MPI thread)."""
+
+    def waits(self, seq: int) -> bool:
+        """Whether transfer ``seq`` (rooted here) must wait for downloaded bytes."""
+
+    def poll(self) -> list[int]:
+        """The transfers rooted here whose bytes have all landed since the last poll."""
+
+    def failed(self) -> AzcpError | None:
+        """This rank's own download error, if any (a peer's shows in ``peer_failed``)."""
+
+
+# -- what happens, as the driver tells the machine ----------------------------------------
+
+
+@dataclass(frozen=True)
+class ReadDone:
+    """The read-ahead filled transfer ``seq``'s slot (or failed: ``error``)."""
+
+    seq: int
+    error: AzcpError | None = None
+
+
+@dataclass(frozen=True)
+class WriteDone:
+    """A writer or the hasher finished one job of transfer ``seq`` (or failed: ``error``)."""
+
+    seq: int
+    error: AzcpError | None = None
+
+
+@dataclass(frozen=True)
+class CallDone:
+    """The oldest transfer in flight completed; ``intact``: the byte its root sent with it."""
+
+    intact: bool
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The agreement ended; ``any_failed``: some rank failed."""
+
+    any_failed: bool
+
+
+@dataclass(frozen=True)
+class LandedHere:
+    """Streaming: transfer ``seq``'s bytes are all on this node."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """This rank failed (``error``), or learnt that another one did (None)."""
+
+    error: AzcpError | None
+
+
+Event = ReadDone | WriteDone | CallDone | Agreed | LandedHere | Failed
+
+
+def as_error(error: BaseException | None, what: str) -> AzcpError | None:
+    """A thread's failure in the project's tree (an unexpected one named by the thread's task)."""
+    if error is None or isinstance(error, AzcpError):
+        return error
+    return InternalError(f"{what} failed: {type(error).__name__}: {redact(str(error))}")
