@@ -101,6 +101,7 @@ def test_demo_stages_to_four_nodes_prints_its_command_and_ends_with_the_next_ste
     assert (theirs.account, theirs.container, theirs.prefix) == ("mystorageacct", "models", "llama-70b")
 
 
+@pytest.mark.slow  # about 5 s: CI's slow step (the other demo test runs in the default suite)
 def test_demo_runs_exactly_the_printed_command_and_keep_keeps_what_it_says(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:

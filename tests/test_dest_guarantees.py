@@ -503,6 +503,7 @@ def test_verify_disk_catches_a_copy_corrupted_after_it_was_written(tmp_path: Pat
         assert not (tmp_path / "d" / str(rank) / "sub" / "b.bin").exists(), "renamed before the verify"
 
 
+@pytest.mark.slow  # CI's slow step (.ci/run): the default suite stays under 10 minutes
 def test_verify_records_the_md5_a_local_source_lacks_so_compare_md5_can_skip(tmp_path: Path) -> None:
     files = {"a.bin": pseudo_random(MiB, "ma"), "sub/b.bin": b"b"}
     _write_tree(tmp_path / "src", files)

@@ -25,6 +25,7 @@ def test_numbered_names_are_cut_at_the_digits_nearest_the_page_first() -> None:
     assert len(cuts) == 32 and cuts == sorted(cuts)
 
 
+@pytest.mark.slow  # CI's slow step (.ci/run): the default suite stays under 10 minutes
 def test_a_million_numbered_names_fall_into_many_pieces_none_too_large() -> None:
     names = [f"d/sample-{i:08d}" for i in range(0, 1_000_000, 7)]
     page = names[:5000]

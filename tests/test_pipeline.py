@@ -489,7 +489,11 @@ def short_blob(emulator: azurite.Emulator) -> tuple[str, bytes]:
     return container, data
 
 
-@pytest.mark.parametrize(("ranks", "workers"), [(1, 1), (2, 2)], ids=["one-rank", "two-ranks-workers"])
+@pytest.mark.parametrize(
+    ("ranks", "workers"),
+    [(1, 1), pytest.param(2, 2, marks=pytest.mark.slow)],  # the second in CI's slow step
+    ids=["one-rank", "two-ranks-workers"],
+)
 def test_a_short_capped_copy_takes_its_time(
     emulator: azurite.Emulator, short_blob: tuple[str, bytes], tmp_path: Path, ranks: int, workers: int
 ) -> None:

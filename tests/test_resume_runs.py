@@ -383,7 +383,8 @@ def test_a_stopped_copy_of_an_unchanged_local_source_is_resumed(
     _assert_copies(base, files)
 
 
-@pytest.mark.parametrize("how", ["in-place", "replaced"])
+# "replaced" (about 6 s) in CI's slow step.
+@pytest.mark.parametrize("how", ["in-place", pytest.param("replaced", marks=pytest.mark.slow)])
 def test_a_local_file_rewritten_with_its_size_and_mtime_between_the_runs_is_copied_whole(
     local_source: tuple[Path, dict[str, bytes]], tmp_path: Path, how: str
 ) -> None:

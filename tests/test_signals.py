@@ -234,7 +234,8 @@ def big_source(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     ("name", "code", "deliver"),
     [
         ("SIGINT", 130, _to_mpiexec(signal.SIGINT)),  # a person's Ctrl-C, passed on by mpiexec
-        ("SIGTERM", 143, _to_every_rank(signal.SIGTERM)),  # Slurm at a time limit: every task
+        # Slurm at a time limit: every task (in CI's slow step)
+        pytest.param("SIGTERM", 143, _to_every_rank(signal.SIGTERM), marks=pytest.mark.slow),
     ],
     ids=["sigint-to-mpiexec", "sigterm-to-every-rank"],
 )

@@ -226,7 +226,8 @@ def test_a_signal_at_any_instant_ends_the_run_as_documented(
     assert len(kinds) >= 20 and stopped, kinds  # some runs really were stopped
 
 
-@pytest.mark.parametrize("rank", [0, 1])
+# Rank 1 (about 6 s) in CI's slow step; rank 0 in the default suite and under Open MPI.
+@pytest.mark.parametrize("rank", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_signal_to_one_rank_stops_every_rank(
     emulator: azurite.Emulator, container: str, tmp_path: Path, rank: int
 ) -> None:

@@ -163,6 +163,7 @@ def test_a_schedule_with_a_subset_of_receivers_runs_through_the_engine(tmp_path:
     assert lines[1]["digests"] == [0, 2] and lines[2]["digests"] == [1, 2]
 
 
+@pytest.mark.slow  # CI's slow step (.ci/run): the default suite stays under 10 minutes
 def test_a_node_whose_other_downloader_gets_nothing_still_finishes(emulator: azurite.Emulator, tmp_path: Path) -> None:
     """Fewer pieces than downloaders (one small blob, a node of two ranks; or a rerun after one
     blob was added): the leader does not wait for an END from a downloader with no blocks."""

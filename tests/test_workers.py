@@ -222,7 +222,9 @@ def test_two_workers_per_rank_over_http(
     _both_workers_fetched(result.json, 2)
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["streaming", "two-phase"])
+@pytest.mark.parametrize(
+    "overlap", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["streaming", "two-phase"]
+)  # two-phase in CI's slow step
 def test_auto_hands_the_rest_to_workers_in_the_middle_of_the_download(
     emulator: azurite.Emulator, container: str, tmp_path: Path, overlap: bool
 ) -> None:
