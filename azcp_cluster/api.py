@@ -66,6 +66,8 @@ def stage(
     """
     from azcp_cluster.pipeline import run
 
+    if quiet:  # nothing printed: no progress either, unless asked for
+        options.setdefault("progress", "none")
     cfg = make_config(source, dest, options)
     if comm is None:
         from azcp_cluster.run.mpi import world

@@ -140,3 +140,15 @@ def test_a_failure_raises_the_same_typed_error_on_every_rank(source: Path, tmp_p
     assert {(d["type"], d["code"]) for d in lines} == {("LocalFSError", 8)}
     assert len({d["line"] for d in lines}) == 1 and "rank 2" in lines[0]["line"]
     assert all(d["after"] == 4 for d in lines), "MPI still works after the failure"
+
+
+def test_quiet_prints_no_progress_either_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import azcp_cluster.pipeline as pipeline
+    from azcp_cluster.api import stage
+
+    seen: list[str] = []
+    monkeypatch.setattr(pipeline, "run", lambda cfg, comm, **kw: seen.append(cfg.progress))
+    stage("/src", "/dest", comm=object(), quiet=True)
+    stage("/src", "/dest", comm=object())
+    stage("/src", "/dest", comm=object(), quiet=True, progress="lines")
+    assert seen == ["none", "auto", "lines"]
