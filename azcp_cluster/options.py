@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from azcp_cluster import __version__
+from azcp_cluster.core.chain import FANOUT_METHODS, MAX_PIECE_OPTION, MIN_PIECE_OPTION
 from azcp_cluster.core.config import (
     AUTH_METHODS,
     COMPARE_MODES,
@@ -155,6 +156,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("--bcast-chunk", "bcast_chunk", GROUPS[2], "size",
            f"bytes per fan-out slot, {_range(MIN_BCAST_CHUNK, MAX_BCAST_CHUNK)}; sent in MPI calls of at "
            "most 1GiB (default 64MiB)", "SIZE"),
+    Option("--fanout", "fanout", GROUPS[2], "choice",
+           "how a part goes from node to node: 'chain' or 'ring' (one transport: pipelined point-to-point "
+           "messages along the hosts, every link carrying each byte once, whatever the node count), "
+           "'ibcast' (MPI's broadcast); default auto: the chain, unless a probe at start-up finds the "
+           "broadcast faster", "METHOD", FANOUT_METHODS),
     Option("--source-rank", "source_rank", GROUPS[2], "int",
            "local SOURCE: the rank that reads it (default: the lowest that sees it); no other opens it",
            "RANK"),
@@ -195,6 +201,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--bcast-pipeline", "bcast_pipeline", GROUPS[4], "int",
            f"fan-out slots in flight, 1 to {MAX_BCAST_PIPELINE}; memory per writer is N x chunk "
            "(default 4 x 64MiB = 256MiB)", "N"),
+    Option("--fanout-piece", "fanout_piece", GROUPS[4], "size",
+           f"bytes per message of a chain, {_range(MIN_PIECE_OPTION, MAX_PIECE_OPTION)} (default: the "
+           "largest power of two from 256KiB to 4MiB whose pipe fill costs 2%% of the fan-out)", "SIZE"),
     Option("--bcast-writers", "bcast_writers", GROUPS[4], "int",
            f"threads writing received slots to disk per node, 1 to {MAX_BCAST_WRITERS} (default 2)", "N"),
     Option("--no-bcast-direct", "bcast_direct", GROUPS[4], "negated",

@@ -123,7 +123,12 @@ def _pid_of_rank(tag: str, rank: int) -> int | None:
     return None
 
 
-def test_a_rank_killed_during_the_broadcast_ends_the_job_and_the_rerun_finishes(tmp_path: Path) -> None:
+# The chain with a rank in its middle killed (rank 2 waits on a receive posted to it) in the
+# default suite; the last rank of MPI's broadcast in CI's slow step.
+@pytest.mark.parametrize(("fanout", "victim"), [("chain", 1), pytest.param("ibcast", 3, marks=pytest.mark.slow)])
+def test_a_rank_killed_during_the_broadcast_ends_the_job_and_the_rerun_finishes(
+    tmp_path: Path, fanout: str, victim: int
+) -> None:
     old = {f"old/{i}.bin": pseudo_random(256 * 1024, f"o{i}") for i in range(3)}
     big = {"big.bin": pseudo_random(256 * MiB, "big")}
     files = {**old, **big}
@@ -135,18 +140,18 @@ def test_a_rank_killed_during_the_broadcast_ends_the_job_and_the_rerun_finishes(
     tag = uuid.uuid4().hex
     cmd = [
         mpiexec_path(), "-n", str(RANKS), sys.executable, "-m", "azcp_cluster", str(tmp_path / "src"), dest,
-        "--bcast-chunk", "1MiB", "--bcast-pipeline", "2", "--no-progress",
+        "--bcast-chunk", "1MiB", "--bcast-pipeline", "2", "--no-progress", "--fanout", fanout,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=clean_env({"AZCP_TEST_TAG": tag}), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        # The broadcast starts right after rank 3's temporary file for big.bin is created.
-        marker = tmp_path / "d" / "3" / f".big.bin{TEMP_SUFFIX}"
+        # The broadcast starts right after the victim's temporary file for big.bin is created.
+        marker = tmp_path / "d" / str(victim) / f".big.bin{TEMP_SUFFIX}"
         deadline = time.monotonic() + 60
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
-        victim = _pid_of_rank(tag, 3)
-        assert victim is not None and proc.poll() is None, "the run ended before the broadcast could be hit"
-        os.kill(victim, signal.SIGKILL)
+        pid = _pid_of_rank(tag, victim)
+        assert pid is not None and proc.poll() is None, "the run ended before the broadcast could be hit"
+        os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
         proc.wait(timeout=30)
         ended_after = time.monotonic() - killed_at
@@ -155,7 +160,7 @@ def test_a_rank_killed_during_the_broadcast_ends_the_job_and_the_rerun_finishes(
             proc.kill()
         out, err = proc.communicate()
     assert proc.returncode != 0, (out, err)
-    assert ended_after < 30
+    assert ended_after < 10, ended_after  # the launcher ends the others, whatever they wait on
     _assert_nothing_partial(tmp_path / "d", files)
     assert not any((tmp_path / "d" / str(r) / "big.bin").exists() for r in range(RANKS))
 

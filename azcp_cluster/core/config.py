@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
+from azcp_cluster.core.chain import FANOUT_METHODS, MAX_PIECE_OPTION, MIN_PIECE_OPTION
 from azcp_cluster.core.errors import UsageError
 
 KiB = 1024
@@ -251,6 +252,11 @@ class Config:
     # A SOURCE (prefix, directory, filters) that yields no file: exit 3 unless allowed (then
     # a finished, empty copy with a warning).
     allow_empty: bool = False
+    # How the fan-out moves a transfer between the nodes: one of chain.FANOUT_METHODS ("auto":
+    # a pipelined chain unless a probe of the fabric finds MPI's broadcast faster), and the
+    # chain's piece size (None: from the bytes and the nodes, chain.piece_size).
+    fanout: str = "auto"
+    fanout_piece: int | None = None
 
     def validate(self) -> Config:
         """Check ranges and combinations; raise :class:`UsageError` naming the option."""
@@ -258,6 +264,13 @@ class Config:
             raise UsageError(f"--progress must be one of {', '.join(PROGRESS_MODES)}, not {self.progress!r}")
         if self.compare not in COMPARE_MODES:
             raise UsageError(f"--compare must be one of {', '.join(COMPARE_MODES)}, not {self.compare!r}")
+        if self.fanout not in FANOUT_METHODS:
+            raise UsageError(f"--fanout must be one of {', '.join(FANOUT_METHODS)}, not {self.fanout!r}")
+        if self.fanout_piece is not None and not MIN_PIECE_OPTION <= self.fanout_piece <= MAX_PIECE_OPTION:
+            raise UsageError(
+                f"--fanout-piece must be between {format_bytes(MIN_PIECE_OPTION)} and "
+                f"{format_bytes(MAX_PIECE_OPTION)} (got {_bytes_shown(self.fanout_piece)})"
+            )
         if self.auth not in AUTH_METHODS:
             raise UsageError(f"--auth must be one of {', '.join(AUTH_METHODS)}, not {self.auth!r}")
         sizes = {

@@ -98,6 +98,44 @@ class MpiTransport:
     def agree(self, failed: bool) -> bool:
         return int(self.comm.allreduce(1 if failed else 0)) > 0
 
+    # -- the point-to-point wire of a chain (fanout/chain.py) --------------------------------
+
+    @property
+    def tag_limit(self) -> int:
+        """MPI_TAG_UB of the communicator (at least 32767, by the standard)."""
+        limit = self.comm.Get_attr(self._mpi.TAG_UB)
+        return int(limit) if limit else 32767
+
+    def isend(self, data: np.ndarray, dest: int, tag: int) -> Request:
+        return self.comm.Isend([data, self._mpi.BYTE], dest=dest, tag=tag)
+
+    def irecv(self, data: np.ndarray, source: int, tag: int) -> Request:
+        return self.comm.Irecv([data, self._mpi.BYTE], source=source, tag=tag)
+
+    def done(self, request: Request) -> bool:
+        return bool(request.Test())
+
+    def iagree(self, failed: bool) -> Request:
+        return _MpiAgreement(self.comm, self._mpi, failed)
+
+    def answer(self, request: Request) -> bool:
+        return bool(request.result[0])
+
+    def maximum(self, value: float) -> float:
+        return float(self.comm.allreduce(value, op=self._mpi.MAX))
+
+
+class _MpiAgreement:
+    """A non-blocking agreement: an ``Iallreduce`` (MAX) of the ranks' flags, its buffers kept alive with it."""
+
+    def __init__(self, comm: Any, mpi: Any, failed: bool) -> None:
+        self.flags = np.array([1 if failed else 0], dtype=np.int32)
+        self.result = np.zeros(1, dtype=np.int32)
+        self.request = comm.Iallreduce(self.flags, self.result, op=mpi.MAX)
+
+    def Test(self) -> bool:
+        return bool(self.request.Test())
+
 
 # ---------------------------------------------------------------------------------------
 # Ranks as threads of one process
@@ -118,8 +156,10 @@ class _Collective:
     length: int
     data: dict[int, np.ndarray] = field(default_factory=dict)  # rank -> its buffer (bcast)
     flags: dict[int, bool] = field(default_factory=dict)  # rank -> failed (agree)
+    values: dict[int, float] = field(default_factory=dict)  # rank -> its value (max)
     done: bool = False
     answer: bool = False
+    largest: float = 0.0
 
 
 @dataclass
@@ -150,7 +190,8 @@ class _Request:
     def waits_for(self, size: int) -> set[int]:
         """The ranks whose call this request still needs."""
         if self.collective is not None:
-            joined = self.collective.data.keys() | self.collective.flags.keys()
+            c = self.collective
+            joined = c.data.keys() | c.flags.keys() | c.values.keys()
             return set(range(size)) - joined if not self.collective.done else set()
         return {m.src if m.dst == self.rank else m.dst for m in self.messages if not m.done}
 
@@ -174,12 +215,13 @@ class LoopbackHub:
         self._cond = threading.Condition()
         self._collectives: dict[int, _Collective] = {}
         self._joined = [0] * size  # collectives each rank has joined
-        self._messages: dict[tuple[int, int, int], _Message] = {}
-        self._sent: dict[tuple[int, int], int] = {}
-        self._received: dict[tuple[int, int], int] = {}
+        self._messages: dict[tuple[int, int, int, int], _Message] = {}  # (src, dst, tag, index)
+        self._sent: dict[tuple[int, int, int], int] = {}  # (src, dst, tag) -> messages posted by src
+        self._received: dict[tuple[int, int, int], int] = {}  # ... by dst
         self.left: dict[int, str] = {}  # rank -> why it left
         self.collectives = 0  # completed, for tests
         self.messages = 0
+        self.link_bytes: dict[tuple[int, int], int] = {}  # (src, dst) -> bytes its point-to-point messages carried
 
     def transport(self, rank: int) -> LoopbackTransport:
         """Rank ``rank``'s end."""
@@ -209,7 +251,7 @@ class LoopbackHub:
         return found
 
     def _complete(self, collective: _Collective) -> None:
-        if len(collective.data) + len(collective.flags) < self.size:
+        if len(collective.data) + len(collective.flags) + len(collective.values) < self.size:
             return
         if collective.kind == "bcast":
             sent = collective.data[collective.root]
@@ -217,6 +259,7 @@ class LoopbackHub:
                 if rank != collective.root:
                     into[:] = sent
         collective.answer = any(collective.flags.values())
+        collective.largest = max(collective.values.values(), default=0.0)
         collective.done = True
         del self._collectives[collective.index]
         self.collectives += 1
@@ -230,33 +273,71 @@ class LoopbackHub:
                 collective.data[rank] = data
                 self._complete(collective)
                 return _Request(rank, f"broadcast {collective.index} from rank {root}", collective=collective)
-            peers = receivers if rank == root else (root,)
-            messages = [self._message(rank, root, peer, data) for peer in peers]
+            if rank == root:
+                messages = [self._message(rank, root, peer, data) for peer in receivers]
+            else:
+                messages = [self._message(rank, root, rank, data)]
             return _Request(rank, f"transfer from rank {root}", messages=messages)
 
-    def _message(self, rank: int, root: int, peer: int, data: np.ndarray) -> _Message:
-        pair = (root, peer) if rank == root else (root, rank)
-        counter = self._sent if rank == root else self._received
-        index = counter.get(pair, 0)
-        counter[pair] = index + 1
-        key = (*pair, index)
-        message = self._messages.setdefault(key, _Message(pair[0], pair[1], index))
-        if rank == root:
+    def _message(self, rank: int, src: int, dst: int, data: np.ndarray, tag: int = P2P_TAG) -> _Message:
+        """This rank's end (``rank`` is ``src`` or ``dst``) of the next message from ``src`` to ``dst``
+        with ``tag``: matched, as MPI matches, in the order each end posts them."""
+        stream = (src, dst, tag)
+        counter = self._sent if rank == src else self._received
+        index = counter.get(stream, 0)
+        counter[stream] = index + 1
+        key = (*stream, index)
+        message = self._messages.setdefault(key, _Message(src, dst, index))
+        if rank == src:
             message.sent = data
         else:
             message.into = data
         if message.sent is not None and message.into is not None:
             if len(message.sent) != len(message.into):
                 raise LoopbackError(
-                    f"rank {pair[0]} sends {len(message.sent)} bytes to rank {pair[1]}, "
+                    f"rank {src} sends {len(message.sent)} bytes to rank {dst} (tag {tag}), "
                     f"which receives {len(message.into)}"
                 )
             message.into[:] = message.sent
             message.done = True
             del self._messages[key]
             self.messages += 1
+            self.link_bytes[(src, dst)] = self.link_bytes.get((src, dst), 0) + len(message.sent)
             self._cond.notify_all()
         return message
+
+    def isend(self, rank: int, data: np.ndarray, dest: int, tag: int) -> _Request:
+        """Start rank ``rank``'s message to ``dest``: complete once ``dest`` posted its receive."""
+        with self._cond:
+            self._check_alive(rank)
+            return _Request(rank, f"send to rank {dest}", messages=[self._message(rank, rank, dest, data, tag)])
+
+    def irecv(self, rank: int, data: np.ndarray, source: int, tag: int) -> _Request:
+        """Start rank ``rank``'s receive from ``source``: complete once ``source`` posted its send."""
+        with self._cond:
+            self._check_alive(rank)
+            message = self._message(rank, source, rank, data, tag)
+            return _Request(rank, f"receive from rank {source}", messages=[message])
+
+    def iagree(self, rank: int, failed: bool) -> _Request:
+        """Join the next agreement without waiting for it."""
+        with self._cond:
+            self._check_alive(rank)
+            collective = self._join(rank, "agree", -1, 0)
+            collective.flags[rank] = failed
+            self._complete(collective)
+            return _Request(rank, f"agreement {collective.index}", collective=collective)
+
+    def maximum(self, rank: int, value: float) -> float:
+        """The largest of every rank's ``value`` (a collective: waits for every rank)."""
+        with self._cond:
+            self._check_alive(rank)
+            collective = self._join(rank, "max", -1, 0)
+            collective.values[rank] = value
+            self._complete(collective)
+            request = _Request(rank, f"maximum {collective.index}", collective=collective)
+        self.wait(request)
+        return collective.largest
 
     def agree(self, rank: int, failed: bool) -> bool:
         with self._cond:
@@ -324,6 +405,28 @@ class LoopbackTransport:
 
     def agree(self, failed: bool) -> bool:
         return self.hub.agree(self._rank, failed)
+
+    # -- the point-to-point wire of a chain (fanout/chain.py) --------------------------------
+
+    tag_limit = 32767  # MPI's least MPI_TAG_UB: the chains' tags wrap as they would there
+
+    def isend(self, data: np.ndarray, dest: int, tag: int) -> Request:
+        return self.hub.isend(self._rank, data, dest, tag)
+
+    def irecv(self, data: np.ndarray, source: int, tag: int) -> Request:
+        return self.hub.irecv(self._rank, data, source, tag)
+
+    def done(self, request: Request) -> bool:
+        return self.hub.test(request)
+
+    def iagree(self, failed: bool) -> Request:
+        return self.hub.iagree(self._rank, failed)
+
+    def answer(self, request: Request) -> bool:
+        return bool(request.collective.answer)
+
+    def maximum(self, value: float) -> float:
+        return self.hub.maximum(self._rank, value)
 
     def die(self, why: str = "it died") -> None:
         """This rank stops making calls: every rank that waits for it fails instead of hanging."""

@@ -94,6 +94,9 @@ class Report:
     error: str | None = None
     dry_run: bool = False
     overlap: bool = False  # download and fan-out ran at once (their stage times overlap)
+    # How the fan-out moved the bytes between the nodes (core/chain.FanoutChoice.as_dict:
+    # method, piece, reason and, for --fanout auto, the probe's figures); {} without a fan-out.
+    fanout: dict[str, Any] = field(default_factory=dict)
     plan_loads: list[int] = field(default_factory=list)
     plan_spread: float = 0.0
     verified_files: int = 0
@@ -286,6 +289,16 @@ def report_sections(report: Report, failed: bool = False) -> list[tuple[str, str
     return [(section, line) for section, line in lines if reached.get(line[: line.index(" ") + 1], True)]
 
 
+def _via(fanout: dict[str, Any]) -> str:
+    """How the fan-out went, for its line: " via chain (1 MiB pieces)", " via ibcast" ("" if unknown)."""
+    method = fanout.get("method")
+    if method == "chain":
+        piece = int(fanout["piece"])
+        size = f"{piece >> 20} MiB" if piece % (1 << 20) == 0 else f"{piece / 1024:g} KiB"
+        return f" via chain ({size} pieces)"
+    return f" via {method}" if method else ""
+
+
 def _lines(report: Report) -> list[tuple[str, str]]:
     st = report.stages
     head = [
@@ -324,7 +337,8 @@ def _lines(report: Report) -> list[tuple[str, str]]:
                     "transfer",
                     f"[bcast] {report.broadcast_shards} shards {report.broadcast_bytes} bytes "
                     f"T={st['bcast'].seconds:.3f}s BW={gbps(report.broadcast_bytes, st['bcast'].seconds)}"
-                    + _human(report.broadcast_bytes, st["bcast"].seconds),
+                    + _human(report.broadcast_bytes, st["bcast"].seconds)
+                    + _via(report.fanout),
                 )
             )
         if report.verified_files:

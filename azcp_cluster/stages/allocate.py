@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from azcp_cluster.core.errors import InternalError
 from azcp_cluster.core.model import Listing
 from azcp_cluster.core.naming import JOURNAL_DIR
 from azcp_cluster.core.packing import transfer_schedule
@@ -32,6 +33,7 @@ from azcp_cluster.dest.localfs import check_space, fs_error
 from azcp_cluster.dest.localsource import source_file
 from azcp_cluster.download.cpus import allowed as allowed_cpus
 from azcp_cluster.fanout.broadcast import Broadcaster
+from azcp_cluster.fanout.chain import decide, transport_for
 from azcp_cluster.fanout.transport import MpiTransport
 from azcp_cluster.run.cluster import StageOutcome
 from azcp_cluster.stages.context import RunContext
@@ -110,6 +112,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
     cluster = ctx.cluster
     cfg = ctx.cfg
     t0 = cluster.clock()
+    choose_fanout(ctx, place, schedule)
     outcome = StageOutcome()
     broadcaster: Broadcaster | None = None
     mine = plan.owned_by(ctx.rank)
@@ -256,6 +259,17 @@ def made_on_arrival(
     return [i for i in missing if 0 < files[i].size < DIRECT_MIN and i not in downloaded and i not in kept]
 
 
+def choose_fanout(ctx: RunContext, place: Placement, schedule: Schedule) -> None:
+    """Leaders, once per run, before the stage that maps the slots: how the fan-out moves its
+    bytes (``--fanout``; auto may probe the fabric, a collective of the leaders, so it runs
+    here, where every leader is, never inside a stage one of them may have left)."""
+    if not place.leader or not schedule.transfers or ctx.fanout is not None:
+        return
+    cfg = ctx.cfg
+    ctx.fanout = decide(MpiTransport(ctx.node_comm), cfg.fanout, payload(schedule.transfers), cfg.fanout_piece)
+    ctx.report.fanout = ctx.fanout.as_dict()
+
+
 def make_broadcaster(
     ctx: RunContext, place: Placement, listed: Listed, diff: Diff, schedule: Schedule, later: Sequence[int] = ()
 ) -> Broadcaster | None:
@@ -265,8 +279,10 @@ def make_broadcaster(
         return None
     cfg = ctx.cfg
     reads = ctx.local and ctx.rank in place.readers
+    if ctx.fanout is None:
+        raise InternalError("the fan-out's transport was not chosen before its stage (choose_fanout)")
     return Broadcaster(
-        MpiTransport(ctx.node_comm),
+        transport_for(MpiTransport(ctx.node_comm), ctx.fanout),
         listed.listing.files,
         ctx.dest_tree(),
         max_length(transfers),  # no slot larger than the largest transfer

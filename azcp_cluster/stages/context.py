@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
+from azcp_cluster.core.chain import FanoutChoice
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import AzcpError, LocalFSError
 from azcp_cluster.core.source import is_url
@@ -81,6 +82,7 @@ class RunContext:
         self.journal: Journal | None = None  # ranks that write into the node's files: their block journal
         self.heap = collector.Hold()  # the listing, plan and schedule, frozen (collector.py) until the end
         self.node_comm: Any = None  # the leaders' communicator, for the fan-out (setup)
+        self.fanout: FanoutChoice | None = None  # leaders: the fan-out's transport, chosen once (allocate)
         self.group_comm: Any = None  # this node's ranks, its leader as rank 0 (setup)
 
     def dest_tree(self) -> DestTree:

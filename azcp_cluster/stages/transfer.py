@@ -441,6 +441,7 @@ def send_again(
         [f.size for f in files], holders, topo.size, ctx.cfg.shard_size, owners=[place.reader], copies=topo.groups
     )
     schedule = allocate.schedule_for(ctx, place, plan, earlier=first)
+    allocate.choose_fanout(ctx, place, schedule)
     outcome = StageOutcome()
     broadcaster: Broadcaster | None = None
     with cluster.stage(outcome):

@@ -1,9 +1,10 @@
 """A schedule whose receivers are a subset, through the real engine: a scatter/replica mode is a schedule.
 
-    mpiexec -n 3 python tests/programs/subset_schedule.py WORKDIR
+    mpiexec -n 3 python tests/programs/subset_schedule.py WORKDIR [ibcast|chain]
 
 Rank 0 reads three local files (a small one, one of several transfers, one packed with
-the small one) and is every transfer's root. File 0 goes to rank 1 only, file 1 to rank 2
+the small one) and is every transfer's root, over MPI's calls (ibcast, the default) or a
+chain of 256 KiB pieces. File 0 goes to rank 1 only, file 1 to rank 2
 only, file 2 to both; the schedule says so and nothing else does. Each rank writes
 WORKDIR/result<rank>.json: which temporary files it wrote and whether each is byte-identical to the source.
 """
@@ -16,6 +17,7 @@ import sys
 
 from mpi4py import MPI
 
+from azcp_cluster.core.chain import choose
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.packing import transfer_schedule
 from azcp_cluster.core.plan import make_plan
@@ -23,6 +25,7 @@ from azcp_cluster.core.schedule import files_written
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import temp_path
 from azcp_cluster.fanout.broadcast import Broadcaster
+from azcp_cluster.fanout.chain import transport_for
 from azcp_cluster.fanout.transport import MpiTransport
 
 SIZES = [5000, 3 * (1 << 20) + 123, 70_000]
@@ -52,8 +55,9 @@ def main() -> int:
     mine = sorted(files_written(schedule, rank))
     tree.prepare_all([(files[i].path, files[i].size) for i in mine])
     local = {i: sources[i] for i in range(len(SIZES))}
+    method = sys.argv[2] if len(sys.argv) > 2 else "ibcast"
     broadcaster = Broadcaster(
-        MpiTransport(comm),
+        transport_for(MpiTransport(comm), choose(method, 3, 0, piece=256 * 1024)),
         files,
         tree,
         max(t.length for t in schedule),

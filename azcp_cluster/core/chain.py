@@ -1,0 +1,183 @@
+"""Pipelined chains of point-to-point messages: the fan-out's arithmetic for ``--fanout``. Pure code.
+
+A transfer (one root, its receivers) flows along a chain: the root sends its bytes, in
+pieces, to the next node; each node forwards every piece to the node after it as soon as
+the piece has arrived, and writes it. Every link carries each byte once, so a transfer
+takes about its length over the link's rate (B), whatever the number of nodes, plus the
+time to fill the pipe, (nodes − 1) · piece / B. MPI's own broadcasts do not: a binomial
+tree sends log2(N) copies out of the root, a scatter-allgather about 1.75 at 8 nodes.
+
+The order along the chain follows the hosts around a ring, starting at the root: rank
+``root``, then ``root + 1``, … (those that receive it), wrapping at the end. With one root (a
+local SOURCE) every transfer runs down the same chain; with many (each node downloaded a
+share) the chains of the transfers in flight together make a ring, each node forwarding
+what its predecessor sends except what came from its successor, so every node's link
+carries S·(N − 1)/N: the bound of data spread over N nodes.
+
+Messages are matched by tag: the ``k``-th transfer that rank ``a`` sends to rank ``b`` is the
+``k``-th that ``b`` receives from ``a`` (both post their transfers in schedule order), and its
+pieces carry the tag of ``k``; within a transfer MPI keeps the pieces of one sender and tag
+in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+KiB = 1024
+MiB = 1024 * KiB
+
+# What --fanout accepts. "chain" and "ring" are one transport (see the module): "ring"
+# names it for transfers from many roots.
+FANOUT_METHODS = ("auto", "chain", "ring", "ibcast")
+# Tags below this are the tool's other point-to-point messages on the same communicator
+# (transport.P2P_TAG, streaming.LANDED_TAG).
+TAG_BASE = 64
+# A chain's piece size, when not given: the largest power of two whose pipe fill costs at
+# most FILL_SHARE of the fan-out, within these bounds. Below MIN_PIECE the per-message cost
+# (a Python call and MPI's matching, some microseconds) shows; above MAX_PIECE the pipe
+# fills for nothing.
+MIN_PIECE = 256 * KiB
+MAX_PIECE = 4 * MiB
+DEFAULT_PIECE = 1 * MiB
+FILL_SHARE = 0.02
+# The piece size --fanout-piece accepts.
+MIN_PIECE_OPTION = 4 * KiB
+MAX_PIECE_OPTION = 256 * MiB
+# --fanout auto: no probe below this many bytes to fan out (it would cost more than any
+# choice saves; the chain, at the bound on every fabric measured, is taken), nor on two
+# nodes (a chain of two is one point-to-point transfer, as a broadcast between two is).
+PROBE_MIN_PAYLOAD = 256 * MiB
+# The probe: this many bytes sent once by each method (a few hundred ms on a 400 Mbit/s
+# fabric, milliseconds on InfiniBand), cut into PROBE_PIECE pieces for the chain.
+PROBE_BYTES = 4 * MiB
+PROBE_PIECE = 512 * KiB
+# The chain is kept unless the broadcast was faster by more than this share (a tie is the
+# chain's: its time does not grow with the nodes, the broadcast's may).
+PROBE_MARGIN = 0.10
+
+
+def chain_order(root: int, receivers: Sequence[int], size: int) -> tuple[int, ...]:
+    """The ranks a transfer flows through: ``root``, then its receivers from ``root + 1`` on, around the ring."""
+    if not 0 <= root < size:
+        raise ValueError(f"root {root} outside 0..{size - 1}")
+    rest = sorted(set(receivers), key=lambda r: (r - root) % size)
+    if root in rest or any(not 0 <= r < size for r in rest):
+        raise ValueError(f"receivers {list(receivers)} must be ranks of 0..{size - 1} other than the root {root}")
+    return (root, *rest)
+
+
+def neighbours(order: Sequence[int], rank: int) -> tuple[int | None, int | None]:
+    """The rank ``rank`` receives a transfer from and the one it forwards it to (None: it is the root, or the last)."""
+    at = list(order).index(rank)
+    before = order[at - 1] if at > 0 else None
+    after = order[at + 1] if at + 1 < len(order) else None
+    return before, after
+
+
+def pieces(length: int, piece: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each piece of a transfer of ``length`` bytes (at least one, for an empty transfer)."""
+    if piece < 1:
+        raise ValueError("piece must be at least 1 byte")
+    if length <= 0:
+        return [(0, 0)]
+    return [(start, min(length, start + piece)) for start in range(0, length, piece)]
+
+
+def pair_tag(count: int, tag_limit: int) -> int:
+    """The tag of the ``count``-th transfer between two ranks, on a communicator whose tags go to ``tag_limit``.
+
+    Tags repeat after ``tag_limit − TAG_BASE + 1`` transfers; a rank has at most its pipeline's
+    transfers in flight, far fewer, so two transfers in flight between a pair never share one.
+    """
+    span = tag_limit - TAG_BASE + 1
+    if span < 2:
+        raise ValueError(f"the communicator's tags end at {tag_limit}, below {TAG_BASE + 1}")
+    return TAG_BASE + count % span
+
+
+def piece_size(payload: int, nodes: int) -> int:
+    """The chain's piece for ``payload`` bytes to fan out over ``nodes`` nodes: the largest power of
+    two with (nodes − 1) · piece ≤ FILL_SHARE · payload, within MIN_PIECE..MAX_PIECE."""
+    if nodes < 2 or payload <= 0:
+        return DEFAULT_PIECE
+    fits = FILL_SHARE * payload / (nodes - 1)
+    piece = MIN_PIECE
+    while piece * 2 <= min(fits, MAX_PIECE):
+        piece *= 2
+    return piece
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the start-up probe measured: ``nbytes`` sent once by MPI's broadcast and once down a
+    chain, each timed by its slowest rank."""
+
+    nbytes: int
+    ibcast_s: float
+    chain_s: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        """The report's form."""
+        return {"bytes": self.nbytes, "ibcast_s": round(self.ibcast_s, 6), "chain_s": round(self.chain_s, 6)}
+
+
+@dataclass(frozen=True)
+class FanoutChoice:
+    """The fan-out's transport for a run: ``method`` ("chain" or "ibcast"), its piece size, why."""
+
+    method: str
+    piece: int
+    reason: str
+    probe: Probe | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        """The report's form."""
+        out: dict[str, object] = {"method": self.method, "piece": self.piece, "reason": self.reason}
+        if self.probe is not None:
+            out["probe"] = self.probe.as_dict()
+        return out
+
+
+def needs_probe(method: str, nodes: int, payload: int) -> bool:
+    """Whether ``--fanout auto`` measures the fabric before choosing (see PROBE_MIN_PAYLOAD)."""
+    return method == "auto" and nodes > 2 and payload >= PROBE_MIN_PAYLOAD
+
+
+def choose(method: str, nodes: int, payload: int, piece: int | None = None, probe: Probe | None = None) -> FanoutChoice:
+    """The transport for ``--fanout method`` over ``nodes`` nodes fanning out ``payload`` bytes;
+    ``piece``: ``--fanout-piece`` (None: from :func:`piece_size`); ``probe``: what auto measured."""
+    if method not in FANOUT_METHODS:
+        raise ValueError(f"unknown fan-out method {method!r}")
+    size = piece if piece is not None else piece_size(payload, nodes)
+    if method == "ibcast":
+        return FanoutChoice("ibcast", size, "--fanout ibcast")
+    if method in ("chain", "ring"):
+        return FanoutChoice("chain", size, f"--fanout {method}")
+    if probe is None:
+        why = "two nodes" if nodes <= 2 else f"under {PROBE_MIN_PAYLOAD // MiB} MiB to fan out"
+        return FanoutChoice("chain", size, f"auto: {why}, no probe")
+    if probe.ibcast_s * (1 + PROBE_MARGIN) < probe.chain_s:
+        return FanoutChoice("ibcast", size, "auto: the broadcast was faster in the probe", probe)
+    return FanoutChoice("chain", size, "auto: the chain was as fast or faster in the probe", probe)
+
+
+__all__ = [
+    "DEFAULT_PIECE",
+    "FANOUT_METHODS",
+    "MAX_PIECE_OPTION",
+    "MIN_PIECE_OPTION",
+    "PROBE_BYTES",
+    "PROBE_PIECE",
+    "TAG_BASE",
+    "FanoutChoice",
+    "Probe",
+    "chain_order",
+    "choose",
+    "needs_probe",
+    "neighbours",
+    "pair_tag",
+    "piece_size",
+    "pieces",
+]

@@ -1,0 +1,399 @@
+"""Pipelined chains and rings (``--fanout chain|ring|auto``): the pure arithmetic, then the real
+driver over :class:`ChainTransport` on the loopback wire (ranks as threads, DESTs on tmp_path).
+
+The loopback matches every message only once both ends posted it (the most synchronous order
+MPI allows) and counts the bytes each link carried, so these tests see what a fabric would:
+which links a transfer used, and whether a rank that forgot to forward left another waiting.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from azcp_cluster.core.chain import (
+    FILL_SHARE,
+    MAX_PIECE,
+    MIN_PIECE,
+    PROBE_MIN_PAYLOAD,
+    TAG_BASE,
+    Probe,
+    chain_order,
+    choose,
+    needs_probe,
+    neighbours,
+    pair_tag,
+    piece_size,
+    pieces,
+)
+from azcp_cluster.core.config import Config
+from azcp_cluster.core.errors import BroadcastError, UsageError
+from azcp_cluster.core.fanout import Agree, Post, Write
+from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.fanout.chain import ChainTransport, decide, transport_for
+from azcp_cluster.fanout.events import BroadcastStats
+from azcp_cluster.fanout.transport import LoopbackError, LoopbackHub, LoopbackTransport, Request
+from azcp_cluster.run.cluster import PeerFailed
+from tests.conftest import REPO, assert_copies, run_cli, tree_of
+from tests.test_transport import assert_nothing_wrong, fan_out, md5, world
+
+MiB = 1 << 20
+PROBE_ALWAYS = REPO / "tests" / "programs" / "probe_always.py"
+PIECE = 8192  # small pieces: many per slot (the test world's slots are 64 KiB)
+
+# ---------------------------------------------------------------------------------------
+# The arithmetic
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_chain_starts_at_its_root_and_goes_round_the_ring(data: st.DataObject) -> None:
+    size = data.draw(st.integers(1, 16))
+    root = data.draw(st.integers(0, size - 1))
+    receivers = data.draw(st.sets(st.integers(0, size - 1).filter(lambda r: r != root)))
+    order = chain_order(root, sorted(receivers, reverse=True), size)
+    assert order[0] == root and set(order[1:]) == receivers and len(order) == len(receivers) + 1
+    steps = [(b - root) % size for b in order]
+    assert steps == sorted(steps), order  # never back past the root
+    for at, rank in enumerate(order):
+        before, after = neighbours(order, rank)
+        assert before == (order[at - 1] if at else None)
+        assert after == (order[at + 1] if at + 1 < len(order) else None)
+
+
+def test_a_chain_refuses_ranks_outside_the_communicator_and_the_root_as_a_receiver() -> None:
+    with pytest.raises(ValueError):
+        chain_order(4, [1], 4)
+    with pytest.raises(ValueError):
+        chain_order(0, [0, 1], 4)
+    with pytest.raises(ValueError):
+        chain_order(0, [5], 4)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8, 16])
+def test_with_every_node_a_root_each_link_carries_all_but_one_roots_share(size: int) -> None:
+    """The ring: a transfer from every root to all others; each link i -> i+1 carries every
+    root's but i+1's, so S(N-1)/N of S spread evenly: the bound of data spread over N nodes."""
+    links: Counter[tuple[int, int]] = Counter()
+    for root in range(size):
+        order = chain_order(root, [r for r in range(size) if r != root], size)
+        links.update(itertools.pairwise(order))
+    assert set(links) == {(i, (i + 1) % size) for i in range(size)}
+    assert set(links.values()) == {size - 1}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 2**20), st.integers(0, 300), st.integers(0, 2**20))
+def test_pieces_cover_a_transfer_in_order_none_too_long(piece: int, whole: int, part: int) -> None:
+    length = whole * piece + part % piece
+    cut = pieces(length, piece)
+    assert cut[0][0] == 0 and cut[-1][1] == max(length, 0)
+    assert all(a < b or length == 0 for a, b in cut)
+    assert all(b == c for (_, b), (c, _) in itertools.pairwise(cut))
+    assert all(b - a <= piece for a, b in cut)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10**9), st.sampled_from([TAG_BASE + 1, 32767, 2**21 - 1, 2**31 - 1]))
+def test_tags_stay_in_range_and_differ_for_transfers_in_flight(count: int, limit: int) -> None:
+    tags = [pair_tag(count + k, limit) for k in range(min(64, limit - TAG_BASE + 1))]
+    assert all(TAG_BASE <= t <= limit for t in tags)
+    assert len(set(tags)) == len(tags)
+
+
+def test_a_communicator_with_too_few_tags_is_refused() -> None:
+    with pytest.raises(ValueError):
+        pair_tag(0, TAG_BASE)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 2**42), st.integers(2, 512))
+def test_the_piece_is_a_power_of_two_whose_pipe_fill_is_small(payload: int, nodes: int) -> None:
+    piece = piece_size(payload, nodes)
+    assert piece & (piece - 1) == 0 and MIN_PIECE <= piece <= MAX_PIECE
+    if piece > MIN_PIECE:  # the fill share holds unless the floor is reached
+        assert (nodes - 1) * piece <= FILL_SHARE * payload
+    if piece < MAX_PIECE:  # and it is the largest that does
+        assert (nodes - 1) * 2 * piece > FILL_SHARE * payload
+
+
+def test_the_choice_of_transport() -> None:
+    big = PROBE_MIN_PAYLOAD
+    assert choose("ibcast", 8, big).method == "ibcast"
+    assert choose("chain", 8, big).method == "chain" and choose("ring", 8, big).method == "chain"
+    assert choose("chain", 8, big, piece=65536).piece == 65536
+    assert not needs_probe("auto", 2, 10 * big) and not needs_probe("auto", 8, big - 1)
+    assert not needs_probe("chain", 8, big) and needs_probe("auto", 3, big)
+    assert choose("auto", 8, 1).method == "chain" and "no probe" in choose("auto", 8, 1).reason
+    slow_bcast = Probe(4 << 20, ibcast_s=0.3, chain_s=0.1)
+    fast_bcast = Probe(4 << 20, ibcast_s=0.1, chain_s=0.3)
+    tie = Probe(4 << 20, ibcast_s=0.1, chain_s=0.105)
+    assert choose("auto", 8, big, probe=slow_bcast).method == "chain"
+    assert choose("auto", 8, big, probe=fast_bcast).method == "ibcast"
+    assert choose("auto", 8, big, probe=tie).method == "chain"
+    report = choose("auto", 8, big, probe=fast_bcast).as_dict()
+    assert report["probe"] == {"bytes": 4 << 20, "ibcast_s": 0.1, "chain_s": 0.3}
+    with pytest.raises(ValueError):
+        choose("tree", 8, big)
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"fanout": "tree"}, "--fanout must be one of auto, chain, ring, ibcast"),
+        ({"fanout_piece": 1000}, "--fanout-piece must be between 4.00 KiB and 256.00 MiB"),
+        ({"fanout_piece": 1 << 30}, "--fanout-piece must be between"),
+    ],
+)
+def test_bad_fanout_options_are_named(fields: dict[str, object], words: str) -> None:
+    with pytest.raises(UsageError, match=words):
+        Config(source="/src", dest="/dst", **fields).validate()  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------
+# The transport on its own
+
+
+def _threads(size: int, work: object) -> list[object]:
+    """``work(rank)`` on ``size`` threads; each one's result or exception."""
+    results: list[object] = [None] * size
+
+    def one(rank: int) -> None:
+        try:
+            results[rank] = work(rank)  # type: ignore[operator]
+        except BaseException as exc:
+            results[rank] = exc
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive(), "a rank hung"
+    return results
+
+
+def test_a_rank_that_agrees_while_it_still_has_pieces_to_forward_forwards_them() -> None:
+    """Rank 1 joins an agreement right after posting its part of a chain 0 -> 1 -> 2; rank 2 waits
+    for the transfer before it joins. A blocking agreement on rank 1 would leave both waiting."""
+    hub = LoopbackHub(3, timeout=10)
+    sent = np.arange(100_000, dtype=np.uint64).view(np.uint8).copy()
+
+    def rank(r: int) -> object:
+        chain = ChainTransport(hub.transport(r), 4096)
+        data = sent.copy() if r == 0 else np.zeros_like(sent)
+        request = chain.post(data, 0, None)
+        if r == 2:
+            chain.wait(request)
+        answer = chain.agree(r == 1)
+        chain.wait(request)
+        return answer, bytes(data) == bytes(sent)
+
+    assert _threads(3, rank) == [(True, True)] * 3
+
+
+def test_transfers_from_many_roots_in_flight_at_once_are_matched_by_their_tags() -> None:
+    """Four transfers in flight, from roots 0, 1, 2, 0, over 3 ranks: a forwarder sends pieces of
+    several transfers to the same rank interleaved, as they arrive; each lands in its own buffer."""
+    hub = LoopbackHub(3, timeout=10)
+    roots = [0, 1, 2, 0]
+    payloads = [np.frombuffer(bytes([i + 1]) * (30_000 + 999 * i), dtype=np.uint8) for i in range(len(roots))]
+
+    def rank(r: int) -> object:
+        chain = ChainTransport(hub.transport(r), 1000)
+        buffers = [p.copy() if root == r else np.zeros_like(p) for p, root in zip(payloads, roots, strict=True)]
+        requests = [chain.post(b, root, None) for b, root in zip(buffers, roots, strict=True)]
+        for request in requests:
+            chain.wait(request)
+        return all(bytes(b) == bytes(p) for b, p in zip(buffers, payloads, strict=True))
+
+    assert _threads(3, rank) == [True] * 3
+    total = sum(len(p) for p in payloads)
+    # Each link carried the transfers that pass it: all but those whose root is its far end.
+    for (src, dst), carried in hub.link_bytes.items():
+        assert dst == (src + 1) % 3
+        assert carried == total - sum(len(p) for p, root in zip(payloads, roots, strict=True) if root == dst)
+
+
+def test_the_probe_gives_every_rank_the_same_choice() -> None:
+    hub = LoopbackHub(3, timeout=10)
+    choices = _threads(3, lambda r: decide(hub.transport(r), "auto", PROBE_MIN_PAYLOAD))
+    assert all(c == choices[0] for c in choices), choices
+    first = choices[0]
+    assert first.probe is not None and first.probe.ibcast_s > 0 and first.probe.chain_s > 0  # type: ignore[attr-defined]
+    assert isinstance(transport_for(hub.transport(0), choose("ibcast", 3, 0)), LoopbackTransport)
+    assert isinstance(transport_for(hub.transport(0), choose("chain", 3, 0)), ChainTransport)
+
+
+# ---------------------------------------------------------------------------------------
+# The real driver over chains
+
+
+class RecordedChain(ChainTransport):
+    """A chain that records what its rank said at each agreement (as test_transport.Recorded)."""
+
+    def __init__(self, hub: LoopbackHub, rank: int) -> None:
+        super().__init__(hub.transport(rank), PIECE)
+        self.said: list[bool] = []
+
+    def agree(self, failed: bool) -> bool:
+        self.said.append(failed)
+        return super().agree(failed)
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local-source", "downloaded"])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_chains_give_every_rank_byte_identical_copies_each_link_carrying_each_byte_once(
+    tmp_path: Path, ranks: int, local: bool
+) -> None:
+    w = world(tmp_path, ranks, local)
+    hubs: list[LoopbackHub] = []
+
+    def transports(hub: LoopbackHub, rank: int) -> ChainTransport:
+        hubs.append(hub)
+        return RecordedChain(hub, rank)
+
+    out = fan_out(w, "run", transports=transports)
+    expected = {f.path: d for f, d in zip(w.files, w.data, strict=True)}
+    for rank, result in enumerate(out.results):
+        assert isinstance(result, BroadcastStats), f"rank {rank}: {result!r}"
+        assert tree_of(out.dests[rank]) == expected, f"rank {rank}"
+        digests = out.drivers[rank].digests
+        assert digests and all(digest == md5(w.data[file]) for file, digest in digests.items())
+    links: Counter[tuple[int, int]] = Counter()
+    for t in w.schedule:
+        order = chain_order(t.root, t.receivers, ranks)
+        for link in itertools.pairwise(order):
+            links[link] += t.length + 1  # the root's intact byte rides with each transfer
+    assert hubs[0].link_bytes == dict(links)
+
+
+@pytest.mark.parametrize("victim", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_failure_at_any_instruction_of_a_chain_ends_every_rank_together(tmp_path: Path, victim: int) -> None:
+    """As test_transport's, over chains, the victim in the middle (1) or at the end (2) of the chain."""
+    w = world(tmp_path, 3, local=True)
+    clean = fan_out(w, "clean", transports=RecordedChain)
+    assert all(isinstance(r, BroadcastStats) for r in clean.results)
+    steps = clean.drivers[victim].carried
+    assert {Post, Write, Agree} <= {type(s) for s in steps}
+    for k, step in enumerate(steps):
+        out = fan_out(w, f"k{k}", fail_at={victim: k}, transports=RecordedChain)
+        errors = out.errors()
+        mine = errors[victim]
+        assert isinstance(mine, BroadcastError) and f"injected at instruction {k} " in str(mine), (k, step, mine)
+        agreed = any(isinstance(s, Agree) for s in out.drivers[victim].carried[k:])
+        said = out.drivers[victim].transport.said  # type: ignore[attr-defined]
+        assert all(said[out.drivers[victim].agreed_before_failing :]), (k, step, "the victim hid its failure")
+        for rank, error in enumerate(errors):
+            if rank != victim:
+                assert isinstance(error, PeerFailed) or (error is None and not agreed), (k, step, rank, error)
+        assert_nothing_wrong(w, out)
+
+
+def test_a_rank_that_dies_in_the_middle_of_a_chain_ends_the_others_with_an_error_not_a_hang(tmp_path: Path) -> None:
+    w = world(tmp_path, 3, local=True)
+
+    class Dying(ChainTransport):
+        posts = 0
+
+        def post(self, data: np.ndarray, root: int, receivers: object) -> Request:
+            self.posts += 1
+            if self.posts == 3:
+                self.wire.die("killed (simulated)")  # type: ignore[attr-defined]
+                raise SystemExit(137)  # not an error the driver handles: the rank is gone
+            return super().post(data, root, receivers)  # type: ignore[arg-type]
+
+    out = fan_out(
+        w,
+        "run",
+        transports=lambda hub, rank: Dying(hub.transport(rank), PIECE) if rank == 1 else RecordedChain(hub, rank),
+    )
+    errors = out.errors()
+    assert errors[1] is not None
+    # Whoever waited for it fails at once; a rank waiting for one of those, in turn (MPI's
+    # launcher ends them all together, mpiexec's own doing).
+    assert all(isinstance(errors[rank], LoopbackError) for rank in (0, 2)), errors
+    assert any("rank 1, which left (killed" in str(errors[rank]) for rank in (0, 2)), errors
+    assert_nothing_wrong(w, out)
+
+
+# ---------------------------------------------------------------------------------------
+# Under mpiexec: the whole tool, every method
+
+
+def _dataset(root: Path) -> dict[str, bytes]:
+    files = {
+        "model-00001-of-00002.bin": pseudo_random(3 * MiB + 4321, "m1"),
+        "model-00002-of-00002.bin": pseudo_random(2 * MiB, "m2"),
+        "tok/vocab.json": pseudo_random(70_001, "v"),
+        **{f"cfg/{i}.json": pseudo_random(100 * i + 7, f"c{i}") for i in range(6)},
+    }
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return files
+
+
+@pytest.mark.parametrize("method", ["chain", "ring", "ibcast"])
+def test_under_mpiexec_each_method_gives_every_node_the_same_bytes(tmp_path: Path, method: str) -> None:
+    files = _dataset(tmp_path / "src")
+    dest = str(tmp_path / "d" / "{rank}")
+    args = [str(tmp_path / "src"), dest, "--fanout", method, "--fanout-piece", "64KiB", "--bcast-chunk", "1MiB"]
+    result = run_cli([*args, "--verify", "stream", "--no-progress"], json_path=tmp_path / "r.json")
+    assert result.returncode == 0, result.output
+    assert_copies(tmp_path / "d", files)
+    assert result.json is not None
+    expected = "ibcast" if method == "ibcast" else "chain"
+    assert result.json["fanout"]["method"] == expected and result.json["fanout"]["reason"] == f"--fanout {method}"
+    via = " via ibcast" if method == "ibcast" else " via chain (64 KiB pieces)"
+    assert any(line.startswith("[bcast] ") and line.endswith(via) for line in result.stdout.splitlines()), result.stdout
+
+
+def test_under_mpiexec_a_streamed_copy_from_the_emulator_goes_round_the_ring(
+    emulator: azurite.Emulator, tmp_path: Path
+) -> None:
+    """Every rank downloads a share (4 blobs split into 1 MiB shards) and each part goes round
+    the ring from its downloader as soon as it lands."""
+    container = "r" + uuid.uuid4().hex[:20]
+    blobs = {f"w/{i}.bin": pseudo_random(2 * MiB + 999 * i, f"b{i}") for i in range(4)}
+    azurite.upload(emulator, container, blobs)
+    result = run_cli(
+        [emulator.url(container, "w"), str(tmp_path / "d" / "{rank}"), "--fanout", "ring", "--shard-size", "1MiB",
+         "--bcast-chunk", "1MiB", "--block-size", "1MiB", "--verify", "stream", "--no-progress"],
+        env=emulator.key_env(),
+        json_path=tmp_path / "r.json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.output
+    assert_copies(tmp_path / "d", {name[2:]: data for name, data in blobs.items()})
+    assert result.json is not None and result.json["overlap"] is True
+    assert result.json["fanout"]["method"] == "chain"
+    assert result.json["downloaded_bytes"] == sum(len(b) for b in blobs.values())  # read once
+    assert len(result.json["plan_loads"]) == 4 and all(result.json["plan_loads"])  # four roots: a ring
+
+
+def test_under_mpiexec_auto_probes_the_fabric_and_reports_what_it_measured(tmp_path: Path) -> None:
+    files = _dataset(tmp_path / "src")
+    result = run_cli(
+        [str(tmp_path / "src"), str(tmp_path / "d" / "{rank}"), "--no-progress"],
+        n=3,
+        program=[str(PROBE_ALWAYS)],
+        json_path=tmp_path / "r.json",
+    )
+    assert result.returncode == 0, result.output
+    assert_copies(tmp_path / "d", files, ranks=3)
+    assert result.json is not None
+    fanout = result.json["fanout"]
+    assert fanout["reason"].startswith("auto: ") and fanout["method"] in ("chain", "ibcast")
+    probe = fanout["probe"]
+    assert probe["bytes"] == 4 * MiB and probe["ibcast_s"] > 0 and probe["chain_s"] > 0
+    faster = "ibcast" if probe["ibcast_s"] * 1.1 < probe["chain_s"] else "chain"
+    assert fanout["method"] == faster
