@@ -155,7 +155,7 @@ OPTIONS: tuple[Option, ...] = (
     # broadcast
     Option("--bcast-chunk", "bcast_chunk", GROUPS[2], "size",
            f"bytes per fan-out slot, {_range(MIN_BCAST_CHUNK, MAX_BCAST_CHUNK)}; sent in MPI calls of at "
-           "most 1GiB (default 64MiB)", "SIZE"),
+           "most 1GiB (default 16MiB; 64MiB with --fanout ibcast)", "SIZE"),
     Option("--fanout", "fanout", GROUPS[2], "choice",
            "how a part goes from node to node: 'chain' or 'ring' (one transport: pipelined point-to-point "
            "messages along the hosts, every link carrying each byte once, whatever the node count), "
@@ -200,7 +200,7 @@ OPTIONS: tuple[Option, ...] = (
            f"seconds a connection may take to open; {MIN_TIMEOUT:g} to {MAX_READ_TIMEOUT:.0f} (default 30)"),
     Option("--bcast-pipeline", "bcast_pipeline", GROUPS[4], "int",
            f"fan-out slots in flight, 1 to {MAX_BCAST_PIPELINE}; memory per writer is N x chunk "
-           "(default 4 x 64MiB = 256MiB)", "N"),
+           "(default 4, so 4 x 16MiB = 64MiB)", "N"),
     Option("--fanout-piece", "fanout_piece", GROUPS[4], "size",
            f"bytes per message of a chain, {_range(MIN_PIECE_OPTION, MAX_PIECE_OPTION)} (default: the "
            "largest power of two from 256KiB to 4MiB whose pipe fill costs 2%% of the fan-out)", "SIZE"),

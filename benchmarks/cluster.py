@@ -2,6 +2,7 @@
 
     python -m benchmarks.cluster [--quick] [--hosts 2,4,8] [--bytes N] [--front MBIT] [--fabric MBIT]
                                  [--ranks-per-host K] [--repeats R] [--cases ...] [--tmpfs] [--json FILE]
+                                 [--tool-args "--fanout ibcast ..."]
 
 Each host is a network namespace of a box (azcp_cluster/devtools/box.py) with a frontend NIC
 of ``--front`` Mbit/s towards the emulator ("Azure", in a namespace of its own) and a fabric
@@ -153,7 +154,7 @@ class Bench:
         source = str(self.source) if case == "local" else self.emu.url(CONTAINER)
         extra = ["--no-overlap"] if case == "two-phase" else []
         argv = [sys.executable, "-m", "azcp_cluster", source, self.bx.dest_template, "--json", str(report),
-                "--no-progress", *extra]  # fmt: skip
+                "--no-progress", *extra, *shlex.split(self.args.tool_args)]  # fmt: skip
         cmd = self.bx.mpiexec(self.mpiexec, self.flavour, argv, per_host=self.args.ranks_per_host)
         proc = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
         if proc.returncode != 0:
@@ -168,6 +169,7 @@ class Bench:
             # The time outside the list, download and broadcast stages (two phases: they do not overlap).
             "outside_s": round(stages["total"] - inside, 3) if inside is not None else None,
             "timeline": compact_timeline(doc, launched),
+            "fanout": doc.get("fanout"),  # the transport the tool used (and auto's probe)
         }
 
     def raw(self, case: str) -> dict[str, Any]:
@@ -237,6 +239,8 @@ def row(case: str, hosts: int, samples: list[dict[str, Any]], size: int, args: a
         "stages": chosen.get("stages"),
         "timeline": chosen.get("timeline"),
         "samples": [s["tool_s"] for s in samples],
+        "tool_args": args.tool_args if case not in ("ibcast", "chain", "every-node") else "",
+        "fanout": chosen.get("fanout"),
     }
 
 
@@ -317,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--piece", type=int, default=4 * MiB, help="the raw patterns' piece size")
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--tool-args", default="", help="more options for the tool's cases, e.g. '--fanout ibcast'")
     parser.add_argument("--tmpfs", action="store_true", help="each host's DEST on a tmpfs (the disk taken out)")
     parser.add_argument("--mpiexec", help="the MPI launcher (default: the one next to this interpreter)")
     parser.add_argument("--json", metavar="FILE")
@@ -349,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"rows": rows, "quick": args.quick, "repeats": args.repeats, "cpus": os.cpu_count(),
            "seconds": round(time.time() - started, 1)}  # fmt: skip
     for r in rows:
+        via = (r["fanout"] or {}).get("method", "") if r["fanout"] else ""
         print(f"{r['hosts']} hosts {r['case']:>10}: {r['tool_s']:6.2f} s, bound {r['bound_s']:5.2f} s, "
-              f"ratio {r['ratio']:5.2f}, egress {r['egress_ratio']:.2f} x S")  # fmt: skip
+              f"ratio {r['ratio']:5.2f}, egress {r['egress_ratio']:.2f} x S {via}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     if args.plot:

@@ -8,6 +8,7 @@ import errno
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +185,8 @@ def test_defaults_validate() -> None:
     cfg = Config(source="https://acct.blob.core.windows.net/data", dest="/tmp/x")
     assert cfg.validate() is cfg
     assert cfg.shard_size == GiB
-    assert cfg.bcast_chunk == 64 * MiB
+    assert cfg.bcast_chunk is None and cfg.chunk == 16 * MiB  # a chain's slot (--fanout auto)
+    assert replace(cfg, fanout="ibcast").chunk == 64 * MiB and replace(cfg, bcast_chunk=MiB).chunk == MiB
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,8 @@ PROGRESS_MODES = ("auto", "bar", "lines", "none")
 MIN_BLOCK_SIZE = 64 * KiB
 MAX_BLOCK_SIZE = 1 * GiB
 MIN_BCAST_CHUNK = 64 * KiB
+CHAIN_CHUNK = 16 * MiB  # the default slot of a chain (--fanout auto, chain, ring)
+IBCAST_CHUNK = 64 * MiB  # ... and of MPI's broadcast (--fanout ibcast)
 MAX_BCAST_CHUNK = 16 * GiB
 MIN_SHARD_SIZE = 64 * KiB
 MAX_CONCURRENCY = 4096
@@ -207,7 +209,9 @@ class Config:
     compare: str = "size"
     concurrency: int = 64
     block_size: int = 16 * MiB
-    bcast_chunk: int = 64 * MiB
+    # Bytes per fan-out slot (one transfer); None: CHAIN_CHUNK, or IBCAST_CHUNK for --fanout
+    # ibcast (see chunk).
+    bcast_chunk: int | None = None
     bcast_pipeline: int = 4
     bcast_writers: int = 2
     bcast_direct: bool = True
@@ -275,7 +279,7 @@ class Config:
             raise UsageError(f"--auth must be one of {', '.join(AUTH_METHODS)}, not {self.auth!r}")
         sizes = {
             "--block-size": (self.block_size, MIN_BLOCK_SIZE, MAX_BLOCK_SIZE),
-            "--bcast-chunk": (self.bcast_chunk, MIN_BCAST_CHUNK, MAX_BCAST_CHUNK),
+            "--bcast-chunk": (self.chunk, MIN_BCAST_CHUNK, MAX_BCAST_CHUNK),
             "--shard-size": (self.shard_size, MIN_SHARD_SIZE, None),
         }
         for name, (size, low, high) in sizes.items():
@@ -334,12 +338,22 @@ class Config:
             raise UsageError("DEST is empty")
         return self
 
+    @property
+    def chunk(self) -> int:
+        """Bytes per fan-out slot: ``--bcast-chunk``, else by ``--fanout``. A chain pipelines each
+        slot in pieces, so a smaller slot costs it nothing on the fabric, while it maps 4x less
+        memory at start-up and a streamed slot leaves as soon as fewer bytes have landed; MPI's
+        broadcast pays a collective per slot, so it keeps larger ones."""
+        if self.bcast_chunk is not None:
+            return self.bcast_chunk
+        return IBCAST_CHUNK if self.fanout == "ibcast" else CHAIN_CHUNK
+
     def check_memory(self, available: int, download_pool: int) -> None:
         """Refuse settings whose buffers (slots plus ``download_pool``) cannot fit in ``available`` bytes."""
-        need = self.bcast_pipeline * self.bcast_chunk + download_pool
+        need = self.bcast_pipeline * self.chunk + download_pool
         if need > available:
             raise UsageError(
-                f"--bcast-pipeline {self.bcast_pipeline} x --bcast-chunk {format_bytes(self.bcast_chunk)} plus "
+                f"--bcast-pipeline {self.bcast_pipeline} x --bcast-chunk {format_bytes(self.chunk)} plus "
                 f"download buffers need {format_bytes(need)} per rank, but only {format_bytes(available)} "
                 "of memory is available; lower --bcast-chunk, --bcast-pipeline or --concurrency"
             )

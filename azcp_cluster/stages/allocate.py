@@ -82,7 +82,7 @@ def schedule_for(ctx: RunContext, place: Placement, plan: Plan, earlier: Schedul
         receives = set(np.unique(c.file[c.length > 0]).tolist())
         transfers = Transfers.of([], 1)
     else:
-        transfers = transfer_schedule(plan, ctx.cfg.bcast_chunk, topo.groups, root_of=topo.group_of)
+        transfers = transfer_schedule(plan, ctx.cfg.chunk, topo.groups, root_of=topo.group_of)
         receives = files_written(transfers, place.group)
     if earlier is not None:
         receives |= earlier.receives
