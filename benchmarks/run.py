@@ -39,6 +39,7 @@ from yarl import URL
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from azcp_cluster.azure.credentials import Authorizer, resolve_credential
+from azcp_cluster.core.blocks import BUFFER_BYTES
 from azcp_cluster.core.config import MiB, parse_size
 from azcp_cluster.core.source import API_VERSION, parse_blob_url
 from azcp_cluster.dest.desttree import DestTree
@@ -46,7 +47,7 @@ from azcp_cluster.dest.directio import aligned_buffer
 from azcp_cluster.dest.localfs import temp_path
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.download.writepool import BUFFER_BYTES, WRITER_THREADS
+from azcp_cluster.download.writepool import WRITER_THREADS
 
 CONTAINER = "bench"
 

@@ -47,6 +47,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from azcp_cluster.azure.credentials import ANONYMOUS, Authorizer
+from azcp_cluster.core.blocks import Block
 from azcp_cluster.core.config import Config, MiB, parse_size
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.source import parse_blob_url
@@ -54,7 +55,6 @@ from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.devtools.azurite import free_port
 from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.download.blocks import Block
 from azcp_cluster.download.downloader import Downloader
 from azcp_cluster.download.workers import WorkerDownloader
 from benchmarks.run import _raw_download

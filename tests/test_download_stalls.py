@@ -17,6 +17,7 @@ import pytest
 
 from azcp_cluster.api import make_config
 from azcp_cluster.azure.credentials import Authorizer, resolve_credential
+from azcp_cluster.core.blocks import blocks_for
 from azcp_cluster.core.config import Config, MiB
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.plan import Shard
@@ -27,8 +28,8 @@ from azcp_cluster.dest.localfs import temp_path
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
-from azcp_cluster.download.blocks import DownloadStats, blocks_for
 from azcp_cluster.download.downloader import Downloader
+from azcp_cluster.download.fetcher import DownloadStats
 from azcp_cluster.download.writepool import WritePool
 
 SIZE = 6 * MiB

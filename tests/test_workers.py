@@ -1,7 +1,7 @@
 """Download worker processes (``--download-workers``): a rank's ranged GETs on several cores.
 
 Pure: how many workers (topology.workers_for), when auto hands the rest of a download to them
-(topology.handover_workers) and how the blocks are dealt (workers.deal).
+(topology.handover_workers) and how the blocks are dealt (core.blocks.deal).
 For real, under mpiexec against Azurite over HTTP and HTTPS: two workers each receive
 bodies, the copies are byte-identical; a worker's failure, and a worker killed, end the
 run with one line; a token credential's tokens come from the rank.
@@ -24,6 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from azcp_cluster.core.blocks import Block, deal
 from azcp_cluster.core.topology import (
     AUTO_MIN_SHARE,
     AUTO_WORKERS_MAX,
@@ -36,8 +37,8 @@ from azcp_cluster.core.topology import (
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
-from azcp_cluster.download.blocks import Block, DownloadStats
-from azcp_cluster.download.workers import AutoDownloader, deal
+from azcp_cluster.download.fetcher import DownloadStats, LandingSink
+from azcp_cluster.download.workers import AutoDownloader
 from tests.conftest import assert_copies, clean_env, mpiexec_path, run_cli
 
 GiB = 1 << 30
@@ -127,16 +128,15 @@ def test_every_block_is_dealt_once_in_order_and_the_loads_stay_within_one_block(
 
 
 class _FakePart:
-    """A part of an AutoDownloader's run: records the callbacks it was given and calls them."""
+    """A part of an AutoDownloader's run, made with the stage's landing sink as the stage's
+    factories make them: tells it of each block it fetches."""
 
-    def __init__(self, name: str, events: list[str], hand_over_after: int | None = None) -> None:
+    def __init__(self, name: str, events: list[str], sink: LandingSink, hand_over_after: int | None = None) -> None:
         self.name, self.events, self.hand_over_after = name, events, hand_over_after
+        self.sink = sink
         self.stats = DownloadStats()
         self.left: list[Block] = []
         self.received = 0
-        self.peer_failed: Any = None
-        self.on_bytes: Any = None
-        self.on_landed: Any = None
 
     def run(self, blocks: list[Block]) -> DownloadStats:
         self.events.append(f"{self.name} runs {len(blocks)}")
@@ -144,42 +144,45 @@ class _FakePart:
             if self.hand_over_after is not None and n == self.hand_over_after:
                 self.left = list(blocks[n:])
                 break
-            assert not self.peer_failed()
-            self.on_bytes(block.length)
-            self.on_landed(block)
+            self.sink.add_bytes(block.length)
+            self.sink.landed(block)
             self.stats.bytes += block.length
         return self.stats
 
 
-def test_auto_gives_its_parts_the_callbacks_and_adds_up_their_figures() -> None:
+def test_auto_runs_its_parts_in_turn_and_adds_up_their_figures() -> None:
     events: list[str] = []
     landed: list[Block] = []
     got: list[int] = []
+    sink = LandingSink(progress=got.append, notice=landed.append)
     blocks = [Block(0, i * 10, 10) for i in range(5)]
     auto = AutoDownloader(
-        lambda handover: _FakePart("rank", events, hand_over_after=2),
-        lambda count: _FakePart(f"{count} workers", events),
+        lambda handover: _FakePart("rank", events, sink, hand_over_after=2),  # type: ignore[arg-type,return-value]
+        lambda count: _FakePart(f"{count} workers", events, sink),  # type: ignore[arg-type,return-value]
         4,
         1,
-        peer_failed=lambda: False,
-        on_bytes=got.append,
-        on_landed=landed.append,
         release=lambda: events.append("released"),
         cpus=[0],
-        sampler=lambda cpus: None,
+        sampler=lambda cpus: None,  # type: ignore[arg-type,return-value]
     )
     auto.workers = 3
     assert auto.run(blocks).bytes == 50
-    assert landed == blocks and got == [10] * 5  # every block journaled and counted, once, in order
+    assert landed == blocks and got == [10] * 5  # every block counted and noticed, once, in order
     assert events == ["rank runs 5", "released", "3 workers runs 3"]  # the rank's buffers go first
-    # The streaming engine sets its own callbacks after construction: the parts get those.
-    later: list[Block] = []
-    auto = AutoDownloader(lambda handover: _FakePart("rank", events), lambda count: _FakePart("w", events), 4, 1,
-                          cpus=[0], sampler=lambda cpus: None)  # fmt: skip
-    auto.on_landed = later.append
-    auto.on_bytes = got.append
-    auto.run(blocks)
-    assert later == blocks
+
+
+def test_the_landing_sink_counts_then_journals_then_notices() -> None:
+    calls: list[tuple[Any, ...]] = []
+    sink = LandingSink(
+        progress=lambda n: calls.append(("bytes", n)),
+        journal=lambda file, offset, length: calls.append(("journal", file, offset, length)),
+        notice=lambda block: calls.append(("notice", block)),
+    )
+    sink.add_bytes(10)
+    sink.landed(Block(1, 0, 10))
+    assert calls == [("bytes", 10), ("journal", 1, 0, 10), ("notice", Block(1, 0, 10))]
+    LandingSink().add_bytes(1)  # nobody to tell: nothing happens
+    LandingSink().landed(Block(0, 0, 1))
 
 
 # -- for real ---------------------------------------------------------------------------------

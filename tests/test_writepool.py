@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from azcp_cluster.api import make_config
+from azcp_cluster.core.blocks import pool_buffers, pool_buffers_for
 from azcp_cluster.dest.directio import DirectFile
-from azcp_cluster.download.writepool import BlockWrites, WritePool, pool_buffers, pool_buffers_for
+from azcp_cluster.download.writepool import BlockWrites, WritePool
 
 
 @pytest.fixture

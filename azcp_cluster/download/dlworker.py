@@ -16,7 +16,12 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from azcp_cluster.download.fetcher import DownloadStats
+    from azcp_cluster.download.workers import Job
 
 PR_SET_PDEATHSIG = 1
 
@@ -67,7 +72,7 @@ def main(argv: list[str]) -> int:
     job = first[1]
     lock = threading.Lock()
 
-    def say(message: Any) -> None:
+    def say(message: tuple[Any, ...]) -> None:
         with lock:
             try:
                 send(sock, message)
@@ -93,7 +98,7 @@ def main(argv: list[str]) -> int:
 
     threading.Thread(target=listen, name="azcp-worker-listen", daemon=True).start()
     threading.Thread(target=beat, name="azcp-worker-beat", daemon=True).start()
-    seen: list[Any] = []  # the downloader's DownloadStats once made: its figures also go with a failure
+    seen: list[DownloadStats] = []  # the downloader's DownloadStats once made: its figures also go with a failure
     try:
         stats = run(job, pushed, stop, say, seen)
         say(("stopped", seen[0]) if stats is None else ("done", stats))
@@ -112,7 +117,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def run(job: Any, pushed: _PushedToken, stop: threading.Event, say: Any, seen: list[Any]) -> Any:
+def run(
+    job: Job,
+    pushed: _PushedToken,
+    stop: threading.Event,
+    say: Callable[[tuple[Any, ...]], None],
+    seen: list[DownloadStats],
+) -> DownloadStats | None:
     """Download the job's blocks: their DownloadStats, or None if it was stopped before the end.
 
     The downloader's live DownloadStats go into ``seen`` as soon as it is made.
@@ -123,6 +134,7 @@ def run(job: Any, pushed: _PushedToken, stop: threading.Event, say: Any, seen: l
     from azcp_cluster.core.throttle import Pacer
     from azcp_cluster.dest.desttree import DestTree
     from azcp_cluster.download.downloader import Downloader
+    from azcp_cluster.download.fetcher import LandingSink
 
     credential = job.credential
     if credential.kind == "token":
@@ -140,8 +152,8 @@ def run(job: Any, pushed: _PushedToken, stop: threading.Event, say: Any, seen: l
         auth,
         job.cfg,
         peer_failed=stop.is_set,
-        on_bytes=lambda n: say(("bytes", n)),
-        on_landed=lambda block: say(("landed", block)),
+        # Everything goes to the rank, which tells its own sink (journal, streaming, progress).
+        sink=LandingSink(progress=lambda n: say(("bytes", n)), notice=lambda block: say(("landed", block))),
         pacer=pacer,
         pool=pool,
         proxy=job.proxy,

@@ -9,7 +9,7 @@ Under ``--max-bandwidth`` each request is booked on the rank's :class:`~azcp_clu
 sent when its first bytes are due, and its body read a piece (the pacer's burst) at a time.
 
 The buffers and their writer threads are writepool.py's; what a download is asked and
-answers (blocks, stats, the Fetcher protocol) blocks.py's.
+answers (the Fetcher interface, the LandingSink, stats) fetcher.py's; the blocks core/blocks.py's.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from azcp_cluster.azure.credentials import Authorizer
 from azcp_cluster.azure.netfailure import network_cause
 from azcp_cluster.azure.proxies import Proxy, proxy_refused, refusal_message
 from azcp_cluster.azure.tls import ssl_context
+from azcp_cluster.core.blocks import Block
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import DownloadError
 from azcp_cluster.core.model import FileEntry
@@ -36,7 +37,7 @@ from azcp_cluster.core.throttle import Pacer, Slot
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.directio import DirectFile
 from azcp_cluster.dest.localfs import fs_error
-from azcp_cluster.download.blocks import Block, DownloadStats
+from azcp_cluster.download.fetcher import DownloadStats, LandingSink
 from azcp_cluster.download.http1 import ConnectFailed, Connection, TunnelRefused
 from azcp_cluster.download.httpwire import Head, ProtocolError, request_bytes
 from azcp_cluster.download.writepool import BlockWrites, WritePool
@@ -69,8 +70,7 @@ class Downloader:
         cfg: Config,
         *,
         peer_failed: Callable[[], bool] = lambda: False,
-        on_bytes: Callable[[int], None] = lambda n: None,
-        on_landed: Callable[[Block], None] = lambda block: None,
+        sink: LandingSink | None = None,
         rng: random.Random | None = None,
         pacer: Pacer | None = None,
         pool: WritePool | None = None,
@@ -93,9 +93,9 @@ class Downloader:
         self.auth = auth
         self.cfg = cfg
         self.peer_failed = peer_failed
-        self.on_bytes = on_bytes
-        # Streaming: each block once all its bytes are written (its transfer may then go out).
-        self.on_landed = on_landed
+        # Told of each block once all its bytes are written: the progress bar, the journal,
+        # streaming (its transfer may then go out).
+        self.sink = sink if sink is not None else LandingSink()
         self.rng = rng or random.Random()
         self.stats = DownloadStats()
         self._active: set[_Watch] = set()
@@ -227,7 +227,7 @@ class Downloader:
             try:
                 await self._get_once(link, block, entry, slot)
                 self.stats.bytes += block.length
-                self.on_landed(block)
+                self.sink.landed(block)
                 return
             except _Retryable as exc:
                 cause, retry_after, detail = exc.cause, exc.retry_after, ""
@@ -410,7 +410,7 @@ class Downloader:
             raise fs_error(tracker.error, path, "write")
         if tracker.error is not None:
             raise tracker.error
-        self.on_bytes(block.length)
+        self.sink.add_bytes(block.length)
 
 
 async def _pace(seconds: float) -> None:

@@ -23,7 +23,6 @@ decides and tells it) and is killed by the kernel if its rank dies (``PR_SET_PDE
 from __future__ import annotations
 
 import contextlib
-import heapq
 import os
 import pickle
 import selectors
@@ -35,15 +34,20 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from azcp_cluster.azure.credentials import Authorizer, Credential
 from azcp_cluster.azure.proxies import Proxy
+from azcp_cluster.core.blocks import SPARE_BUFFERS, Block, deal
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import AzcpError, DownloadError, InternalError
 from azcp_cluster.core.model import FileEntry
-from azcp_cluster.download.blocks import Block, DownloadStats
-from azcp_cluster.download.writepool import SPARE_BUFFERS
+from azcp_cluster.core.source import BlobSource
+from azcp_cluster.download.fetcher import DownloadStats, Fetcher, LandingSink
+
+if TYPE_CHECKING:
+    from azcp_cluster.download.cpus import Sample
+    from azcp_cluster.download.downloader import Downloader
 
 # How often the rank looks at the other ranks and at its token while its workers run.
 TICK_SECONDS = 0.1
@@ -102,22 +106,11 @@ class Job:
     made: Mapping[str, int]  # relative path -> identity of the temporary files it may write
     cfg: Config  # its --concurrency is its part of the rank's
     credential: Credential  # a token credential without its object: tokens come from the rank
-    source: Any  # the BlobSource
+    source: BlobSource
     token: tuple[str, float] | None  # the rank's current bearer token and its expiry
     buffers: int  # its download buffers (its part of the rank's pool)
     rate: float | None  # its part of the rank's --max-bandwidth share, bytes per second (its burst: 0.1 s of it)
     proxy: Proxy | None
-
-
-def deal(blocks: Sequence[Block], workers: int) -> list[list[Block]]:
-    """Split ``blocks`` over ``workers``: largest first, each to the least loaded (LPT), order kept within each."""
-    loads = [(0, w) for w in range(workers)]  # a heap of (load, worker)
-    parts: list[list[tuple[int, Block]]] = [[] for _ in range(workers)]
-    for index, block in sorted(enumerate(blocks), key=lambda ib: (-ib[1].length, ib[0])):
-        load, k = heapq.heappop(loads)
-        parts[k].append((index, block))
-        heapq.heappush(loads, (load + block.length, k))
-    return [[block for _, block in sorted(part, key=lambda ib: ib[0])] for part in parts]
 
 
 class _Worker:
@@ -134,11 +127,12 @@ class _Worker:
 
 
 class WorkerDownloader:
-    """The :class:`~azcp_cluster.download.downloader.Downloader` interface over worker processes.
+    """The downloader interface (:class:`~azcp_cluster.download.fetcher.Fetcher`) over worker processes.
 
     ``run(blocks)`` returns the summed :class:`DownloadStats` or raises the first worker's
-    error (``PeerFailed`` when the rank was told to stop). ``on_bytes``, ``on_landed`` and
-    ``peer_failed`` are called on the thread that called ``run``, as a Downloader's are.
+    error (``PeerFailed`` when the rank was told to stop). ``sink`` (told of the workers'
+    bytes and landed blocks) and ``peer_failed`` are called on the thread that called
+    ``run``, as a Downloader's are.
     """
 
     def __init__(
@@ -152,8 +146,7 @@ class WorkerDownloader:
         workers: int,
         *,
         peer_failed: Callable[[], bool] = lambda: False,
-        on_bytes: Callable[[int], None] = lambda n: None,
-        on_landed: Callable[[Block], None] = lambda block: None,
+        sink: LandingSink | None = None,
         rate: float | None = None,
         proxy: Proxy | None = None,
     ) -> None:
@@ -165,8 +158,7 @@ class WorkerDownloader:
         self.cfg = cfg
         self.workers = workers
         self.peer_failed = peer_failed
-        self.on_bytes = on_bytes
-        self.on_landed = on_landed
+        self.sink = sink if sink is not None else LandingSink()
         self.rate = rate
         self.proxy = proxy
         self.stats = DownloadStats()
@@ -357,9 +349,9 @@ class WorkerDownloader:
         if kind == "alive":
             pass
         elif kind == "bytes":
-            self.on_bytes(message[1])
+            self.sink.add_bytes(message[1])
         elif kind == "landed":
-            self.on_landed(message[1])
+            self.sink.landed(message[1])
         elif kind == "done":
             self._add(worker, message[1])
             return True
@@ -396,6 +388,9 @@ class _Stopped(AzcpError):
     """A worker that stopped because it was told to (another failure is the one to report)."""
 
 
+# A part of an auto download: the rank's own Downloader, then its worker processes.
+_Part = TypeVar("_Part", bound=Fetcher)
+
 # Auto: the rank downloads alone for at least this long and this many bytes before it judges.
 PROBE_SECONDS = 0.5
 PROBE_BYTES = 32 * 1024 * 1024
@@ -408,23 +403,21 @@ class AutoDownloader:
     After :data:`PROBE_SECONDS` and :data:`PROBE_BYTES` it reads its rate, the cores it kept busy and
     the idle cores among those it may use (:mod:`azcp_cluster.download.cpus`), once. Workers that pay take
     the blocks no request has started; the rank's own requests in flight end first. The same
-    interface as :class:`~azcp_cluster.download.downloader.Downloader`, whose callbacks (``on_bytes``,
-    ``on_landed``, ``peer_failed``, set before :meth:`run`) are called on the thread that runs it.
+    interface (:class:`~azcp_cluster.download.fetcher.Fetcher`) as its parts, which ``alone`` and
+    ``processes`` make with the stage's landing sink and ``peer_failed``: they are called on
+    the thread that runs it.
     """
 
     def __init__(
         self,
-        alone: Callable[[Callable[[], bool | None]], Any],
+        alone: Callable[[Callable[[], bool | None]], Downloader],
         processes: Callable[[int], WorkerDownloader],
         most: int,
         sharing: int,
         *,
-        peer_failed: Callable[[], bool] = lambda: False,
-        on_bytes: Callable[[int], None] = lambda n: None,
-        on_landed: Callable[[Block], None] = lambda block: None,
         release: Callable[[], None] = lambda: None,
         cpus: list[int] | None = None,
-        sampler: Callable[[list[int]], Any] | None = None,
+        sampler: Callable[[list[int]], Sample] | None = None,
     ) -> None:
         from azcp_cluster.download import cpus as cpu_info
 
@@ -435,15 +428,11 @@ class AutoDownloader:
         self._release = release  # the rank's own download buffers, once it hands over
         self._cpus = cpu_info.allowed() if cpus is None else cpus
         self._sample = sampler or cpu_info.sample
-        # As a Downloader's: the parts are given these as they stand when each starts.
-        self.peer_failed = peer_failed
-        self.on_bytes = on_bytes
-        self.on_landed = on_landed
         self.workers = 0  # decided: how many took over (0: none)
         self.measured: tuple[float, float, float | None] | None = None  # rate, own cores, idle cores
         self._parts: list[DownloadStats] = []  # the live stats of each part that ran, in order
-        self._first: Any = None
-        self._start: Any = None
+        self._first: Downloader | None = None
+        self._start: Sample | None = None
         self._total = 0
 
     @property
@@ -462,24 +451,24 @@ class AutoDownloader:
     def run(self, blocks: Sequence[Block]) -> DownloadStats:
         """Download every block: alone, then (if they pay) the rest on workers."""
         self._total = sum(b.length for b in blocks)
-        first = self._first = self._wire(self._alone(self._judge))
+        first = self._counted(self._alone(self._judge))
+        self._first = first
         self._start = self._sample(self._cpus)
         try:
             first.run(blocks)
         finally:
             self._first = None  # its buffers are freed with it
         if first.left:
-            left, first = first.left, None
+            left = first.left
+            del first  # its buffers are freed with it
             self._release()  # the workers map buffers of their own: the rank's go first
-            self._wire(self._processes(self.workers)).run(left)
+            self._counted(self._processes(self.workers)).run(left)
         return self.stats
 
-    def _wire(self, downloader: Any) -> Any:
-        downloader.peer_failed = self.peer_failed
-        downloader.on_bytes = self.on_bytes
-        downloader.on_landed = self.on_landed
-        self._parts.append(downloader.stats)
-        return downloader
+    def _counted(self, part: _Part) -> _Part:
+        """``part``, its live figures counted in the rank's."""
+        self._parts.append(part.stats)
+        return part
 
     def _judge(self) -> bool | None:
         """Called at the rank's watchdog ticks until it answers: True hands the rest over, False keeps it."""
@@ -487,6 +476,7 @@ class AutoDownloader:
         from azcp_cluster.download import cpus as cpu_info
 
         now = self._sample(self._cpus)
+        assert self._first is not None and self._start is not None  # asked only while the rank runs alone
         got = self._first.received
         if now.wall - self._start.wall < PROBE_SECONDS or got < PROBE_BYTES:
             return None

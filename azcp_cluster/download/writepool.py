@@ -4,8 +4,8 @@ the threads that write each full one with O_DIRECT.
 Apart from the requests (downloader.py) because it outlives them and is shared beyond
 them: the pipeline makes the pool at allocation, before the download stage's clock starts
 (its memory mapped up front), the fan-out may share its disk writers, and a download worker
-process makes its own. Its sizes (:func:`pool_bytes`) are what the README states and the
-start-up memory check takes.
+process makes its own. Its sizes (:func:`azcp_cluster.core.blocks.pool_bytes`) are what
+the README states and the start-up memory check takes.
 """
 
 from __future__ import annotations
@@ -17,41 +17,18 @@ from collections import deque
 
 import numpy as np
 
-from azcp_cluster.core.config import Config, MiB
+from azcp_cluster.core.blocks import BUFFER_BYTES, pool_buffers
+from azcp_cluster.core.config import Config
 from azcp_cluster.core.plan import round_up
 from azcp_cluster.dest.directio import ALIGN, DirectFile, aligned_buffers
 from azcp_cluster.dest.diskwriter import DiskWriter
 
-# One pool buffer: the body is received into it, and it is written with one O_DIRECT call
-# when full. O_DIRECT costs CPU per call (0.19 CPU-s/GiB at 1 MiB, 0.09 at 4 MiB here), and
-# the disk keeps pace better with fewer, larger writes; 2 MiB keeps the pool's memory at
-# what it was when bodies were copied into 1 MiB buffers.
-BUFFER_BYTES = 2 * MiB
-# The pool: one buffer per request in flight plus these spares, so that every request can
-# receive while the writers write ((concurrency + 8) x 2 MiB: 144 MiB at the default 64).
-# A request holds at most one buffer and takes the next only after handing the full one
-# to the writers, so it never waits for a buffer while holding one.
-SPARE_BUFFERS = 8
+# The pool's sizes (BUFFER_BYTES, SPARE_BUFFERS, pool_buffers...) are pure arithmetic: core/blocks.py.
 # O_DIRECT writes are synchronous: a few threads keep several in flight. Four, not two: a
 # thread whose write has finished waits for the GIL while the event loop runs, and the
 # disk idles unless others have writes queued (2 -> 4 took the benchmark's download from
 # about 750 to about 820 MiB/s against a disk that does about 900 alone).
 WRITER_THREADS = 4
-
-
-def pool_buffers(concurrency: int) -> int:
-    """Buffers in the download pool: one per request in flight, plus spares."""
-    return concurrency + SPARE_BUFFERS
-
-
-def pool_buffers_for(concurrency: int, blocks: int) -> int:
-    """Buffers for a rank with ``blocks`` ranged GETs to make: never more than they can fill at once."""
-    return min(pool_buffers(concurrency), blocks + SPARE_BUFFERS)
-
-
-def pool_bytes(concurrency: int) -> int:
-    """Memory the download pool takes at most (stated in the README, checked at start-up)."""
-    return pool_buffers(concurrency) * BUFFER_BYTES
 
 
 class BlockWrites:

@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TypeVar
 
 from azcp_cluster.core.digests import StreamDigests
 from azcp_cluster.core.errors import AzcpError, InternalError
@@ -44,6 +44,7 @@ from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.directio import ALIGN, aligned_buffer
 from azcp_cluster.dest.diskwriter import DiskWriter
 from azcp_cluster.fanout.events import (
+    NO_HOOKS,
     Agreed,
     BroadcastStats,
     CallDone,
@@ -52,6 +53,7 @@ from azcp_cluster.fanout.events import (
     Landed,
     LandedHere,
     ReadDone,
+    StageHooks,
     WriteDone,
     as_error,
 )
@@ -71,6 +73,7 @@ POLL_NAP = 0.0002
 MAX_NAP = 0.002
 # Seconds between looks at signals, landings and peers while nothing is in flight.
 IDLE_NAP = 0.005
+_Job = TypeVar("_Job", Read, Hash)  # what a thread of the driver serves (the read-ahead, the hasher)
 
 
 class _Slot:
@@ -98,6 +101,7 @@ class _Run:
 
     schedule: Sequence[Transfer]
     machine: FanOut
+    hooks: StageHooks
     landed: Landed | None
     reader: ReadAhead
     digests: StreamDigests
@@ -125,11 +129,8 @@ class Broadcaster:
         direct: bool = True,
         have: Sequence[bool] | None = None,
         verify: bool = False,
-        on_bytes: Callable[[int, int], None] = lambda n, files: None,
         source_of: Callable[[int], str | None] | None = None,
         stop_requested: Callable[[], AzcpError | None] = lambda: None,
-        peer_failed: Callable[[], bool] = lambda: False,
-        announce: Callable[[], None] = lambda: None,
         made_on_arrival: set[int] | None = None,
         disk: DiskWriter | None = None,
         on_written: Callable[[int, int, int], None] | None = None,
@@ -147,19 +148,11 @@ class Broadcaster:
         # A local SOURCE's reader sends from the source itself, not from a downloaded
         # temporary file, so it writes its own copy of what it sends like a receiver.
         self.source_of = source_of if source_of is not None else (lambda index: None)
-        self.on_bytes = on_bytes  # (bytes, files complete) per transfer done: the progress bar
         self._completes: list[int] = []
         # Polled at every turn of the loop (a SIGINT/SIGTERM this rank got): its error fails
         # this rank like a local one, so the next agreement stops every rank together.
         self.stop_requested = stop_requested
-        # Streaming: another rank's failure (a downloader of this node, say) seen before the
-        # next agreement, so a root stops waiting for bytes that will not come.
-        self.peer_failed = peer_failed
-        # Called once when this rank fails: tells every other rank at once (the failure
-        # signal), so a root waiting for bytes from a download elsewhere, and the downloads
-        # themselves, stop before the next agreement.
-        self.announce = announce
-        self._announced = False
+        self._announced = False  # the stage's hooks were told this rank failed (StageHooks.announce)
         # Small files whose temporary name the writer creates as their bytes arrive
         # (DestTree.prepare_all deferred them): always packed, never O_DIRECT.
         self.made_on_arrival = made_on_arrival if made_on_arrival is not None else set()
@@ -194,16 +187,21 @@ class Broadcaster:
     # -- the driver (main thread) ----------------------------------------------------------
 
     def run(
-        self, schedule: Sequence[Transfer], landed: Landed | None = None, failed: AzcpError | None = None
+        self,
+        schedule: Sequence[Transfer],
+        hooks: StageHooks = NO_HOOKS,
+        landed: Landed | None = None,
+        failed: AzcpError | None = None,
     ) -> BroadcastStats:
         """Carry out every transfer this rank takes part in; raise the first local error after all ranks stopped.
 
-        ``landed``: streaming, the download still running (see :class:`Landed`). ``failed``:
-        this rank failed before the fan-out began (its download could not be set up): it takes
-        part without reading or writing until the first agreement, where all ranks stop, as it
-        does when anything else fails before its first post here (its threads cannot start).
+        ``hooks``: the stage's. ``landed``: streaming, the download still running (see
+        :class:`Landed`). ``failed``: this rank failed before the fan-out began (its download
+        could not be set up): it takes part without reading or writing until the first
+        agreement, where all ranks stop, as it does when anything else fails before its first
+        post here (its threads cannot start).
         """
-        run = self._begin(schedule, landed, failed)
+        run = self._begin(schedule, hooks, landed, failed)
         try:
             finish = self._drive(run)
         finally:
@@ -214,7 +212,9 @@ class Broadcaster:
             raise PeerFailed()
         return self.stats
 
-    def _begin(self, schedule: Sequence[Transfer], landed: Landed | None, failed: AzcpError | None) -> _Run:
+    def _begin(
+        self, schedule: Sequence[Transfer], hooks: StageHooks, landed: Landed | None, failed: AzcpError | None
+    ) -> _Run:
         """The machine for ``schedule``, the read-ahead, hasher and writer threads started, the first instructions."""
         self._schedule = schedule
         self._completes = completions(schedule)
@@ -246,7 +246,7 @@ class Broadcaster:
             hint_window=4 * len(self.slots),
             changed=self.changed,
         )
-        run = _Run(schedule, machine, landed, reader, StreamDigests(self.digests), disk=self.disk)
+        run = _Run(schedule, machine, hooks, landed, reader, StreamDigests(self.digests), disk=self.disk)
         try:
             self._start_threads(run, hashed=bool(hashed))
         except Exception as exc:  # no thread (a process limit): fail here, but never leave the others
@@ -384,15 +384,15 @@ class Broadcaster:
         """Post transfer ``step.seq`` from its slot (the root says whether the slot holds its
         bytes; a receiver's byte is overwritten by the root's, 0 until then)."""
         transfer = run.schedule[step.seq]
-        buffer = self.slots[step.slot].buffer
-        buffer[transfer.length] = 1 if step.intact and transfer.root == self.rank else 0
-        run.inflight.append(_InFlight(transfer, self._post(transfer, buffer), step.slot))
+        slot = self.slots[step.slot]
+        slot.buffer[transfer.length] = 1 if step.intact and transfer.root == self.rank else 0
+        run.inflight.append(_InFlight(transfer, self._post(transfer, slot), step.slot))
 
-    def _post(self, transfer: Transfer, buffer: Any) -> Request:
+    def _post(self, transfer: Transfer, slot: _Slot) -> Request:
         """Start a transfer: its bytes and the root's ``intact`` byte after them, to every other
         rank or to its receivers."""
         receivers = None if transfer.everyone else transfer.receivers
-        return self.transport.post(buffer[: transfer.length + 1], transfer.root, receivers)
+        return self.transport.post(slot.buffer[: transfer.length + 1], transfer.root, receivers)
 
     def _completed(self, run: _Run) -> list[Event]:
         """The oldest transfer in flight completed: count it (if its root's bytes came), then tell the machine."""
@@ -401,7 +401,7 @@ class Broadcaster:
         intact = bool(self.slots[done.slot].buffer[transfer.length] == 1)
         try:
             if intact or transfer.root == self.rank:
-                self._retired(transfer)  # counters and the progress bar
+                self._retired(run, transfer)  # counters and the progress bar
         except Exception as exc:  # fail this rank; never leave the others in a collective
             return [Failed(as_error(exc, "the fan-out")), CallDone(intact)]
         return [CallDone(intact)]
@@ -426,20 +426,20 @@ class Broadcaster:
             if landed is not None and not machine.finished:
                 for seq in landed.poll():
                     out.extend(self._handle(machine, LandedHere(seq)))
-                if not machine.failing and self.peer_failed():
+                if not machine.failing and run.hooks.peer_failed():
                     out.extend(machine.failed(None))
         except Exception as exc:  # a bug here must fail this rank, not leave the others in a collective
             out.extend(machine.failed(as_error(exc, "the fan-out") or InternalError("the fan-out failed")))
         if machine.error is not None and not self._announced:
             self._announced = True
             with contextlib.suppress(Exception):  # the agreement still tells the others
-                self.announce()
+                run.hooks.announce()
         return out
 
-    def _retired(self, transfer: Transfer) -> None:
+    def _retired(self, run: _Run, transfer: Transfer) -> None:
         """Count a completed transfer."""
         self.stats.chunks += 1
-        self.on_bytes(sum(e.length for e in transfer.extents), self._completes[transfer.seq])
+        run.hooks.on_bytes(sum(e.length for e in transfer.extents), self._completes[transfer.seq])
         if transfer.root == self.rank:
             self.stats.sent_bytes += transfer.length * len(transfer.receivers)
 
@@ -447,8 +447,8 @@ class Broadcaster:
 
     def _serve(
         self,
-        jobs: queue.SimpleQueue[Any],
-        work: Callable[[Any], None],
+        jobs: queue.SimpleQueue[_Job | None],
+        work: Callable[[_Job], None],
         done: Callable[[int, AzcpError | None], Event],
         what: str,
     ) -> None:

@@ -1,9 +1,11 @@
 """The fan-out driver's vocabulary: what happens (typed events, each one call of the pure
 :class:`azcp_cluster.core.fanout.FanOut`), what a streaming download tells it (:class:`Landed`),
-and what one rank's fan-out did (:class:`BroadcastStats`)."""
+what it tells its stage (:class:`StageHooks`) and what one rank's fan-out did
+(:class:`BroadcastStats`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,6 +35,41 @@ class Landed(Protocol):
 
     def failed(self) -> AzcpError | None:
         """This rank's own download error, if any (a peer's shows in ``peer_failed``)."""
+
+
+def _no_progress(nbytes: int, files: int) -> None:
+    """Nobody counts the transfers."""
+
+
+def _never() -> bool:
+    """No other rank is watched."""
+    return False
+
+
+def _nobody() -> None:
+    """Nobody is told."""
+
+
+@dataclass(frozen=True)
+class StageHooks:
+    """What one fan-out run tells the stage that runs it, and asks it: composed once by the
+    stage and given to :meth:`~azcp_cluster.fanout.broadcast.Broadcaster.run` (the broadcaster
+    is made earlier, at allocation; the stage's progress bar and outcome exist only once the
+    stage has begun). Called on the driver's (the MPI) thread.
+    """
+
+    # (bytes, files complete) per transfer done here: the stage's tally and progress bar.
+    on_bytes: Callable[[int, int], None] = _no_progress
+    # Streaming: another rank's failure (a downloader of this node, say) seen before the
+    # next agreement, so a root stops waiting for bytes that will not come.
+    peer_failed: Callable[[], bool] = _never
+    # Called once when this rank fails: tells every other rank at once (the failure
+    # signal), so a root waiting for bytes from a download elsewhere, and the downloads
+    # themselves, stop before the next agreement.
+    announce: Callable[[], None] = _nobody
+
+
+NO_HOOKS = StageHooks()  # a run nobody watches (tests, and programs that drive the fan-out alone)
 
 
 # -- what happens, as the driver tells the machine ----------------------------------------

@@ -23,11 +23,14 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
+from azcp_cluster.core.blocks import Block
 from azcp_cluster.core.errors import AzcpError
-from azcp_cluster.core.plan import Plan
 from azcp_cluster.core.schedule import Landing, Transfer
+from azcp_cluster.download.fetcher import DownloadStats, Fetcher
+from azcp_cluster.fanout.broadcast import Broadcaster
+from azcp_cluster.fanout.events import BroadcastStats, StageHooks
 from azcp_cluster.run.cluster import PeerFailed, as_azcp_error
 from azcp_cluster.run.interrupts import shield
 
@@ -37,39 +40,35 @@ LANDED_TAG = 23
 END = -1
 
 
-@dataclass(frozen=True)
-class NodeBlocks:
-    """The ranged GETs of one node's downloaders: ``blocks`` in download order, and each one's slice."""
-
-    blocks: tuple[tuple[int, int, int], ...]  # (file, offset, length), node-wide index = position
-    of_rank: dict[int, tuple[int, ...]]  # downloader -> its block indices, in the order it fetches them
+# A notice on the node's communicator: (the sender's group rank, block indices or END).
+Notice = tuple[int, list[int]]
 
 
-def node_blocks(
-    schedule: Sequence[Transfer],
-    plan: Plan,
-    node: int,
-    downloaders: Sequence[int],
-    block_size: int,
-    cut: Callable[[Any, int], Sequence[Any]],
-) -> tuple[NodeBlocks, Landing]:
-    """The blocks of ``node``'s ``downloaders`` (world ranks) and when each of its transfers is ready.
+class SendRequest(Protocol):
+    """A non-blocking send in flight (mpi4py's ``Request``; mpi4py is imported by run/mpi.py and
+    fanout/transport.py only)."""
 
-    ``cut`` is :func:`azcp_cluster.download.blocks.blocks_for` (shards into ranged GETs). Each
-    downloader fetches its blocks in the order the schedule needs them.
-    """
-    blocks: list[tuple[int, int, int]] = []
-    owner: list[int] = []
-    for rank in downloaders:
-        for block in cut(plan.owned_by(rank), block_size):
-            blocks.append((block.file, block.offset, block.length))
-            owner.append(rank)
-    landing = Landing(schedule, node, blocks)
-    order = landing.order()
-    of_rank: dict[int, list[int]] = {rank: [] for rank in downloaders}
-    for index in order:
-        of_rank[owner[index]].append(index)
-    return NodeBlocks(tuple(blocks), {r: tuple(v) for r, v in of_rank.items()}), landing
+    def wait(self) -> object:
+        """Wait until the send is complete."""
+
+    def Test(self) -> bool:
+        """Whether the send is complete (never blocks)."""
+
+
+class NodeComm(Protocol):
+    """The node's communicator, as the landing notices use it (mpi4py's ``Intracomm``)."""
+
+    def Get_rank(self) -> int:
+        """This rank's rank in the node's communicator (the leader is 0)."""
+
+    def iprobe(self, *, tag: int) -> bool:
+        """Whether a message with ``tag`` is waiting (never blocks)."""
+
+    def recv(self, *, tag: int) -> Notice:
+        """The next message with ``tag`` (waits for it)."""
+
+    def isend(self, obj: Notice, *, dest: int, tag: int) -> SendRequest:
+        """Start sending ``obj`` to ``dest``."""
 
 
 class LandingFeed:
@@ -80,7 +79,7 @@ class LandingFeed:
     through :meth:`local` (thread-safe); everything else runs on the main thread.
     """
 
-    def __init__(self, landing: Landing, group_comm: Any, others: Sequence[int]) -> None:
+    def __init__(self, landing: Landing, group_comm: NodeComm, others: Sequence[int]) -> None:
         self.landing = landing
         self.comm = group_comm
         self.others = set(others)
@@ -126,7 +125,7 @@ class LandingFeed:
         while self.others - self.ended:
             self._take(self.comm.recv(tag=LANDED_TAG))
 
-    def _take(self, message: tuple[int, list[int]]) -> list[int]:
+    def _take(self, message: Notice) -> list[int]:
         sender, indices = message
         ready: list[int] = []
         for index in indices:
@@ -144,15 +143,15 @@ class Notifier:
     non-blocking sends of a few bytes; :meth:`close` sends END and completes them all.
     """
 
-    def __init__(self, group_comm: Any, node_index: dict[tuple[int, int], int]) -> None:
+    def __init__(self, group_comm: NodeComm, node_index: dict[tuple[int, int], int]) -> None:
         self.comm = group_comm
         self.me = group_comm.Get_rank()
         self.node_index = node_index  # (file, offset) -> the block's node-wide index
-        self._requests: list[Any] = []
+        self._requests: list[SendRequest] = []
 
-    def landed(self, file: int, offset: int) -> None:
-        """The block at ``(file, offset)`` is on the disk."""
-        self._send([self.node_index[(file, offset)]])
+    def landed(self, block: Block) -> None:
+        """``block`` is on the disk (the download's landing sink's notice)."""
+        self._send([self.node_index[(block.file, block.offset)]])
 
     def close(self) -> None:
         """The last notice: no more will come. Waits until every notice has been sent."""
@@ -169,12 +168,16 @@ class Notifier:
 
 
 class DownloadThread:
-    """A leader's own download, on a thread of its own while the main thread runs the fan-out."""
+    """A leader's own download, on a thread of its own while the main thread runs the fan-out.
 
-    def __init__(self, run: Callable[[], Any], rank: int) -> None:
+    ``stop`` is set by the main thread; the download was made with ``stop.is_set`` as its
+    ``peer_failed`` (its event loop makes no MPI call).
+    """
+
+    def __init__(self, run: Callable[[], DownloadStats], rank: int, stop: threading.Event) -> None:
         self.rank = rank  # named by an unexpected error's message
-        self.stop = threading.Event()  # set by the main thread: the download's peer_failed
-        self.result: Any = None
+        self.stop = stop
+        self.result: DownloadStats | None = None
         self.error: BaseException | None = None
         self._run = run
         self._thread = threading.Thread(target=self._main, name="azcp-download", daemon=True)
@@ -183,7 +186,7 @@ class DownloadThread:
         """Start downloading."""
         self._thread.start()
 
-    def wait(self) -> tuple[Any, BaseException | None]:
+    def wait(self) -> tuple[DownloadStats | None, BaseException | None]:
         """Wait for the download to end: its result, and its error (None, PeerFailed when it was
         stopped, or the download's own)."""
         self._thread.join()
@@ -205,37 +208,43 @@ class Streamed:
     """What one rank's part of the streaming stage gives the next stages."""
 
     downloaded: float  # seconds from the stage's start to the end of this rank's download (0: none)
-    download: Any = None  # download.DownloadStats, if this rank downloaded
-    fanout: Any = None  # events.BroadcastStats, if this rank is a leader
+    download: DownloadStats | None = None  # if this rank downloaded
+    fanout: BroadcastStats | None = None  # if this rank is a leader
     digests: dict[int, str] | None = None  # --verify stream: MD5 of the files hashed in flight
 
 
 def lead(
-    broadcaster: Any,
+    broadcaster: Broadcaster,
     schedule: Sequence[Transfer],
     feed: LandingFeed,
-    downloader: Any,
-    blocks: Sequence[Any],
-    index: dict[tuple[int, int], int],
+    downloader: Fetcher | None,
+    blocks: Sequence[Block],
     since: Callable[[], float],
     rank: int,
+    stop: threading.Event,
+    hooks: StageHooks,
     failed: AzcpError | None = None,
 ) -> Streamed:
     """A leader's part: the fan-out on this (the MPI) thread, its own ``blocks`` (if any) downloaded
     by ``downloader`` on a thread meanwhile. ``since()``: seconds since the stage began.
-    ``failed``: the download could not be set up; the fan-out still runs to its first agreement.
+
+    ``downloader`` was made telling ``feed`` of each block it lands (its landing sink) and
+    stopping once ``stop`` is set (its ``peer_failed``), which this sets when the fan-out
+    stops. ``hooks``: the stage's, for the fan-out. ``failed``: the download could not be
+    set up; the fan-out still runs to its first agreement.
 
     Raises the stage's error: the fan-out's, or this rank's own download error rather than a
     peer's failure when both happened.
     """
     downloaded = 0.0
     thread: DownloadThread | None = None
-    if blocks and failed is None:
+    if downloader is not None and blocks and failed is None:
+        fetcher = downloader
 
-        def fetch() -> Any:
+        def fetch() -> DownloadStats:
             nonlocal downloaded
             try:
-                return downloader.run(blocks)
+                return fetcher.run(blocks)
             except PeerFailed:
                 raise  # stopped: the fan-out stopped first
             except BaseException as exc:
@@ -246,9 +255,7 @@ def lead(
             finally:
                 downloaded = since()
 
-        downloader.on_landed = also(downloader.on_landed, lambda block: feed.local(index[(block.file, block.offset)]))
-        thread = DownloadThread(fetch, rank)
-        downloader.peer_failed = thread.stop.is_set  # its event loop makes no MPI call
+        thread = DownloadThread(fetch, rank, stop)
         try:
             thread.start()
         except Exception as exc:  # no thread (a process limit): the fan-out fails, at its next agreement
@@ -258,7 +265,7 @@ def lead(
     dstats = None
     failure: BaseException | None = None
     try:
-        fanout = broadcaster.run(schedule, landed=feed, failed=failed)
+        fanout = broadcaster.run(schedule, hooks, landed=feed, failed=failed)
     except PeerFailed:
         if thread is not None:
             thread.stop.set()
@@ -278,21 +285,21 @@ def lead(
 
 
 def notify_while_downloading(
-    group_comm: Any,
+    group_comm: NodeComm,
     index: dict[tuple[int, int], int],
-    make_downloader: Callable[[], Any],
-    blocks: Sequence[Any],
+    make_downloader: Callable[[Callable[[Block], None]], Fetcher],
+    blocks: Sequence[Block],
     since: Callable[[], float],
 ) -> Streamed:
     """A node's other downloader: fetch ``blocks``, telling the leader of each as it lands.
 
-    The END goes out whatever happens (the leader waits for it): the notifier is made first.
+    ``make_downloader(notice)``: this rank's downloader, ``notice`` in its landing sink. The
+    END goes out whatever happens (the leader waits for it): the notifier is made first.
     """
     notifier = Notifier(group_comm, index)
     downloaded = 0.0
     try:
-        downloader = make_downloader()
-        downloader.on_landed = also(downloader.on_landed, lambda block: notifier.landed(block.file, block.offset))
+        downloader = make_downloader(notifier.landed)
         dstats = downloader.run(blocks)
     finally:
         downloaded = since()
@@ -305,20 +312,10 @@ __all__ = [
     "LANDED_TAG",
     "DownloadThread",
     "LandingFeed",
-    "NodeBlocks",
+    "NodeComm",
     "Notifier",
+    "SendRequest",
     "Streamed",
     "lead",
-    "node_blocks",
     "notify_while_downloading",
 ]
-
-
-def also(first: Callable[[Any], None], then: Callable[[Any], None]) -> Callable[[Any], None]:
-    """A landed-block callback that calls ``first`` (the block journal's), then ``then``."""
-
-    def both(block: Any) -> None:
-        first(block)
-        then(block)
-
-    return both

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from azcp_cluster.core.blocks import blocks_for, pool_buffers_for, pool_bytes
 from azcp_cluster.core.errors import InternalError
 from azcp_cluster.core.model import Listing
 from azcp_cluster.core.naming import JOURNAL_DIR
@@ -121,12 +122,10 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
         workers = download_workers(ctx, place, plan) if not ctx.local and mine else 1
         if workers > 1:
             from azcp_cluster.download.workers import WORKER_MEMORY
-            from azcp_cluster.download.writepool import pool_bytes
 
             cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency) + workers * WORKER_MEMORY)
         if not ctx.local and mine and (workers == 1 or cfg.download_workers is None):  # auto starts alone
-            from azcp_cluster.download.blocks import blocks_for
-            from azcp_cluster.download.writepool import WritePool, pool_buffers_for
+            from azcp_cluster.download.writepool import WritePool
 
             # Mapped now, with its writer threads started: the download stage then
             # measures the transfer, not page faults and thread start-up. No more

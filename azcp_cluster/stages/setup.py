@@ -141,7 +141,7 @@ def _check_arguments(ctx: RunContext) -> tuple[Authorizer | None, Proxy | None, 
         raise UsageError("--source-readers is for a local SOURCE; a blob URL is read by the downloaders")
     # Imported here: a local SOURCE never pays for the Azure and HTTP libraries.
     from azcp_cluster.azure.credentials import Authorizer, resolve_credential
-    from azcp_cluster.download.writepool import pool_bytes
+    from azcp_cluster.core.blocks import pool_bytes
 
     source = parse_blob_url(cfg.source)
     if not cfg.dry_run:

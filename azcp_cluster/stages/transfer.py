@@ -8,15 +8,18 @@ streaming.py and docs/architecture.md ("Streaming").
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from azcp_cluster.core.errors import AzcpError, SourceError
+from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.plan import Plan, plan_transfers
 from azcp_cluster.dest.localsource import restat, source_file
 from azcp_cluster.fanout.broadcast import Broadcaster
+from azcp_cluster.fanout.events import StageHooks
 from azcp_cluster.run.cluster import (
     Cluster,
     StageOutcome,
@@ -34,8 +37,9 @@ from azcp_cluster.stages.setup import Placement
 from azcp_cluster.stages.survey import Diff, Listed
 
 if TYPE_CHECKING:
-    from azcp_cluster.download.blocks import DownloadStats, Fetcher
+    from azcp_cluster.core.blocks import Block
     from azcp_cluster.download.downloader import Downloader
+    from azcp_cluster.download.fetcher import DownloadStats, Fetcher
     from azcp_cluster.download.workers import WorkerDownloader
     from azcp_cluster.fanout.streaming import LandingFeed, Streamed
 
@@ -77,7 +81,7 @@ def move(
 
 def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan) -> None:
     """Every downloader fetches its shards into its node's temporary files."""
-    from azcp_cluster.download.blocks import blocks_for
+    from azcp_cluster.core.blocks import blocks_for
 
     cluster = ctx.cluster
     t0 = cluster.clock()
@@ -86,7 +90,7 @@ def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan) -> N
     progress = Progress("download", sum(s.length for s in mine), ctx.show_progress)
     with cluster.stage(outcome):
         if mine:
-            fetcher = downloader(ctx, place, listed, plan, progress.add)
+            fetcher = downloader(ctx, place, listed, plan, progress.add, ctx.cluster.peer_failed)
             try:
                 fetcher.run(blocks_for(mine, ctx.cfg.block_size))
             finally:  # what it did, also when it failed: the report has the figures so far
@@ -116,14 +120,26 @@ def download_figures(stats: DownloadStats) -> dict[str, Any]:
 
 
 def downloader(
-    ctx: RunContext, place: Placement, listed: Listed, plan: Plan, on_bytes: Callable[[int], None]
+    ctx: RunContext,
+    place: Placement,
+    listed: Listed,
+    plan: Plan,
+    progress: Callable[[int], None],
+    peer_failed: Callable[[], bool],
+    notice: Callable[[Block], None] | None = None,
 ) -> Fetcher:
     """This rank's downloader for its share of ``plan`` (paced by its share of --max-bandwidth):
     in the rank itself, on ``--download-workers`` processes, or, auto, in the rank until it finds
-    that processes would shorten the copy (workers.py)."""
+    that processes would shorten the copy (workers.py).
+
+    Its landing sink, composed here once for every part of it: each block's bytes to
+    ``progress``, the block to this rank's journal (if any), then to ``notice`` (streaming).
+    It stops once ``peer_failed()``.
+    """
     from azcp_cluster.core.throttle import Pacer, share
     from azcp_cluster.download import workers as worker_processes
     from azcp_cluster.download.downloader import Downloader
+    from azcp_cluster.download.fetcher import LandingSink
 
     cfg = ctx.cfg
     auth = place.auth
@@ -135,11 +151,8 @@ def downloader(
     workers = allocate.download_workers(ctx, place, plan)
     files = listed.listing.files
     tree = ctx.dest_tree()
-    journal = ctx.journal
-
-    def on_landed(block: Any) -> None:
-        if journal is not None:  # every block, once written, to this rank's journal
-            journal.written(block.file, block.offset, block.length)
+    journal = ctx.journal  # every block, once written, to this rank's journal
+    sink = LandingSink(progress, journal.written if journal is not None else None, notice)
 
     def processes(count: int) -> WorkerDownloader:
         return worker_processes.WorkerDownloader(
@@ -150,9 +163,8 @@ def downloader(
             auth,
             cfg,
             count,
-            peer_failed=ctx.cluster.peer_failed,
-            on_bytes=on_bytes,
-            on_landed=on_landed,
+            peer_failed=peer_failed,
+            sink=sink,
             rate=rate,
             proxy=place.proxy,
         )
@@ -164,9 +176,8 @@ def downloader(
             tree,
             auth,
             cfg,
-            peer_failed=ctx.cluster.peer_failed,
-            on_bytes=on_bytes,
-            on_landed=on_landed,
+            peer_failed=peer_failed,
+            sink=sink,
             pacer=pacer,
             pool=ctx.write_pool,
             proxy=place.proxy,
@@ -179,9 +190,6 @@ def downloader(
             processes,
             workers,
             allocate.cpus_sharing(place),
-            peer_failed=ctx.cluster.peer_failed,
-            on_bytes=on_bytes,
-            on_landed=on_landed,
             release=ctx.close_write_pool,
         )
     return processes(workers) if workers > 1 else alone()
@@ -216,8 +224,8 @@ def stream(
     stop every leader at the same transfer. Reported as both stages: ``download`` until
     the last byte landed, ``bcast`` the whole stage (they overlap).
     """
-    from azcp_cluster.download.blocks import Block, blocks_for
-    from azcp_cluster.fanout.streaming import LandingFeed, Streamed, lead, node_blocks, notify_while_downloading
+    from azcp_cluster.core.blocks import Block, node_blocks
+    from azcp_cluster.fanout.streaming import LandingFeed, Streamed, lead, notify_while_downloading
 
     cluster = ctx.cluster
     topo = place.topo
@@ -225,7 +233,7 @@ def stream(
     t0 = cluster.clock()
     transfers = schedule.transfers  # columns: a transfer is made when the fan-out reads it
     downloaders = place.downloaders_here()
-    blocks, landing = node_blocks(transfers, plan, place.group, downloaders, ctx.cfg.block_size, blocks_for)
+    blocks, landing = node_blocks(transfers, plan, place.group, downloaders, ctx.cfg.block_size)
     mine = [Block(*blocks.blocks[i]) for i in blocks.of_rank.get(rank, ())]
     index = {(f, o): i for i, (f, o, _) in enumerate(blocks.blocks)}
     total = schedule.payload
@@ -242,8 +250,8 @@ def stream(
     made: list[Fetcher] = []  # this rank's, once made: its figures, also after a failure
     fanned = FanOutTally(progress.add)
 
-    def make_downloader() -> Fetcher:
-        made.append(downloader(ctx, place, listed, plan, progress.add_download))
+    def make_downloader(notice: Callable[[Block], None], peer_failed: Callable[[], bool]) -> Fetcher:
+        made.append(downloader(ctx, place, listed, plan, progress.add_download, peer_failed, notice))
         return made[-1]
 
     with cluster.stage(outcome):
@@ -254,21 +262,24 @@ def stream(
             # notices and an END: one with nothing to fetch is not waited for.
             members = [r for r in topo.members(place.group) if r != rank]
             others = [1 + members.index(r) for r in downloaders if r != rank and blocks.of_rank.get(r)]
-            feed = LandingFeed(landing, ctx.group_comm, others)
+            feed = here = LandingFeed(landing, ctx.group_comm, others)
             assert broadcaster is not None
-            broadcaster.on_bytes = fanned.add
-            broadcaster.announce = lambda: cluster.signal_failure(outcome)
-            broadcaster.peer_failed = cluster.peer_failed
+            hooks = StageHooks(fanned.add, cluster.peer_failed, lambda: cluster.signal_failure(outcome))
+            # Set by the fan-out when it stops: the leader's download stops too (its event
+            # loop, on a thread of its own, makes no MPI call: no cluster.peer_failed there).
+            stop = threading.Event()
             own = None
             early: AzcpError | None = None
             try:
-                own = make_downloader() if mine else None
+                own = make_downloader(lambda b: here.local(index[(b.file, b.offset)]), stop.is_set) if mine else None
             except Exception as exc:  # the fan-out still runs to its first agreement: nobody is left waiting
                 early = as_azcp_error(exc, rank)
-            done = lead(broadcaster, transfers, feed, own, mine, index, since, rank, early)
+            done = lead(broadcaster, transfers, feed, own, mine, since, rank, stop, hooks, early)
             digests.update(done.digests or {})
         elif mine:
-            done = notify_while_downloading(ctx.group_comm, index, make_downloader, mine, since)
+            done = notify_while_downloading(
+                ctx.group_comm, index, lambda notice: make_downloader(notice, cluster.peer_failed), mine, since
+            )
     _conclude_stream(ctx, t0, outcome, done, made, fanned, progress, broadcaster, feed, total)
     return FannedOut((), digests)
 
@@ -379,8 +390,7 @@ def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: 
     fanned = FanOutTally(progress.add)
     with cluster.stage(outcome):
         if broadcaster is not None:  # leaders only; the others wait at the agreement
-            broadcaster.on_bytes = fanned.add
-            stats = broadcaster.run(schedule.transfers)
+            stats = broadcaster.run(schedule.transfers, StageHooks(on_bytes=fanned.add))
             digests.update(broadcaster.digests)
             outcome.stats = {
                 "refused": stats.direct_refused,
@@ -420,7 +430,7 @@ def send_again(
     cluster = ctx.cluster
     listed = moved.listed
     outcome = StageOutcome()
-    fresh: list[Any] = []
+    fresh: list[FileEntry] = []
     if ctx.rank == place.reader:
         with cluster.stage(outcome):
             fresh = [restat(ctx.source_root, listed.listing.files[i], listed.single_file) for i in changed]

@@ -28,11 +28,11 @@ if RANK == "0" and MODE == "retired":
     retired = broadcast.Broadcaster._retired
     calls = [0]
 
-    def failing(self: Any, transfer: Any) -> None:
+    def failing(self: Any, run: Any, transfer: Any) -> None:
         calls[0] += 1
         if calls[0] == 2:
             raise OSError(5, "Input/output error (simulated)")
-        retired(self, transfer)
+        retired(self, run, transfer)
 
     broadcast.Broadcaster._retired = failing  # type: ignore[method-assign]
 elif RANK == "0" and MODE == "thread":
@@ -53,24 +53,26 @@ elif RANK == "0" and MODE == "readahead":
     threading.Thread.start = refusing  # type: ignore[method-assign]
 elif RANK == "0" and MODE == "downloader":
 
-    def no_downloader(*args: Any) -> Any:
+    def no_downloader(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("cannot make the downloader (simulated)")
 
     transfer.downloader = no_downloader
 
 if MODE == "unannounced":
+    import dataclasses
+
     from azcp_cluster.core.errors import BroadcastError
 
     run = broadcast.Broadcaster.run
 
-    def unannounced(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # At the run, after the stage has wired its own announce and peer_failed.
+    def unannounced(self: Any, schedule: Any, hooks: Any = None, **kwargs: Any) -> Any:
+        # At the run, in place of the stage's own announce and peer_failed.
         if RANK == "0":
             self.stop_requested = lambda: BroadcastError("the fan-out stopped (simulated)", rank=0)
-            self.announce = lambda: None
+            hooks = dataclasses.replace(hooks, announce=lambda: None)
         else:
-            self.peer_failed = lambda: False  # never told out of band
-        return run(self, *args, **kwargs)
+            hooks = dataclasses.replace(hooks, peer_failed=lambda: False)  # never told out of band
+        return run(self, schedule, hooks, **kwargs)
 
     broadcast.Broadcaster.run = unannounced  # type: ignore[method-assign]
 
