@@ -29,6 +29,7 @@ from azcp_cluster.core.schedule import (
     payload,
 )
 from azcp_cluster.core.topology import workers_for
+from azcp_cluster.core.waves import StreamSizes, stream_sizes
 from azcp_cluster.dest import journal
 from azcp_cluster.dest.localfs import check_space, fs_error
 from azcp_cluster.dest.localsource import source_file
@@ -83,11 +84,24 @@ def schedule_for(ctx: RunContext, place: Placement, plan: Plan, earlier: Schedul
         receives = set(np.unique(c.file[c.length > 0]).tolist())
         transfers = Transfers.of([], 1)
     else:
-        transfers = transfer_schedule(plan, ctx.cfg.chunk, topo.groups, root_of=topo.group_of)
+        sizes = stream_sizes_for(ctx, place, plan)
+        chunk = sizes.chunk if sizes is not None else ctx.cfg.chunk
+        transfers = transfer_schedule(plan, chunk, topo.groups, root_of=topo.group_of)
         receives = files_written(transfers, place.group)
     if earlier is not None:
         receives |= earlier.receives
     return Schedule(transfers, frozenset(receives))
+
+
+def stream_sizes_for(ctx: RunContext, place: Placement, plan: Plan) -> StreamSizes | None:
+    """A streamed copy's transfer, block and in-flight sizes (core/waves.py: its shares land,
+    and leave, in waves); None for a copy that does not stream (a local SOURCE, one node,
+    --no-overlap, nothing to download). The same on every rank: from the largest share."""
+    cfg = ctx.cfg
+    loads = plan.loads()
+    if ctx.local or not cfg.overlap or place.topo.groups == 1 or not any(loads):
+        return None
+    return stream_sizes(max(loads), cfg.chunk, cfg.block_size, cfg.concurrency)
 
 
 def writes_here(listing: Listing, diff: Diff, schedule: Schedule) -> tuple[int, ...]:
@@ -130,7 +144,8 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
             # Mapped now, with its writer threads started: the download stage then
             # measures the transfer, not page faults and thread start-up. No more
             # buffers than this rank's requests can fill at once.
-            blocks = len(blocks_for(mine, cfg.block_size))
+            sizes = stream_sizes_for(ctx, place, plan)
+            blocks = len(blocks_for(mine, sizes.block if sizes is not None else cfg.block_size))
             if place.leader and cfg.overlap and schedule.transfers:
                 # Streaming: this rank's download and its fan-out write at once; one
                 # set of writer threads for both (diskwriter.py).

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import AzcpError, SourceError
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.plan import Plan, plan_transfers
@@ -127,6 +128,7 @@ def downloader(
     progress: Callable[[int], None],
     peer_failed: Callable[[], bool],
     notice: Callable[[Block], None] | None = None,
+    cfg: Config | None = None,
 ) -> Fetcher:
     """This rank's downloader for its share of ``plan`` (paced by its share of --max-bandwidth):
     in the rank itself, on ``--download-workers`` processes, or, auto, in the rank until it finds
@@ -134,14 +136,15 @@ def downloader(
 
     Its landing sink, composed here once for every part of it: each block's bytes to
     ``progress``, the block to this rank's journal (if any), then to ``notice`` (streaming).
-    It stops once ``peer_failed()``.
+    It stops once ``peer_failed()``. ``cfg``: the run's, with a streamed copy's block size and
+    requests in flight (allocate.stream_sizes_for); None: the run's own.
     """
     from azcp_cluster.core.throttle import Pacer, share
     from azcp_cluster.download import workers as worker_processes
     from azcp_cluster.download.downloader import Downloader
     from azcp_cluster.download.fetcher import LandingSink
 
-    cfg = ctx.cfg
+    cfg = cfg if cfg is not None else ctx.cfg
     auth = place.auth
     assert auth is not None
     rate = None
@@ -233,7 +236,11 @@ def stream(
     t0 = cluster.clock()
     transfers = schedule.transfers  # columns: a transfer is made when the fan-out reads it
     downloaders = place.downloaders_here()
-    blocks, landing = node_blocks(transfers, plan, place.group, downloaders, ctx.cfg.block_size)
+    # Smaller blocks, fewer of them in flight, where a share would otherwise land all at once.
+    sizes = allocate.stream_sizes_for(ctx, place, plan)
+    assert sizes is not None
+    streamed = dataclasses.replace(ctx.cfg, block_size=sizes.block, concurrency=sizes.in_flight)
+    blocks, landing = node_blocks(transfers, plan, place.group, downloaders, sizes.block)
     mine = [Block(*blocks.blocks[i]) for i in blocks.of_rank.get(rank, ())]
     index = {(f, o): i for i, (f, o, _) in enumerate(blocks.blocks)}
     total = schedule.payload
@@ -251,7 +258,7 @@ def stream(
     fanned = FanOutTally(progress.add)
 
     def make_downloader(notice: Callable[[Block], None], peer_failed: Callable[[], bool]) -> Fetcher:
-        made.append(downloader(ctx, place, listed, plan, progress.add_download, peer_failed, notice))
+        made.append(downloader(ctx, place, listed, plan, progress.add_download, peer_failed, notice, streamed))
         return made[-1]
 
     with cluster.stage(outcome):
