@@ -7,6 +7,7 @@ file this node writes, the download's buffers and the fan-out's slots (a :class:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from azcp_cluster.core.blocks import blocks_for, pool_buffers_for, pool_bytes
+from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import InternalError
 from azcp_cluster.core.model import Listing
 from azcp_cluster.core.naming import JOURNAL_DIR
@@ -104,6 +106,15 @@ def stream_sizes_for(ctx: RunContext, place: Placement, plan: Plan) -> StreamSiz
     return stream_sizes(max(loads), cfg.chunk, cfg.block_size, cfg.concurrency)
 
 
+def download_config(ctx: RunContext, place: Placement, plan: Plan) -> Config:
+    """The run's configuration as its download uses it: a streamed copy's block size and
+    requests in flight (:func:`stream_sizes_for`), else the run's own."""
+    sizes = stream_sizes_for(ctx, place, plan)
+    if sizes is None:
+        return ctx.cfg
+    return dataclasses.replace(ctx.cfg, block_size=sizes.block, concurrency=sizes.in_flight)
+
+
 def writes_here(listing: Listing, diff: Diff, schedule: Schedule) -> tuple[int, ...]:
     """The transferred files this node does not have yet and the schedule brings it, or it kept
     from a stopped run (it writes and renames these); empty files are made on every node."""
@@ -144,8 +155,8 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
             # Mapped now, with its writer threads started: the download stage then
             # measures the transfer, not page faults and thread start-up. No more
             # buffers than this rank's requests can fill at once.
-            sizes = stream_sizes_for(ctx, place, plan)
-            blocks = len(blocks_for(mine, sizes.block if sizes is not None else cfg.block_size))
+            fetch = download_config(ctx, place, plan)  # a streamed copy's blocks and requests
+            blocks = len(blocks_for(mine, fetch.block_size))
             if place.leader and cfg.overlap and schedule.transfers:
                 # Streaming: this rank's download and its fan-out write at once; one
                 # set of writer threads for both (diskwriter.py).
@@ -154,9 +165,9 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
 
                 ctx.disk = DiskWriter(WRITER_THREADS + cfg.bcast_writers)
             ctx.write_pool = WritePool(
-                cfg,
+                fetch,
                 populate=True,
-                buffers=pool_buffers_for(cfg.concurrency, blocks),
+                buffers=pool_buffers_for(fetch.concurrency, blocks),
                 writer=ctx.disk,
             )
         if place.leader:

@@ -237,10 +237,8 @@ def stream(
     transfers = schedule.transfers  # columns: a transfer is made when the fan-out reads it
     downloaders = place.downloaders_here()
     # Smaller blocks, fewer of them in flight, where a share would otherwise land all at once.
-    sizes = allocate.stream_sizes_for(ctx, place, plan)
-    assert sizes is not None
-    streamed = dataclasses.replace(ctx.cfg, block_size=sizes.block, concurrency=sizes.in_flight)
-    blocks, landing = node_blocks(transfers, plan, place.group, downloaders, sizes.block)
+    streamed = allocate.download_config(ctx, place, plan)
+    blocks, landing = node_blocks(transfers, plan, place.group, downloaders, streamed.block_size)
     mine = [Block(*blocks.blocks[i]) for i in blocks.of_rank.get(rank, ())]
     index = {(f, o): i for i, (f, o, _) in enumerate(blocks.blocks)}
     total = schedule.payload
