@@ -170,6 +170,10 @@ class Bench:
             "outside_s": round(stages["total"] - inside, 3) if inside is not None else None,
             "timeline": compact_timeline(doc, launched),
             "fanout": doc.get("fanout"),  # the transport the tool used (and auto's probe)
+            "retries": doc.get("retries", 0),
+            "retry_causes": doc.get("retry_causes", {}),
+            "downloaded_bytes": doc.get("downloaded_bytes", 0),
+            "worker_bytes_by_rank": doc.get("worker_bytes_by_rank", []),
         }
 
     def raw(self, case: str) -> dict[str, Any]:
@@ -241,6 +245,10 @@ def row(case: str, hosts: int, samples: list[dict[str, Any]], size: int, args: a
         "samples": [s["tool_s"] for s in samples],
         "tool_args": args.tool_args if case not in ("ibcast", "chain", "every-node") else "",
         "fanout": chosen.get("fanout"),
+        "retries": chosen.get("retries", 0),
+        "retry_causes": chosen.get("retry_causes", {}),
+        "downloaded_bytes": chosen.get("downloaded_bytes", 0),
+        "worker_bytes_by_rank": chosen.get("worker_bytes_by_rank", []),
     }
 
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from azcp_cluster.azure.credentials import Authorizer, resolve_credential
 from azcp_cluster.core.blocks import BUFFER_BYTES
-from azcp_cluster.core.config import MiB, parse_size
+from azcp_cluster.core.config import Config, MiB, parse_size
 from azcp_cluster.core.source import API_VERSION, parse_blob_url
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.directio import aligned_buffer
@@ -267,9 +267,12 @@ def bench_download(
     }
 
 
-def _bcast_args(chunk: int, pipeline: int, writers: int, direct: bool) -> list[str]:
-    """Tool options for one broadcast setting (whole files: no range shards)."""
-    extra = ["--bcast-chunk", str(chunk), "--bcast-pipeline", str(pipeline), "--bcast-writers", str(writers)]
+def _bcast_args(chunk: int | None, pipeline: int, writers: int, direct: bool, fanout: str | None = None) -> list[str]:
+    """Tool options for one broadcast setting (whole files: no range shards); ``chunk`` and
+    ``fanout`` None: the tool's defaults."""
+    extra = ["--bcast-pipeline", str(pipeline), "--bcast-writers", str(writers)]
+    extra += ["--bcast-chunk", str(chunk)] if chunk is not None else []
+    extra += ["--fanout", fanout] if fanout is not None else []
     return extra + ["--shard-size", "1TiB"] + ([] if direct else ["--no-bcast-direct"])
 
 
@@ -279,18 +282,24 @@ def bench_bcast(
     sizes: dict[str, list[str]],
     ranks: int,
     repeats: int,
-    chunk: int,
+    chunk: int | None,
     pipeline: int,
     writers: int,
     direct: bool = True,
+    fanout: str | None = None,
 ) -> dict[str, Any]:
-    """The tool's broadcast stage per receiver against min(raw Bcast, raw O_DIRECT write), per dataset size."""
+    """The tool's broadcast stage per receiver against min(raw Bcast, raw O_DIRECT write), per dataset size.
+
+    ``chunk``/``fanout`` None: the tool's defaults; the raw ceiling then moves and writes 64 MiB
+    pieces (the fastest of the sweep's settings here)."""
+    used = Config(source="bench", dest="bench", bcast_chunk=chunk, fanout=fanout or "auto").chunk
     source = emu.url(CONTAINER, prefix)
     env = {**os.environ, **emu.key_env()}
     out: dict[str, Any] = {
         "settings": {
             "ranks": ranks,
-            "bcast_chunk": chunk,
+            "bcast_chunk": used,
+            "fanout": fanout or "auto",
             "bcast_pipeline": pipeline,
             "bcast_writers": writers,
             "direct": direct,
@@ -301,7 +310,7 @@ def bench_bcast(
         work = Path(tempfile.mkdtemp(prefix="azcp-bench-bcast-"))
         try:
             for _ in range(repeats):
-                extra = _bcast_args(chunk, pipeline, writers, direct)
+                extra = _bcast_args(chunk, pipeline, writers, direct, fanout)
                 for pattern in includes:
                     extra += ["--include", pattern]
                 doc = _tool_download(source, work / "{rank}", env, ranks, extra)
@@ -319,7 +328,7 @@ def bench_bcast(
                         "--bytes",
                         str(total),
                         "--chunk",
-                        str(chunk),
+                        str(chunk or 64 * MiB),
                         "--dir",
                         str(work),
                         "--json",
@@ -342,7 +351,7 @@ def bench_bcast(
             "ceiling": round(ceiling, 1),
             "ratio": round(value / ceiling, 3),
             "peak_rss_mib": round(max(rss) / MiB, 1),
-            "rss_budget_mib": round((pipeline * chunk) / MiB + 256, 1),
+            "rss_budget_mib": round((pipeline * used) / MiB + 256, 1),
             "samples": {"tool": [round(x, 1) for x in tool], "ceiling": [round(x, 1) for x in ceil]},
         }
     return out
@@ -552,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         help="ranks for the broadcast benchmark (default: one per core, at most 4; oversubscribed ranks "
         "spin in MPI and starve each other's disk threads, which no cluster node does)",
     )
-    parser.add_argument("--bcast-chunk", default="64MiB")
+    parser.add_argument("--bcast-chunk", help="the tool's --bcast-chunk (default: the tool's own)")
+    parser.add_argument("--fanout", help="the tool's --fanout (default: the tool's own)")
     parser.add_argument("--sweep", action="store_true", help="also sweep chunk, pipeline, writers and O_DIRECT")
     parser.add_argument("--plot", metavar="PNG", help="with --sweep: plot it (needs the 'bench' extra: matplotlib)")
     parser.add_argument("--bcast-pipeline", type=int, default=4)
@@ -581,9 +591,10 @@ def main(argv: list[str] | None = None) -> int:
             {"small": half, "large": []},
             args.ranks,
             repeats,
-            parse_size(args.bcast_chunk),
+            parse_size(args.bcast_chunk) if args.bcast_chunk else None,
             args.bcast_pipeline,
             args.bcast_writers,
+            fanout=args.fanout,
         )
         results["verify"] = bench_verify(emu, "dl", args.ranks, 3 if args.quick else 5)
         if args.sweep:
