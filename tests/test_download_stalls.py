@@ -25,6 +25,7 @@ from azcp_cluster.core.source import parse_blob_url
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.directio import DirectFile
 from azcp_cluster.dest.localfs import temp_path
+from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
@@ -45,6 +46,7 @@ def _download_one(
     size: int,
     options: dict[str, object],
     pool: Callable[[Config], WritePool] | None = None,
+    threads: int | None = None,
 ) -> DownloadStats:
     """Download blob ``name`` (``size`` bytes) of the container at ``source`` into ``dest``'s temporary file."""
     parsed = parse_blob_url(source)
@@ -52,13 +54,15 @@ def _download_one(
     cfg = make_config(source, str(dest), options)
     tree = DestTree(str(dest), create=True)
     tree.prepare(name, size)
+    files = [FileEntry(name=name, path=name, size=size)]
     writes = pool(cfg) if pool is not None else None
+    writer = NodeWriter(files, tree, threads) if threads is not None else None
     try:
-        downloader = Downloader([FileEntry(name=name, path=name, size=size)], tree, auth, cfg, pool=writes)
+        downloader = Downloader(files, tree, auth, cfg, pool=writes, writer=writer)
         return downloader.run(blocks_for([Shard(0, 0, size, 0)], cfg.block_size))
     finally:
-        if writes is not None:
-            writes.close()
+        if writer is not None:
+            writer.close()
 
 
 def test_requests_waiting_for_a_slow_disk_are_not_aborted_as_stalled(
@@ -84,7 +88,8 @@ def test_requests_waiting_for_a_slow_disk_are_not_aborted_as_stalled(
         "big.bin",
         SIZE,
         {"block_size": 6 * MiB, "concurrency": 1, "read_timeout": READ_TIMEOUT, "max_retries": 2},
-        pool=lambda cfg: WritePool(cfg, threads=1, buffers=1),
+        pool=lambda cfg: WritePool(cfg, buffers=1),
+        threads=1,
     )
     assert time.monotonic() - started > 3 * WRITE_DELAY  # the disk set the pace
     assert stats.retries == 0, dict(stats.retry_causes)

@@ -33,6 +33,7 @@ from azcp_cluster.core.schedule import DIRECT_MIN, Extent, Transfer
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import TEMP_SUFFIX, temp_path
 from azcp_cluster.dest.localsource import local_etag
+from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.fanout.broadcast import Broadcaster
 from azcp_cluster.fanout.events import BroadcastStats
@@ -166,18 +167,27 @@ def fan_out(
     dests = [w.tmp / name / str(rank) for rank in range(w.ranks)]
     trees = [prepare(w, dests[rank], rank) for rank in range(w.ranks)]
     schedule = schedule if schedule is not None else w.schedule
+    writers = [
+        NodeWriter(
+            w.files,
+            trees[rank],
+            2,
+            on_arrival={i for i in range(len(w.files)) if _deferred(w, rank, i)},  # what prepare() deferred
+            journal=lambda file, offset, length, rank=rank: written[rank].append((file, offset, length)),  # type: ignore[misc]
+        )
+        for rank in range(w.ranks)
+    ]
     drivers = [
         Counting(
             transports(hub, rank) if transports is not None else Recorded(hub, rank),
             w.files,
             trees[rank],
             max(t.length for t in schedule),
+            writers[rank],
             pipeline=pipeline,
             writers=2,
             verify=True,
             source_of=(lambda i: str(w.sources[i])) if w.local else None,
-            made_on_arrival={i for i in range(len(w.files)) if _deferred(w, rank, i)},  # what prepare() deferred
-            on_written=lambda file, offset, length, rank=rank: written[rank].append((file, offset, length)),  # type: ignore[misc]
             fail_at=(fail_at or {}).get(rank),
         )
         for rank in range(w.ranks)
@@ -197,6 +207,8 @@ def fan_out(
     for rank, thread in enumerate(threads):
         thread.join(JOIN_TIMEOUT)
         assert not thread.is_alive(), f"rank {rank} hung (fail_at={fail_at})"
+    for writer in writers:  # the run's to close, after their queued writes
+        writer.close()
     if all(isinstance(r, BroadcastStats) for r in results):  # the stage's agreement, then its rename
         for tree in trees:
             tree.rename_all([f.path for f in w.files])

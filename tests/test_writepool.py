@@ -11,16 +11,25 @@ import pytest
 
 from azcp_cluster.api import make_config
 from azcp_cluster.core.blocks import pool_buffers, pool_buffers_for
+from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.directio import DirectFile
+from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.download.writepool import BlockWrites, WritePool
 
 
 @pytest.fixture
-def pool() -> Iterator[WritePool]:
+def pool() -> WritePool:
     cfg = make_config("http://127.0.0.1:1/devstoreaccount1/c", "/tmp/unused", {"block_size": 65536, "concurrency": 1})
-    made = WritePool(cfg, threads=1)
-    yield made
-    made.close()
+    return WritePool(cfg)
+
+
+@pytest.fixture
+def writer(tmp_path: Path) -> Iterator[NodeWriter]:
+    (tmp_path / "dest").mkdir()
+    tree = DestTree(str(tmp_path / "dest"))
+    with NodeWriter([], tree, 1) as made:
+        yield made
+    tree.close()
 
 
 async def _spin(times: int = 20) -> None:
@@ -28,7 +37,9 @@ async def _spin(times: int = 20) -> None:
         await asyncio.sleep(0)
 
 
-def test_a_waiting_request_is_woken_by_the_write_that_frees_a_buffer(pool: WritePool, tmp_path: Path) -> None:
+def test_a_waiting_request_is_woken_by_the_write_that_frees_a_buffer(
+    pool: WritePool, writer: NodeWriter, tmp_path: Path
+) -> None:
     target_path = tmp_path / "f.bin"
     target_path.write_bytes(b"\0" * pool.size)
 
@@ -42,7 +53,7 @@ def test_a_waiting_request_is_woken_by_the_write_that_frees_a_buffer(pool: Write
         held[0][:] = 7
         target = DirectFile(str(target_path))
         tracker = BlockWrites(asyncio.get_running_loop(), target)
-        pool.submit(target, held[0], pool.size, 0, tracker)
+        pool.submit(writer, target, held[0], pool.size, 0, tracker)
         got = await asyncio.wait_for(waiting, 5)  # the writer thread hands the buffer back
         await tracker.wait()
         assert target.fd == -1  # closed once its writes were done

@@ -1,4 +1,4 @@
-"""The disk-writer service: one set of threads that write for the download and the fan-out alike.
+"""The disk-writer service: the node writer's threads (nodewriter.py), for the download and the fan-out alike.
 
 Writes are positional and synchronous (O_DIRECT, or buffered for small files); the GIL is
 released inside them, so a few threads keep several in flight while the event loop (the

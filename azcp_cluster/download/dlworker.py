@@ -140,29 +140,31 @@ def run(
     if credential.kind == "token":
         credential = replace(credential, token_credential=pushed)
     auth = Authorizer(job.source, credential, time.time)
-    from azcp_cluster.download.writepool import WritePool
+    from azcp_cluster.dest.nodewriter import NodeWriter
+    from azcp_cluster.download.writepool import WRITER_THREADS, WritePool
 
     tree = DestTree(job.dest, create=False)
     tree.adopt(dict(job.made))
     pacer = Pacer.for_rate(job.rate, time.monotonic) if job.rate else None
-    pool = WritePool(job.cfg, populate=True, buffers=job.buffers)
-    downloader = Downloader(
-        job.files,
-        tree,
-        auth,
-        job.cfg,
-        peer_failed=stop.is_set,
-        # Everything goes to the rank, which tells its own sink (journal, streaming, progress).
-        sink=LandingSink(progress=lambda n: say(("bytes", n)), notice=lambda block: say(("landed", block))),
-        pacer=pacer,
-        pool=pool,
-        proxy=job.proxy,
-    )
-    seen.append(downloader.stats)
+    writer = NodeWriter(job.files, tree, WRITER_THREADS)  # no journal: the rank's sink records
     try:
+        downloader = Downloader(
+            job.files,
+            tree,
+            auth,
+            job.cfg,
+            peer_failed=stop.is_set,
+            # Everything goes to the rank, which tells its own sink (journal, streaming, progress).
+            sink=LandingSink(progress=lambda n: say(("bytes", n)), notice=lambda block: say(("landed", block))),
+            pacer=pacer,
+            pool=WritePool(job.cfg, populate=True, buffers=job.buffers),
+            writer=writer,
+            proxy=job.proxy,
+        )
+        seen.append(downloader.stats)
         stats = downloader.run(list(job.blocks))
     finally:
-        pool.close()
+        writer.close()
         tree.close()
     if stop.is_set() and stats.bytes < sum(b.length for b in job.blocks):
         return None

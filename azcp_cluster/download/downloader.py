@@ -8,13 +8,15 @@ on a thread (the GIL is released during the write) while the event loop keeps re
 Under ``--max-bandwidth`` each request is booked on the rank's :class:`~azcp_cluster.core.throttle.Pacer`,
 sent when its first bytes are due, and its body read a piece (the pacer's burst) at a time.
 
-The buffers and their writer threads are writepool.py's; what a download is asked and
-answers (the Fetcher interface, the LandingSink, stats) fetcher.py's; the blocks core/blocks.py's.
+The buffers are writepool.py's, the writes the node writer's (dest/nodewriter.py); what a
+download is asked and answers (the Fetcher interface, the LandingSink, stats) fetcher.py's;
+the blocks core/blocks.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import ssl
 import time
@@ -35,12 +37,12 @@ from azcp_cluster.core.retry import RETRYABLE_STATUS, backoff_delay, parse_retry
 from azcp_cluster.core.source import API_VERSION
 from azcp_cluster.core.throttle import Pacer, Slot
 from azcp_cluster.dest.desttree import DestTree
-from azcp_cluster.dest.directio import DirectFile
 from azcp_cluster.dest.localfs import fs_error
+from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.download.fetcher import DownloadStats, LandingSink
 from azcp_cluster.download.http1 import ConnectFailed, Connection, TunnelRefused
 from azcp_cluster.download.httpwire import Head, ProtocolError, request_bytes
-from azcp_cluster.download.writepool import BlockWrites, WritePool
+from azcp_cluster.download.writepool import WRITER_THREADS, BlockWrites, WritePool
 from azcp_cluster.run import collector
 
 # How often the event loop checks whether another rank failed.
@@ -62,6 +64,9 @@ class _Retryable(Exception):
 class Downloader:
     """Fetches blocks into the rank's temporary files. One instance per stage run."""
 
+    _writes: WritePool  # the buffers of the current run
+    _writer: NodeWriter  # the node's writer of the current run
+
     def __init__(
         self,
         files: Sequence[FileEntry] | Mapping[int, FileEntry],
@@ -74,6 +79,7 @@ class Downloader:
         rng: random.Random | None = None,
         pacer: Pacer | None = None,
         pool: WritePool | None = None,
+        writer: NodeWriter | None = None,
         proxy: Proxy | None = None,
         handover: Callable[[], bool | None] | None = None,
     ) -> None:
@@ -103,10 +109,11 @@ class Downloader:
         self._handing_over = False  # set when ``handover`` said so: workers take no new block
         self._queue: asyncio.Queue[Block] = asyncio.Queue()  # the blocks no request has taken (run)
         self._workers: list[asyncio.Task[None]] = []  # the request loops, one per request in flight
-        # A pool made by the caller (the pipeline makes it at allocation, before the stage's
-        # clock starts) stays the caller's to close; one made here is closed by run().
-        self._own_pool = pool is None
-        self._writes = pool if pool is not None else WritePool(cfg)
+        # The buffers (the pipeline maps them at allocation, before the stage's clock starts)
+        # and the node's writer, both the caller's; without them (a downloader on its own),
+        # run() makes its own for the run and closes them at its end.
+        self._pool = pool
+        self._node_writer = writer
 
     def run(self, blocks: Sequence[Block]) -> DownloadStats:
         """Download every block; raise :class:`DownloadError` (or PeerFailed) on failure."""
@@ -117,11 +124,15 @@ class Downloader:
         collector.hold()
         try:
             if blocks:
-                asyncio.run(self._run(blocks))
+                with contextlib.ExitStack() as made:
+                    writer = self._node_writer
+                    if writer is None:  # made for this run, closed at its end
+                        writer = made.enter_context(NodeWriter(self.files, self.tree, WRITER_THREADS))
+                    self._writer = writer
+                    self._writes = self._pool if self._pool is not None else WritePool(self.cfg)
+                    asyncio.run(self._run(blocks))
         finally:
             collector.release()  # (what the pipeline froze stays frozen: collector.py counts)
-            if self._own_pool:
-                self._writes.close()
         return self.stats
 
     async def _run(self, blocks: Sequence[Block]) -> None:
@@ -366,15 +377,12 @@ class Downloader:
         if length != block.length:
             raise _Retryable("wrong length")
         path = self.tree.temp_shown(entry.path)
-        try:
-            target = DirectFile(path, opener=self.tree.opener(entry.path, temp=True))
-        except OSError as exc:
-            raise fs_error(exc, path, "open temporary file") from None
+        writes, writer = self._writes, self._writer
+        target = writer.open(block.file)
         # The body is received straight into page-aligned buffers from the pool (no copy in
         # Python), and each full buffer goes to the writer threads, which write it with
         # O_DIRECT and put it back in the pool.
         tracker = BlockWrites(asyncio.get_running_loop(), target)
-        writes = self._writes
         pacer = self.pacer if slot is not None else None
         # Under a cap, a buffer is read a piece (the pacer's burst) at a time, each once due.
         piece = pacer.piece if pacer is not None else writes.size
@@ -395,7 +403,7 @@ class Downloader:
                         got += await conn.read_into(view[got:end])
                     except OSError:
                         raise _Retryable("truncated body") from None
-                writes.submit(target, buf, want, offset, tracker)
+                writes.submit(writer, target, buf, want, offset, tracker)
                 self.received += want
                 buf = None
                 offset += want

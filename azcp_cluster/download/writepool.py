@@ -1,11 +1,11 @@
-"""The download's writers and buffers: a pool of page-aligned buffers the bodies land in, and
-the threads that write each full one with O_DIRECT.
+"""The download's buffers: a pool of page-aligned buffers the bodies land in, each full one
+handed to the node's writer (:class:`~azcp_cluster.dest.nodewriter.NodeWriter`), which writes it
+with O_DIRECT and gives it back.
 
-Apart from the requests (downloader.py) because it outlives them and is shared beyond
-them: the pipeline makes the pool at allocation, before the download stage's clock starts
-(its memory mapped up front), the fan-out may share its disk writers, and a download worker
-process makes its own. Its sizes (:func:`azcp_cluster.core.blocks.pool_bytes`) are what
-the README states and the start-up memory check takes.
+Apart from the requests (downloader.py) because it outlives them: the pipeline makes the
+pool at allocation, before the download stage's clock starts (its memory mapped up front),
+and a download worker process makes its own. Its sizes (:func:`azcp_cluster.core.blocks.pool_bytes`)
+are what the README states and the start-up memory check takes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from azcp_cluster.core.blocks import BUFFER_BYTES, pool_buffers
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.plan import round_up
 from azcp_cluster.dest.directio import ALIGN, DirectFile, aligned_buffers
-from azcp_cluster.dest.diskwriter import DiskWriter
+from azcp_cluster.dest.nodewriter import NodeWriter
 
 # The pool's sizes (BUFFER_BYTES, SPARE_BUFFERS, pool_buffers...) are pure arithmetic: core/blocks.py.
 # O_DIRECT writes are synchronous: a few threads keep several in flight. Four, not two: a
@@ -88,22 +88,21 @@ class BlockWrites:
 
 
 class WritePool:
-    """Writer threads fed through a queue, and the pool of aligned buffers they recycle.
+    """The pool of aligned buffers the node's writer writes and gives back.
 
     Made before the download starts (its memory mapped up front, so the stage pays no page
-    faults for it) and closed after it. Submitting costs a queue put (no event-loop wake-up
-    per buffer); the event loop is woken once per block, when the block's last write has
-    finished, and once per finished write while a request waits for a buffer. Buffers are
-    reused last-in first-out, so the ones in use stay warm in the caches.
+    faults for it) and dropped after it. Submitting costs
+    a queue put (no event-loop wake-up per buffer); the event loop is woken once per block,
+    when the block's last write has finished, and once per finished write while a request
+    waits for a buffer. Buffers are reused last-in first-out, so the ones in use stay warm in
+    the caches.
     """
 
     def __init__(
         self,
         cfg: Config,
-        threads: int = WRITER_THREADS,
         populate: bool = False,
         buffers: int | None = None,
-        writer: DiskWriter | None = None,
     ) -> None:
         self.size = max(ALIGN, min(BUFFER_BYTES, round_up(cfg.block_size, ALIGN)))
         buffers = pool_buffers(cfg.concurrency) if buffers is None else buffers
@@ -111,9 +110,6 @@ class WritePool:
         self.lock = threading.Lock()
         self.waiters: deque[asyncio.Future[None]] = deque()  # requests waiting for a buffer
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop of the current run
-        # The node's disk writers (shared with the fan-out when both run at once), or our own.
-        self._own_writer = writer is None
-        self.writer = writer if writer is not None else DiskWriter(threads)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Use ``loop`` for wake-ups (each download runs its own event loop)."""
@@ -160,8 +156,11 @@ class WritePool:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def submit(self, target: DirectFile, buf: np.ndarray, length: int, offset: int, tracker: BlockWrites) -> None:
-        """Queue ``buf[:length]`` for writing at ``offset``; ``buf`` comes back to the pool once written."""
+    def submit(
+        self, writer: NodeWriter, target: DirectFile, buf: np.ndarray, length: int, offset: int, tracker: BlockWrites
+    ) -> None:
+        """Queue ``buf[:length]`` on ``writer`` for writing at ``offset``; ``buf`` comes back to the
+        pool once written."""
         tracker.started()
 
         def done(error: BaseException | None) -> None:
@@ -174,13 +173,7 @@ class WritePool:
             tracker.finished(error)
 
         try:
-            self.writer.submit(lambda: target.write_at(buf[:length], offset), done)
+            writer.write(target, buf[:length], offset, done)
         except BaseException as exc:  # (a closed writer): the write fails, and nobody waits for it
             done(exc)
             raise
-
-    def close(self) -> None:
-        """Stop our own writer threads once the queued writes are done (idempotent); a shared
-        writer is its owner's to close."""
-        if self._own_writer:
-            self.writer.close()

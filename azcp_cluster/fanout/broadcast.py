@@ -5,8 +5,9 @@ The schedule (:mod:`azcp_cluster.core.schedule`) is a list of transfers; the sta
 released. This module owns what the machine does not: ``pipeline`` slots of the largest
 transfer's size, page-aligned and allocated once; a read-ahead thread that fills a slot
 (:class:`azcp_cluster.fanout.readahead.ReadAhead`: from the source, the node's download or a
-complete copy); ``writers`` threads that write the extents of a completed slot (O_DIRECT
-where the extent allows it, see ``schedule.Extent.direct``) and a hasher thread
+complete copy); the node's writer (:class:`azcp_cluster.dest.nodewriter.NodeWriter`), which
+writes the extents of a completed slot (O_DIRECT where the extent allows it, see
+``schedule.Extent.direct``), spread over ``writers`` jobs; a hasher thread
 (``--verify stream``, :class:`azcp_cluster.core.digests.StreamDigests`); and the calls to the
 other ranks, made on this (the main) thread only, through a
 :class:`azcp_cluster.fanout.transport.Transport` (MPI's between the node leaders; threads of
@@ -42,7 +43,7 @@ from azcp_cluster.core.plan import round_up
 from azcp_cluster.core.schedule import Extent, Transfer, completions, streamed_files
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.directio import ALIGN, aligned_buffer
-from azcp_cluster.dest.diskwriter import DiskWriter
+from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.fanout.events import (
     NO_HOOKS,
     Agreed,
@@ -58,7 +59,6 @@ from azcp_cluster.fanout.events import (
     as_error,
 )
 from azcp_cluster.fanout.readahead import ReadAhead
-from azcp_cluster.fanout.slotwrites import SlotWriter
 from azcp_cluster.fanout.transport import Request, Transport
 from azcp_cluster.run.cluster import PeerFailed
 from azcp_cluster.run.interrupts import shield
@@ -105,8 +105,6 @@ class _Run:
     landed: Landed | None
     reader: ReadAhead
     digests: StreamDigests
-    disk: DiskWriter | None
-    own_disk: bool = False  # the disk writers are this run's, closed at its end
     threads: list[threading.Thread] = field(default_factory=list)
     reads: queue.SimpleQueue[Read | None] = field(default_factory=queue.SimpleQueue)
     hashes: queue.SimpleQueue[Hash | None] = field(default_factory=queue.SimpleQueue)
@@ -123,6 +121,7 @@ class Broadcaster:
         files: Sequence[FileEntry],
         tree: DestTree,
         slot_size: int,
+        writer: NodeWriter,
         *,
         pipeline: int = 4,
         writers: int = 2,
@@ -131,9 +130,6 @@ class Broadcaster:
         verify: bool = False,
         source_of: Callable[[int], str | None] | None = None,
         stop_requested: Callable[[], AzcpError | None] = lambda: None,
-        made_on_arrival: set[int] | None = None,
-        disk: DiskWriter | None = None,
-        on_written: Callable[[int, int, int], None] | None = None,
     ) -> None:
         if pipeline < 1 or writers < 1:
             raise ValueError("pipeline and writers must be at least 1")
@@ -153,17 +149,12 @@ class Broadcaster:
         # this rank like a local one, so the next agreement stops every rank together.
         self.stop_requested = stop_requested
         self._announced = False  # the stage's hooks were told this rank failed (StageHooks.announce)
-        # Small files whose temporary name the writer creates as their bytes arrive
-        # (DestTree.prepare_all deferred them): always packed, never O_DIRECT.
-        self.made_on_arrival = made_on_arrival if made_on_arrival is not None else set()
         self.stats = BroadcastStats()
         self.slots = [_Slot(slot_size) for _ in range(pipeline)]
         self.writer_count = writers  # writer jobs one transfer's extents are spread over
-        # The node's disk writers (shared with the download when both run at once), else our own.
-        self.disk = disk
-        # (file, offset, length) once written (not yet durable): the block journal's feed.
-        self.on_written = on_written if on_written is not None else (lambda file, offset, length: None)
-        self._writes = SlotWriter(self.files, tree, self.direct, self.made_on_arrival, self.stats, self.on_written)
+        # The node's writer (shared with the download when both run at once; its maker closes
+        # it): it creates the small files made on arrival and feeds the block journal.
+        self.writer = writer
         self._schedule: Sequence[Transfer] = ()
         # --verify stream: every file whose bytes pass this rank's slots in order is hashed
         # as it streams past (no second read of anything it wrote).
@@ -246,7 +237,7 @@ class Broadcaster:
             hint_window=4 * len(self.slots),
             changed=self.changed,
         )
-        run = _Run(schedule, machine, hooks, landed, reader, StreamDigests(self.digests), disk=self.disk)
+        run = _Run(schedule, machine, hooks, landed, reader, StreamDigests(self.digests))
         try:
             self._start_threads(run, hashed=bool(hashed))
         except Exception as exc:  # no thread (a process limit): fail here, but never leave the others
@@ -260,18 +251,15 @@ class Broadcaster:
         return run
 
     def _start_threads(self, run: _Run, hashed: bool) -> None:
-        """The read-ahead thread, the hasher (if any file is hashed) and our own disk writers (if none is shared)."""
+        """The read-ahead thread and the hasher (if any file is hashed)."""
         run.threads.append(threading.Thread(target=self._reader, args=(run,), name="azcp-readahead", daemon=True))
         if hashed:
             run.threads.append(threading.Thread(target=self._hasher, args=(run,), name="azcp-md5", daemon=True))
         for thread in run.threads:
             thread.start()
-        if run.disk is None:
-            run.disk = DiskWriter(self.writer_count, name="azcp-bcast-writer")
-            run.own_disk = True
 
     def _end(self, run: _Run) -> None:
-        """Complete what was posted (leaving early: an exception), stop the threads, close our own writers."""
+        """Complete what was posted (leaving early: an exception), stop the threads."""
         try:
             while run.inflight:
                 self.transport.wait(run.inflight.popleft().request)
@@ -281,8 +269,6 @@ class Broadcaster:
             for thread in run.threads:
                 thread.join()
             self.stats.source_bytes += run.reader.source_bytes
-            if run.own_disk and run.disk is not None:
-                run.disk.close()  # after the queued writes (a shared one: its owner closes it)
 
     def _drive(self, run: _Run) -> Finish:
         """Carry out the machine's instructions and feed it what happened, until it says Finish."""
@@ -345,9 +331,8 @@ class Broadcaster:
         elif isinstance(step, Post):
             self._send(run, step)
         elif isinstance(step, Write):
-            if run.disk is None:
-                raise RuntimeError("no disk writer")
-            run.disk.submit(self._writes.work(step, self.slots[step.slot].buffer), self._reported(step.seq, "writer"))
+            done = self._reported(step.seq, "writer")
+            self.writer.write_extents(step.extents, self.slots[step.slot].buffer, self.direct, done, self._refused)
             self.stats.received_bytes += sum(e.length for e in step.extents)
         elif isinstance(step, Hash):
             run.hashes.put(step)
@@ -467,6 +452,10 @@ class Broadcaster:
             except BaseException as exc:
                 error = exc
             self._events.put(done(job.seq, as_error(error, what)))
+
+    def _refused(self, path: str) -> None:
+        """A filesystem refused O_DIRECT for ``path`` (a writer thread): the report's warning."""
+        self.stats.direct_refused = path
 
     def _reported(self, seq: int, what: str) -> Callable[[BaseException | None], None]:
         """The disk writer's callback for a job of transfer ``seq``: an event for the driver."""

@@ -35,6 +35,7 @@ from azcp_cluster.core.waves import StreamSizes, stream_sizes
 from azcp_cluster.dest import journal
 from azcp_cluster.dest.localfs import check_space, fs_error
 from azcp_cluster.dest.localsource import source_file
+from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.download.cpus import allowed as allowed_cpus
 from azcp_cluster.fanout.broadcast import Broadcaster
 from azcp_cluster.fanout.chain import decide, transport_for
@@ -152,24 +153,11 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
         if not ctx.local and mine and (workers == 1 or cfg.download_workers is None):  # auto starts alone
             from azcp_cluster.download.writepool import WritePool
 
-            # Mapped now, with its writer threads started: the download stage then
-            # measures the transfer, not page faults and thread start-up. No more
-            # buffers than this rank's requests can fill at once.
+            # Mapped now: the download stage then measures the transfer, not page faults.
+            # No more buffers than this rank's requests can fill at once.
             fetch = download_config(ctx, place, plan)  # a streamed copy's blocks and requests
             blocks = len(blocks_for(mine, fetch.block_size))
-            if place.leader and cfg.overlap and schedule.transfers:
-                # Streaming: this rank's download and its fan-out write at once; one
-                # set of writer threads for both (diskwriter.py).
-                from azcp_cluster.dest.diskwriter import DiskWriter
-                from azcp_cluster.download.writepool import WRITER_THREADS
-
-                ctx.disk = DiskWriter(WRITER_THREADS + cfg.bcast_writers)
-            ctx.write_pool = WritePool(
-                fetch,
-                populate=True,
-                buffers=pool_buffers_for(fetch.concurrency, blocks),
-                writer=ctx.disk,
-            )
+            ctx.write_pool = WritePool(fetch, populate=True, buffers=pool_buffers_for(fetch.concurrency, blocks))
         if place.leader:
             files = listed.listing.files
             # Checked before anything is written, where the sizes are known.
@@ -298,7 +286,8 @@ def choose_fanout(ctx: RunContext, place: Placement, schedule: Schedule) -> None
 def make_broadcaster(
     ctx: RunContext, place: Placement, listed: Listed, diff: Diff, schedule: Schedule, later: Sequence[int] = ()
 ) -> Broadcaster | None:
-    """Leaders: the fan-out engine for ``schedule``, its slots mapped now."""
+    """Leaders: the fan-out engine for ``schedule``, its slots mapped now, and its node writer
+    (``ctx.fanout_writer``, closed by the stage that fans out)."""
     transfers = schedule.transfers
     if not transfers:
         return None
@@ -306,11 +295,30 @@ def make_broadcaster(
     reads = ctx.local and ctx.rank in place.readers
     if ctx.fanout is None:
         raise InternalError("the fan-out's transport was not chosen before its stage (choose_fanout)")
+    threads, name = cfg.bcast_writers, "azcp-bcast-writer"
+    shared = cfg.overlap and ctx.write_pool is not None
+    if shared:
+        # Streaming, and this leader downloads in its own process: its download writes
+        # through the same writer, one set of threads for both (diskwriter.py).
+        from azcp_cluster.download.writepool import WRITER_THREADS
+
+        threads, name = WRITER_THREADS + cfg.bcast_writers, "azcp-writer"
+    ctx.fanout_writer = NodeWriter(
+        listed.listing.files,
+        ctx.dest_tree(),
+        threads,
+        on_arrival=frozenset(later),
+        journal=ctx.journal.written if ctx.journal is not None else None,
+        name=name,
+    )
+    if shared:
+        ctx.download_writer = ctx.fanout_writer
     return Broadcaster(
         transport_for(MpiTransport(ctx.node_comm), ctx.fanout),
         listed.listing.files,
         ctx.dest_tree(),
         max_length(transfers),  # no slot larger than the largest transfer
+        ctx.fanout_writer,
         pipeline=min(cfg.bcast_pipeline, len(transfers)),
         writers=cfg.bcast_writers,
         direct=cfg.bcast_direct,
@@ -318,9 +326,6 @@ def make_broadcaster(
         verify=bool(cfg.verify),
         source_of=read_from_source(ctx, listed, diff) if reads else None,
         stop_requested=ctx.cluster.interrupted,
-        made_on_arrival=set(later),
-        disk=ctx.disk,
-        on_written=ctx.journal.written if ctx.journal is not None else None,
     )
 
 

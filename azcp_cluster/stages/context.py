@@ -1,9 +1,11 @@
 """What every stage of a run shares: its fixed facts, the handles to close, two messages.
 
 The facts (configuration, rank, DEST, the cluster, the report) do not change once the run
-starts. The handles (DEST's tree and lock, the download's buffers, the disk writers, the
+starts. The handles (DEST's tree and lock, the download's buffers, the node writers, the
 communicators) are opened by the stages that need them and closed here, whatever stage
-failed. Results move between stages as frozen values, not through this object.
+failed. A node writer is the run's: allocate makes it, the transfer stage that writes
+through it closes it at its end (and close() any left), never what merely uses it. Results
+move between stages as frozen values, not through this object.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from azcp_cluster.run.report import Report, ReportPrinter, say
 
 if TYPE_CHECKING:
     from azcp_cluster.dest.destlock import DestLock
-    from azcp_cluster.dest.diskwriter import DiskWriter
     from azcp_cluster.dest.journal import Journal
+    from azcp_cluster.dest.nodewriter import NodeWriter
     from azcp_cluster.download.writepool import WritePool
 
 
@@ -77,8 +79,11 @@ class RunContext:
         self.tree: DestTree | None = None
         self.dest_lock: DestLock | None = None  # leaders: held from setup to the end of the run
         self.dest_made = Made()  # leaders: the directories setup made for DEST (removed if the run fails, empty)
-        self.write_pool: WritePool | None = None  # the download's buffers and writers (allocate)
-        self.disk: DiskWriter | None = None  # streaming leaders that download: writers shared with the fan-out
+        self.write_pool: WritePool | None = None  # the download's buffers (allocate)
+        # The node writers (allocate): the download's, and the fan-out's (leaders); one and the
+        # same for a streaming leader that downloads (one set of threads for both).
+        self.download_writer: NodeWriter | None = None
+        self.fanout_writer: NodeWriter | None = None
         self.journal: Journal | None = None  # ranks that write into the node's files: their block journal
         self.heap = collector.Hold()  # the listing, plan and schedule, frozen (collector.py) until the end
         self.node_comm: Any = None  # the leaders' communicator, for the fan-out (setup)
@@ -91,11 +96,22 @@ class RunContext:
             self.tree = DestTree(self.dest, create=not self.cfg.dry_run)
         return self.tree
 
+    def free_write_pool(self) -> None:
+        """Free the download's buffers (its memory is not the fan-out's, nor the worker processes')."""
+        self.write_pool = None
+
     def close_write_pool(self) -> None:
-        """Free the download's buffers and stop its writers (its memory is not the fan-out's)."""
-        if self.write_pool is not None:
-            self.write_pool.close()
-            self.write_pool = None
+        """The download's end: its writer stopped after its queued writes, its buffers freed."""
+        writer, self.download_writer = self.download_writer, None
+        if writer is not None:
+            writer.close()
+        self.free_write_pool()
+
+    def close_fanout_writer(self) -> None:
+        """The fan-out's end: its writer stopped after its queued writes."""
+        writer, self.fanout_writer = self.fanout_writer, None
+        if writer is not None:
+            writer.close()
 
     def close_journal(self) -> None:
         """Record what was written since the journal's last append, and stop it; raise the
@@ -119,9 +135,7 @@ class RunContext:
     def close(self) -> None:
         """Stop the writer threads; journal what they wrote; release DEST; free the communicators."""
         self.close_write_pool()
-        if self.disk is not None:
-            self.disk.close()
-            self.disk = None
+        self.close_fanout_writer()
         # After the writers: every write they finished is recorded. The run has failed already
         # (or ends failing at its sync): its own error stands.
         with contextlib.suppress(AzcpError):

@@ -140,9 +140,11 @@ def downloader(
     requests in flight (allocate.stream_sizes_for); None: the run's own.
     """
     from azcp_cluster.core.throttle import Pacer, share
+    from azcp_cluster.dest.nodewriter import NodeWriter
     from azcp_cluster.download import workers as worker_processes
     from azcp_cluster.download.downloader import Downloader
     from azcp_cluster.download.fetcher import LandingSink
+    from azcp_cluster.download.writepool import WRITER_THREADS
 
     cfg = cfg if cfg is not None else ctx.cfg
     auth = place.auth
@@ -174,6 +176,7 @@ def downloader(
 
     def alone(handover: Callable[[], bool | None] | None = None) -> Downloader:
         pacer = Pacer.for_rate(rate, ctx.cluster.clock) if rate is not None else None
+        ctx.download_writer = ctx.download_writer or NodeWriter(files, tree, WRITER_THREADS)  # (streaming: allocate's)
         return Downloader(
             files,
             tree,
@@ -183,6 +186,7 @@ def downloader(
             sink=sink,
             pacer=pacer,
             pool=ctx.write_pool,
+            writer=ctx.download_writer,
             proxy=place.proxy,
             handover=handover,
         )
@@ -193,7 +197,7 @@ def downloader(
             processes,
             workers,
             allocate.cpus_sharing(place),
-            release=ctx.close_write_pool,
+            release=ctx.free_write_pool,
         )
     return processes(workers) if workers > 1 else alone()
 
@@ -324,6 +328,7 @@ def _conclude_stream(
     if feed is not None:
         feed.finish()
     ctx.close_write_pool()
+    ctx.close_fanout_writer()
     ctx.explain_space(outcome)
 
     def record(result: StageResult) -> None:
@@ -402,6 +407,7 @@ def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: 
                 "changed": sorted(broadcaster.changed),
                 "source_bytes": stats.source_bytes,
             }
+    ctx.close_fanout_writer()  # after its queued writes
     outcome.stats["fanned"] = fanned.bytes
     progress.close()
     if broadcaster is not None and outcome.error is None:  # (see stream)

@@ -26,6 +26,7 @@ from azcp_cluster.core.schedule import Extent, Transfer
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.directio import DirectFile, DirectReader
 from azcp_cluster.dest.localfs import temp_path
+from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.fanout.broadcast import Broadcaster
 from azcp_cluster.fanout.transport import MpiTransport
 
@@ -63,10 +64,11 @@ def main() -> int:
     chunks = [
         Transfer(i, 0, (), (Extent(0, i * CHUNK, CHUNK, 0, last_of_file=i == 2),), everyone=True) for i in range(3)
     ]
-    broadcaster = Broadcaster(
-        MpiTransport(MPI.COMM_WORLD), files, tree, CHUNK, pipeline=4, writers=1, source_of=lambda i: source
-    )
-    broadcaster.run(chunks)
+    with NodeWriter(files, tree, 1) as writer:
+        broadcaster = Broadcaster(
+            MpiTransport(MPI.COMM_WORLD), files, tree, CHUNK, writer, pipeline=4, writers=1, source_of=lambda i: source
+        )
+        broadcaster.run(chunks)
     with open(temp_path(dest, "f.bin"), "rb") as fh:
         seen["whole"] = fh.read() == data
     print(json.dumps(seen))

@@ -24,6 +24,7 @@ from azcp_cluster.core.plan import make_plan
 from azcp_cluster.core.schedule import files_written
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import temp_path
+from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.fanout.broadcast import Broadcaster
 from azcp_cluster.fanout.chain import transport_for
 from azcp_cluster.fanout.transport import MpiTransport
@@ -56,17 +57,20 @@ def main() -> int:
     tree.prepare_all([(files[i].path, files[i].size) for i in mine])
     local = {i: sources[i] for i in range(len(SIZES))}
     method = sys.argv[2] if len(sys.argv) > 2 else "ibcast"
+    writer = NodeWriter(files, tree, 2)
     broadcaster = Broadcaster(
         transport_for(MpiTransport(comm), choose(method, 3, 0, piece=256 * 1024)),
         files,
         tree,
         max(t.length for t in schedule),
+        writer,
         pipeline=2,
         writers=2,
         source_of=(lambda i: None) if rank else local.get,
         verify=True,
     )
-    stats = broadcaster.run(schedule)
+    with writer:
+        stats = broadcaster.run(schedule)
     have = {}
     for i in range(len(SIZES)):
         path = temp_path(dest, files[i].path)
