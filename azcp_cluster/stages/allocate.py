@@ -113,7 +113,9 @@ def download_config(ctx: RunContext, place: Placement, plan: Plan) -> Config:
     sizes = stream_sizes_for(ctx, place, plan)
     if sizes is None:
         return ctx.cfg
-    return dataclasses.replace(ctx.cfg, block_size=sizes.block, concurrency=sizes.in_flight)
+    # --download-workers N asks for N processes, each with a request at least.
+    in_flight = max(sizes.in_flight, ctx.cfg.download_workers or 1)
+    return dataclasses.replace(ctx.cfg, block_size=sizes.block, concurrency=in_flight)
 
 
 def writes_here(listing: Listing, diff: Diff, schedule: Schedule) -> tuple[int, ...]:
