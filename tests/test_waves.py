@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from azcp_cluster.core.blocks import Block, node_blocks, taper
+from azcp_cluster.core.model import FileEntry
+from azcp_cluster.core.packing import transfer_schedule
+from azcp_cluster.core.plan import make_plan
 from azcp_cluster.core.waves import MIN_BLOCK, MIN_CHUNK, SLOTS, WAVES, stream_sizes
 
 MiB = 1 << 20
@@ -52,3 +58,35 @@ def test_the_box_share_that_streamed_no_faster_than_two_phases() -> None:
 def test_nonsense_is_refused(bad: tuple[int, int, int, int]) -> None:
     with pytest.raises(ValueError):
         stream_sizes(*bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 64 * MiB), st.sampled_from([4096, 256 << 10, MiB]), st.integers(0, 10**9))
+def test_a_tapered_block_is_the_same_bytes_in_halves_down_to_the_smallest(length: int, smallest: int, at: int) -> None:
+    block = Block(3, at * 4096, length)
+    pieces = taper(block, smallest)
+    assert pieces[0].offset == block.offset and sum(p.length for p in pieces) == length
+    assert all(a.offset + a.length == b.offset for a, b in itertools.pairwise(pieces))
+    assert all(p.file == 3 and p.length > 0 for p in pieces)
+    assert all(p.length % smallest == 0 for p in pieces[:-1])  # aligned as the block was
+    assert all(a.length >= b.length for a, b in itertools.pairwise(pieces[:-1]))
+    assert pieces[-1].length <= max(smallest, length)
+    if length > smallest:  # cut down to less than two of the smallest (aligned cuts only)
+        assert pieces[-1].length < 2 * smallest
+
+
+def test_each_downloader_fetches_its_tapered_last_block_last() -> None:
+    """Two downloaders of one node, a file each; their last blocks land as 4, 2, 1 and 1 MiB."""
+    sizes = [40 * MiB, 24 * MiB]
+    plan = make_plan(sizes, range(2), 2, GiB)
+    files = [FileEntry(name=f"f{i}", path=f"f{i}", size=n) for i, n in enumerate(sizes)]
+    schedule = transfer_schedule(plan, 4 * MiB, 1)
+    plain, _ = node_blocks(schedule, plan, 0, [0, 1], 8 * MiB)
+    cut, _ = node_blocks(schedule, plan, 0, [0, 1], 8 * MiB, tapered=MiB)
+    assert len(cut.blocks) == len(plain.blocks) + 2 * 3
+    for rank in (0, 1):
+        mine = [cut.blocks[i] for i in cut.of_rank[rank]]
+        assert [length for _, _, length in mine[-4:]] == [4 * MiB, 2 * MiB, MiB, MiB]
+        covered = sorted((o, o + n) for _, o, n in mine)
+        assert covered[0][0] == 0 and covered[-1][1] == files[mine[0][0]].size
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))

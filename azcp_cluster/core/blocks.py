@@ -49,6 +49,23 @@ def blocks_for(shards: Sequence[Shard], block_size: int) -> list[Block]:
     return blocks
 
 
+def taper(block: Block, smallest: int) -> list[Block]:
+    """``block`` cut into halves of what is left (L/2, L/4, …, down to ``smallest``, multiples of
+    it), then the rest: a downloader's last block, so that what lands last, and must still be
+    sent after the download is over, is small (streaming)."""
+    out: list[Block] = []
+    offset, left = block.offset, block.length
+    while left > smallest:
+        piece = (left // 2) // smallest * smallest
+        if piece < smallest:
+            break
+        out.append(Block(block.file, offset, piece))
+        offset += piece
+        left -= piece
+    out.append(Block(block.file, offset, left))
+    return out
+
+
 def deal(blocks: Sequence[Block], workers: int) -> list[list[Block]]:
     """Split ``blocks`` over ``workers``: largest first, each to the least loaded (LPT), order kept within each."""
     loads = [(0, w) for w in range(workers)]  # a heap of (load, worker)
@@ -74,12 +91,14 @@ def node_blocks(
     node: int,
     downloaders: Sequence[int],
     block_size: int,
+    tapered: int | None = None,
 ) -> tuple[NodeBlocks, Landing]:
     """The blocks of ``node``'s ``downloaders`` (world ranks) and when each of its transfers is ready.
 
     Each downloader's shards are cut by :func:`blocks_for` and fetched in the order the
-    schedule needs them. Every rank of the node derives the same list, so a block is named
-    by its index in it.
+    schedule needs them; ``tapered``: each downloader's last block is cut by :func:`taper`
+    down to that many bytes. Every rank of the node derives the same list, so a block is
+    named by its index in it.
     """
     blocks: list[tuple[int, int, int]] = []
     owner: list[int] = []
@@ -89,6 +108,18 @@ def node_blocks(
             owner.append(rank)
     landing = Landing(schedule, node, blocks)
     order = landing.order()
+    if tapered is not None and blocks:
+        last = {owner[index]: index for index in order}  # each downloader's last to land
+        cut: list[tuple[int, int, int]] = []
+        cut_owner: list[int] = []
+        for index, (at, rank) in enumerate(zip(blocks, owner, strict=True)):
+            whole = Block(*at)
+            pieces = taper(whole, tapered) if last.get(rank) == index else [whole]
+            cut += [(b.file, b.offset, b.length) for b in pieces]
+            cut_owner += [rank] * len(pieces)
+        blocks, owner = cut, cut_owner
+        landing = Landing(schedule, node, blocks)
+        order = landing.order()
     of_rank: dict[int, list[int]] = {rank: [] for rank in downloaders}
     for index in order:
         of_rank[owner[index]].append(index)

@@ -18,6 +18,7 @@ from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import AzcpError, SourceError
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.plan import Plan, plan_transfers
+from azcp_cluster.core.waves import TAPER
 from azcp_cluster.dest.localsource import restat, source_file
 from azcp_cluster.fanout.broadcast import Broadcaster
 from azcp_cluster.fanout.events import StageHooks
@@ -242,7 +243,7 @@ def stream(
     downloaders = place.downloaders_here()
     # Smaller blocks, fewer of them in flight, where a share would otherwise land all at once.
     streamed = allocate.download_config(ctx, place, plan)
-    blocks, landing = node_blocks(transfers, plan, place.group, downloaders, streamed.block_size)
+    blocks, landing = node_blocks(transfers, plan, place.group, downloaders, streamed.block_size, TAPER)
     mine = [Block(*blocks.blocks[i]) for i in blocks.of_rank.get(rank, ())]
     index = {(f, o): i for i, (f, o, _) in enumerate(blocks.blocks)}
     total = schedule.payload
