@@ -110,7 +110,9 @@ def test_disk_full_after_the_space_check_exits_8_with_needed_and_free(tmp_path: 
 
 
 def _pid_of_rank(tag: str, rank: int) -> int | None:
-    wanted = {f"AZCP_TEST_TAG={tag}".encode(), f"PMI_RANK={rank}".encode()}
+    """The process of ``rank`` in the run tagged ``tag`` (PMI_RANK under MPICH, OMPI_COMM_WORLD_RANK under Open MPI)."""
+    tagged = f"AZCP_TEST_TAG={tag}".encode()
+    ranks = {f"PMI_RANK={rank}".encode(), f"OMPI_COMM_WORLD_RANK={rank}".encode()}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -118,7 +120,7 @@ def _pid_of_rank(tag: str, rank: int) -> int | None:
             environ = set(Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"))
         except OSError:
             continue
-        if wanted <= environ:
+        if tagged in environ and ranks & environ:
             return int(entry)
     return None
 
