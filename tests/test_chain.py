@@ -35,16 +35,15 @@ from azcp_cluster.core.chain import (
     pieces,
 )
 from azcp_cluster.core.config import Config
-from azcp_cluster.core.errors import BroadcastError, UsageError
+from azcp_cluster.core.errors import UsageError
 from azcp_cluster.core.fanout import Agree, Post, Write
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.fanout.chain import ChainTransport, decide, transport_for
 from azcp_cluster.fanout.events import BroadcastStats
 from azcp_cluster.fanout.transport import LoopbackError, LoopbackHub, LoopbackTransport, Request
-from azcp_cluster.run.cluster import PeerFailed
 from tests.conftest import REPO, assert_copies, run_cli, tree_of
-from tests.test_transport import assert_nothing_wrong, fan_out, md5, world
+from tests.test_transport import assert_nothing_wrong, fail_at_every_instruction, fan_out, md5, world
 
 MiB = 1 << 20
 PROBE_ALWAYS = REPO / "tests" / "programs" / "probe_always.py"
@@ -283,20 +282,8 @@ def test_a_failure_at_any_instruction_of_a_chain_ends_every_rank_together(tmp_pa
     w = world(tmp_path, 3, local=True)
     clean = fan_out(w, "clean", transports=RecordedChain)
     assert all(isinstance(r, BroadcastStats) for r in clean.results)
-    steps = clean.drivers[victim].carried
-    assert {Post, Write, Agree} <= {type(s) for s in steps}
-    for k, step in enumerate(steps):
-        out = fan_out(w, f"k{k}", fail_at={victim: k}, transports=RecordedChain)
-        errors = out.errors()
-        mine = errors[victim]
-        assert isinstance(mine, BroadcastError) and f"injected at instruction {k} " in str(mine), (k, step, mine)
-        agreed = any(isinstance(s, Agree) for s in out.drivers[victim].carried[k:])
-        said = out.drivers[victim].transport.said  # type: ignore[attr-defined]
-        assert all(said[out.drivers[victim].agreed_before_failing :]), (k, step, "the victim hid its failure")
-        for rank, error in enumerate(errors):
-            if rank != victim:
-                assert isinstance(error, PeerFailed) or (error is None and not agreed), (k, step, rank, error)
-        assert_nothing_wrong(w, out)
+    assert {Post, Write, Agree} <= {type(s) for s in clean.drivers[victim].carried}
+    fail_at_every_instruction(w, clean, victim, RecordedChain)
 
 
 def test_a_rank_that_dies_in_the_middle_of_a_chain_ends_the_others_with_an_error_not_a_hang(tmp_path: Path) -> None:

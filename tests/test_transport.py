@@ -342,10 +342,19 @@ def test_a_failure_at_any_instruction_ends_every_rank_together(tmp_path: Path, v
     assert len(w.schedule) > 2 * CHECK_EVERY, "too few transfers for agreements between them"
     clean = fan_out(w, "clean")
     assert all(isinstance(r, BroadcastStats) for r in clean.results)
+    assert {Read, Post, Write, Hash, Agree} <= {type(s) for s in clean.drivers[victim].carried}
+    fail_at_every_instruction(w, clean, victim)
+
+
+def fail_at_every_instruction(
+    w: World, clean: Outcome, victim: int, transports: Callable[[LoopbackHub, int], Transport] | None = None
+) -> None:
+    """For each instruction k the victim carried out in ``clean``, a run failing at its k-th: the
+    victim ends with that error, having said so at every agreement after it; every other rank
+    with PeerFailed, or with nothing if no agreement followed; nothing wrong written."""
     steps = clean.drivers[victim].carried
-    assert {Read, Post, Write, Hash, Agree} <= {type(s) for s in steps}
     for k, step in enumerate(steps):
-        out = fan_out(w, f"k{k}", fail_at={victim: k})
+        out = fan_out(w, f"k{k}", fail_at={victim: k}, transports=transports)
         errors = out.errors()
         mine = errors[victim]
         assert isinstance(mine, BroadcastError) and f"injected at instruction {k} " in str(mine), (k, step, mine)

@@ -340,14 +340,11 @@ class LoopbackHub:
         return collective.largest
 
     def agree(self, rank: int, failed: bool) -> bool:
-        with self._cond:
-            self._check_alive(rank)
-            collective = self._join(rank, "agree", -1, 0)
-            collective.flags[rank] = failed
-            self._complete(collective)
-            request = _Request(rank, f"agreement {collective.index}", collective=collective)
+        """Join the next agreement and wait for its answer."""
+        request = self.iagree(rank, failed)
         self.wait(request)
-        return collective.answer
+        assert request.collective is not None
+        return request.collective.answer
 
     def test(self, request: _Request) -> bool:
         with self._cond:
