@@ -384,3 +384,30 @@ def test_under_mpiexec_auto_probes_the_fabric_and_reports_what_it_measured(tmp_p
     assert probe["bytes"] == 4 * MiB and probe["ibcast_s"] > 0 and probe["chain_s"] > 0
     faster = "ibcast" if probe["ibcast_s"] * 1.1 < probe["chain_s"] else "chain"
     assert fanout["method"] == faster
+
+
+def test_a_post_makes_its_own_calls_and_nothing_else_that_could_fail() -> None:
+    """The driver posts a transfer whose post raised once more (as a failed root's). A chain's
+    post that failed after its messages went out, moving the other chains, would take the
+    pair's next tags with that second post and leave its neighbours waiting: so a post only
+    posts (the review found this with a failure injected into the progress it used to make)."""
+    hub = LoopbackHub(2, timeout=5)
+
+    class Counting(LoopbackTransport):
+        progress_calls = 0
+
+        def done(self, request: Request) -> bool:
+            Counting.progress_calls += 1
+            return super().done(request)
+
+    root, receiver = ChainTransport(Counting(hub, 0), 1024), ChainTransport(Counting(hub, 1), 1024)
+    data = [np.full(5000, i, dtype=np.uint8) for i in range(3)]
+    got = [np.zeros(5000, dtype=np.uint8) for _ in range(3)]
+    sent = [root.post(d, 0, None) for d in data]
+    taken = [receiver.post(g, 0, None) for g in got]
+    assert Counting.progress_calls == 0
+    for request in taken:
+        receiver.wait(request)
+    for request in sent:
+        root.wait(request)
+    assert all(bytes(a) == bytes(b) for a, b in zip(data, got, strict=True))

@@ -125,7 +125,8 @@ class Probe:
 
 @dataclass(frozen=True)
 class FanoutChoice:
-    """The fan-out's transport for a run: ``method`` ("chain" or "ibcast"), its piece size, why."""
+    """The fan-out's transport for a run: ``method`` ("chain" or "ibcast"), a chain's piece size
+    (0 for the broadcast, which has none), why."""
 
     method: str
     piece: int
@@ -134,7 +135,9 @@ class FanoutChoice:
 
     def as_dict(self) -> dict[str, object]:
         """The report's form."""
-        out: dict[str, object] = {"method": self.method, "piece": self.piece, "reason": self.reason}
+        out: dict[str, object] = {"method": self.method, "reason": self.reason}
+        if self.piece:
+            out["piece"] = self.piece
         if self.probe is not None:
             out["probe"] = self.probe.as_dict()
         return out
@@ -152,14 +155,14 @@ def choose(method: str, nodes: int, payload: int, piece: int | None = None, prob
         raise ValueError(f"unknown fan-out method {method!r}")
     size = piece if piece is not None else piece_size(payload, nodes)
     if method == "ibcast":
-        return FanoutChoice("ibcast", size, "--fanout ibcast")
+        return FanoutChoice("ibcast", 0, "--fanout ibcast")
     if method in ("chain", "ring"):
         return FanoutChoice("chain", size, f"--fanout {method}")
     if probe is None:
         why = "two nodes" if nodes <= 2 else f"under {PROBE_MIN_PAYLOAD // MiB} MiB to fan out"
         return FanoutChoice("chain", size, f"auto: {why}, no probe")
     if probe.ibcast_s * (1 + PROBE_MARGIN) < probe.chain_s:
-        return FanoutChoice("ibcast", size, "auto: the broadcast was faster in the probe", probe)
+        return FanoutChoice("ibcast", 0, "auto: the broadcast was faster in the probe", probe)
     return FanoutChoice("chain", size, "auto: the chain was as fast or faster in the probe", probe)
 
 

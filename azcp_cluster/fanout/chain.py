@@ -143,8 +143,10 @@ class ChainTransport:
         else:
             tag_in = self._tag(self._received, before)
             chain.receives = [self.wire.irecv(data[a:b], before, tag_in) for a, b in slices]
+        # Nothing after the calls above may fail: the driver posts a transfer whose post raised
+        # once more (as a failed root's), which would take the next tags of the pair and leave
+        # its neighbours waiting. The chains move at the next test, wait or agreement.
         self._live.append(chain)
-        self._advance()
         return chain
 
     def test(self, request: Request) -> bool:
