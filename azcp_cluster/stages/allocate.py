@@ -107,10 +107,11 @@ def stream_sizes_for(ctx: RunContext, place: Placement, plan: Plan) -> StreamSiz
     return stream_sizes(max(loads), cfg.chunk, cfg.block_size, cfg.concurrency)
 
 
-def download_config(ctx: RunContext, place: Placement, plan: Plan) -> Config:
+def download_config(ctx: RunContext, place: Placement, plan: Plan, schedule: Schedule) -> Config:
     """The run's configuration as its download uses it: a streamed copy's block size and
-    requests in flight (:func:`stream_sizes_for`), else the run's own."""
-    sizes = stream_sizes_for(ctx, place, plan)
+    requests in flight (:func:`stream_sizes_for`), else the run's own. Streamed as
+    transfer.move decides: with something to fan out."""
+    sizes = stream_sizes_for(ctx, place, plan) if schedule.transfers else None
     if sizes is None:
         return ctx.cfg
     # --download-workers N asks for N processes, each with a request at least.
@@ -157,7 +158,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
 
             # Mapped now: the download stage then measures the transfer, not page faults.
             # No more buffers than this rank's requests can fill at once.
-            fetch = download_config(ctx, place, plan)  # a streamed copy's blocks and requests
+            fetch = download_config(ctx, place, plan, schedule)  # a streamed copy's blocks and requests
             blocks = len(blocks_for(mine, fetch.block_size))
             ctx.write_pool = WritePool(fetch, populate=True, buffers=pool_buffers_for(fetch.concurrency, blocks))
         if place.leader:

@@ -242,7 +242,7 @@ def stream(
     transfers = schedule.transfers  # columns: a transfer is made when the fan-out reads it
     downloaders = place.downloaders_here()
     # Smaller blocks, fewer of them in flight, where a share would otherwise land all at once.
-    streamed = allocate.download_config(ctx, place, plan)
+    streamed = allocate.download_config(ctx, place, plan, schedule)
     blocks, landing = node_blocks(transfers, plan, place.group, downloaders, streamed.block_size, TAPER)
     mine = [Block(*blocks.blocks[i]) for i in blocks.of_rank.get(rank, ())]
     index = {(f, o): i for i, (f, o, _) in enumerate(blocks.blocks)}
