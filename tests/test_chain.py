@@ -411,3 +411,18 @@ def test_a_post_makes_its_own_calls_and_nothing_else_that_could_fail() -> None:
     for request in sent:
         root.wait(request)
     assert all(bytes(a) == bytes(b) for a, b in zip(data, got, strict=True))
+
+
+def test_a_report_written_by_a_rank_that_is_no_leader_says_how_the_fan_out_went(tmp_path: Path) -> None:
+    """Rank 1 reads the SOURCE and so leads the one node; rank 0, which writes the report, takes
+    no part in the fan-out but reports its choice (the allocate stage's agreement brings it)."""
+    files = _dataset(tmp_path / "src")
+    result = run_cli(
+        [str(tmp_path / "src"), str(tmp_path / "one"), "--source-rank", "1", "--no-progress"],
+        n=2,
+        json_path=tmp_path / "r.json",
+    )
+    assert result.returncode == 0, result.output
+    assert tree_of(tmp_path / "one") == files
+    assert result.json is not None and result.json["fanout"]["method"] == "chain", result.json.get("fanout")
+    assert any(line.startswith("[bcast] ") and " via chain (" in line for line in result.stdout.splitlines())

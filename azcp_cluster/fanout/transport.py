@@ -15,6 +15,10 @@ sender's transfers to one receiver among themselves), as MPI matches them; an ag
 a collective too. :class:`MpiTransport` makes them MPI calls on the leaders' communicator
 (the only module of the fan-out that imports mpi4py); :class:`LoopbackTransport` runs N
 ranks as threads of one process, so tests drive the real driver without ``mpiexec``.
+
+Both are also the wire a chain runs on (:class:`azcp_cluster.fanout.chain.Wire`: tagged
+``isend``/``irecv``, ``done``, a non-blocking agreement, ``maximum``): ``--fanout ibcast``
+uses them as they are, ``chain`` through :class:`azcp_cluster.fanout.chain.ChainTransport`.
 """
 
 from __future__ import annotations

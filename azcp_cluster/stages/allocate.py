@@ -40,7 +40,7 @@ from azcp_cluster.download.cpus import allowed as allowed_cpus
 from azcp_cluster.fanout.broadcast import Broadcaster
 from azcp_cluster.fanout.chain import decide, transport_for
 from azcp_cluster.fanout.transport import MpiTransport
-from azcp_cluster.run.cluster import StageOutcome
+from azcp_cluster.run.cluster import StageOutcome, StageResult
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement, available_memory
 from azcp_cluster.stages.survey import Diff, Listed
@@ -143,7 +143,8 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
     cfg = ctx.cfg
     t0 = cluster.clock()
     choose_fanout(ctx, place, schedule)
-    outcome = StageOutcome()
+    # The leaders' choice, carried by the stage's agreement to rank 0, which need not be one.
+    outcome = StageOutcome(stats={"fanout": ctx.fanout.as_dict()} if ctx.fanout is not None else {})
     broadcaster: Broadcaster | None = None
     mine = plan.owned_by(ctx.rank)
     with cluster.stage(outcome):
@@ -172,7 +173,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
             broadcaster = make_broadcaster(ctx, place, listed, diff, schedule, later)
     ctx.explain_space(outcome)  # the files' blocks are reserved here: a full disk shows here first
     cluster.note("allocate", t0)
-    cluster.conclude(cluster.clock(), outcome)
+    cluster.conclude(cluster.clock(), outcome, lambda result: record_fanout(ctx, result))
     topo = place.topo
     if not ctx.local and any(not topo.is_leader(r) for r in topo.downloaders):
         # Some node has downloaders besides its leader: they get the files' identities.
@@ -284,6 +285,13 @@ def choose_fanout(ctx: RunContext, place: Placement, schedule: Schedule) -> None
     cfg = ctx.cfg
     ctx.fanout = decide(MpiTransport(ctx.node_comm), cfg.fanout, payload(schedule.transfers), cfg.fanout_piece)
     ctx.report.fanout = ctx.fanout.as_dict()
+
+
+def record_fanout(ctx: RunContext, result: StageResult) -> None:
+    """The fan-out's transport in the report, as the leaders chose it (rank 0 may be none)."""
+    chosen = [stats["fanout"] for stats in result.stats if stats.get("fanout")]
+    if chosen and not ctx.report.fanout:
+        ctx.report.fanout = chosen[0]
 
 
 def make_broadcaster(
