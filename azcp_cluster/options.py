@@ -32,6 +32,7 @@ from azcp_cluster.core.config import (
     MIN_BANDWIDTH,
     MIN_BCAST_CHUNK,
     MIN_BLOCK_SIZE,
+    MIN_PEER_TIMEOUT,
     MIN_SHARD_SIZE,
     MIN_TIMEOUT,
     PROGRESS_MODES,
@@ -195,6 +196,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--read-timeout", "read_timeout", GROUPS[4], "seconds",
            "a request whose response sends nothing for SECONDS is dropped and retried; "
            f"{MIN_TIMEOUT:g} to {MAX_READ_TIMEOUT:.0f} (default 60)", "SECONDS"),
+    Option("--peer-timeout", "peer_timeout", GROUPS[4], "seconds",
+           "a rank that sends no pulse for SECONDS (stopped, frozen, cut off) is named and the job ended, "
+           f"exit 10; 0: never (a rank in a debugger); {MIN_PEER_TIMEOUT:g} to {MAX_READ_TIMEOUT:.0f} "
+           "(default 30)", "SECONDS"),
     # The Python API only (no flag): how long a connection to Azure may take to open.
     Option("", "connect_timeout", GROUPS[4], "seconds",
            f"seconds a connection may take to open; {MIN_TIMEOUT:g} to {MAX_READ_TIMEOUT:.0f} (default 30)"),

@@ -56,7 +56,8 @@ def run(
     """
     env = os.environ if env is None else env
     out = sys.stdout if out is None else out
-    cluster = Cluster(comm, clock, interrupts)  # interrupts: the CLI's SIGINT/SIGTERM recorder
+    # interrupts: the CLI's SIGINT/SIGTERM recorder; a peer timeout of 0 turns the pulse off
+    cluster = Cluster(comm, clock, interrupts, cfg.peer_timeout or None)
     report = Report(ranks=cluster.size, dry_run=cfg.dry_run, max_bandwidth=cfg.max_bandwidth)
     started = clock()
     ctx = RunContext(cfg, cluster, report, env, wall, out, host or socket.gethostname(), started, credential)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,11 +16,13 @@ from pathlib import Path
 import pytest
 
 from azcp_cluster.core.config import MiB
+from azcp_cluster.core.errors import PeerStoppedError
 from azcp_cluster.core.naming import JOURNAL_DIR, LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX
 from azcp_cluster.devtools.datasets import pseudo_random
 from tests.conftest import MPI_TIMEOUT, clean_env, mpiexec_path, run_cli, tree_of
 
 RANKS = 4
+PEER_TIMEOUT = 2  # seconds (--peer-timeout): a stopped rank is named this long after it stopped
 TOOLS_OWN = (MANIFEST_NAME, LOCK_NAME)
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 
@@ -42,7 +45,8 @@ def small_filesystem(where: Path, size: str) -> Iterator[Path]:
 
 
 def _errors(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("azcp-cluster: error")]
+    # Stripped: Open MPI's launcher may print a rank's line into its own banner, indented.
+    return [line.strip() for line in stderr.splitlines() if line.strip().startswith("azcp-cluster: error")]
 
 
 def _assert_nothing_partial(base: Path, expected: dict[str, bytes]) -> None:
@@ -109,6 +113,14 @@ def test_disk_full_after_the_space_check_exits_8_with_needed_and_free(tmp_path: 
         _assert_nothing_partial(tmp_path / "d", files)
 
 
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _pid_of_rank(tag: str, rank: int) -> int | None:
     """The process of ``rank`` in the run tagged ``tag`` (PMI_RANK under MPICH, OMPI_COMM_WORLD_RANK under Open MPI)."""
     tagged = f"AZCP_TEST_TAG={tag}".encode()
@@ -125,11 +137,21 @@ def _pid_of_rank(tag: str, rank: int) -> int | None:
     return None
 
 
-# The chain with a rank in its middle killed (rank 2 waits on a receive posted to it) in the
-# default suite; the last rank of MPI's broadcast in CI's slow step.
-@pytest.mark.parametrize(("fanout", "victim"), [("chain", 1), pytest.param("ibcast", 3, marks=pytest.mark.slow)])
-def test_a_rank_killed_during_the_broadcast_ends_the_job_and_the_rerun_finishes(
-    tmp_path: Path, fanout: str, victim: int
+# The chain with a rank in its middle killed (rank 2 waits on a receive posted to it) or
+# stopped (SIGSTOP: no launcher notices; its watcher's pulse does) in the default suite; the
+# last rank of MPI's broadcast in CI's slow step.
+@pytest.mark.parametrize(
+    ("fanout", "victim", "how"),
+    [
+        ("chain", 1, signal.SIGKILL),
+        ("chain", 2, signal.SIGSTOP),
+        pytest.param("ibcast", 3, signal.SIGKILL, marks=pytest.mark.slow),
+        pytest.param("ibcast", 0, signal.SIGSTOP, marks=pytest.mark.slow),
+    ],
+    ids=["chain-killed", "chain-stopped", "ibcast-killed", "ibcast-stopped"],
+)
+def test_a_rank_killed_or_stopped_during_the_broadcast_ends_the_job_and_the_rerun_finishes(
+    tmp_path: Path, fanout: str, victim: int, how: signal.Signals
 ) -> None:
     old = {f"old/{i}.bin": pseudo_random(256 * 1024, f"o{i}") for i in range(3)}
     big = {"big.bin": pseudo_random(256 * MiB, "big")}
@@ -140,9 +162,11 @@ def test_a_rank_killed_during_the_broadcast_ends_the_job_and_the_rerun_finishes(
     assert first.returncode == 0, first.output
 
     tag = uuid.uuid4().hex
+    pid: int | None = None
     cmd = [
         mpiexec_path(), "-n", str(RANKS), sys.executable, "-m", "azcp_cluster", str(tmp_path / "src"), dest,
         "--bcast-chunk", "1MiB", "--bcast-pipeline", "2", "--no-progress", "--fanout", fanout,
+        "--peer-timeout", str(PEER_TIMEOUT),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=clean_env({"AZCP_TEST_TAG": tag}), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -153,7 +177,7 @@ def test_a_rank_killed_during_the_broadcast_ends_the_job_and_the_rerun_finishes(
             time.sleep(0.005)
         pid = _pid_of_rank(tag, victim)
         assert pid is not None and proc.poll() is None, "the run ended before the broadcast could be hit"
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, how)
         killed_at = time.monotonic()
         proc.wait(timeout=30)
         ended_after = time.monotonic() - killed_at
@@ -161,8 +185,20 @@ def test_a_rank_killed_during_the_broadcast_ends_the_job_and_the_rerun_finishes(
         if proc.poll() is None:
             proc.kill()
         out, err = proc.communicate()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # a stopped rank the job left behind
     assert proc.returncode != 0, (out, err)
     assert ended_after < 10, ended_after  # the launcher ends the others, whatever they wait on
+    if how == signal.SIGSTOP:
+        # Named by the rank that watches it, with the documented code; the launcher's own lines may follow.
+        assert ended_after >= PEER_TIMEOUT / 2, ended_after  # silent since its last pulse, a quarter earlier at most
+        # The launcher's status: the aborting rank's 10, or (MPICH's mpiexec, when it reaps the
+        # stopped rank it killed first) that rank's SIGKILL, 9: both documented.
+        assert proc.returncode in (PeerStoppedError.exit_code, signal.SIGKILL), (proc.returncode, err)
+        named = [line for line in _errors(err.decode()) if "[peer]" in line]
+        assert len(named) == 1 and f"rank {victim}:" in named[0], err.decode()
+        assert _pid_alive(pid) is False, "the stopped rank outlived the job"
     _assert_nothing_partial(tmp_path / "d", files)
     assert not any((tmp_path / "d" / str(r) / "big.bin").exists() for r in range(RANKS))
 

@@ -64,6 +64,9 @@ MAX_READ_TIMEOUT = 86400.0  # seconds (a day); also the bound of the API's conne
 # Every timeout: shorter than the download watchdog's tick (0.1 s) would abandon every body
 # at its first pause (and a lock wait that short is no wait).
 MIN_TIMEOUT = 0.1
+# A rank's pulse comes every quarter of --peer-timeout: shorter than a second would name a rank
+# that the scheduler merely left waiting on a loaded node.
+MIN_PEER_TIMEOUT = 1.0
 MAX_BANDWIDTH_LIMIT = 10**15  # bytes per second (8 Pb/s)
 # Below this a cap paces a 16 MiB ranged GET over hours: a typo, not a setting.
 MIN_BANDWIDTH = 1024  # bytes per second
@@ -253,6 +256,9 @@ class Config:
     # or "fail" at once; either way, one that is still there ends the run with exit 9.
     lock: str = "wait"
     lock_timeout: float | None = None
+    # Seconds a rank may send no pulse before the rank watching it ends the job (exit 10);
+    # 0 turns the watch off (a rank held in a debugger).
+    peer_timeout: float = 30.0
     # A SOURCE (prefix, directory, filters) that yields no file: exit 3 unless allowed (then
     # a finished, empty copy with a warning).
     allow_empty: bool = False
@@ -321,6 +327,11 @@ class Config:
             "connect_timeout": (self.connect_timeout, MAX_READ_TIMEOUT),
             "--lock-timeout": (self.lock_timeout, MAX_LOCK_TIMEOUT),
         }
+        if self.peer_timeout != 0 and not MIN_PEER_TIMEOUT <= self.peer_timeout <= MAX_READ_TIMEOUT:
+            raise UsageError(
+                f"--peer-timeout must be 0 (off) or at least {MIN_PEER_TIMEOUT:g} and at most "
+                f"{MAX_READ_TIMEOUT:.0f} seconds (got {shown(self.peer_timeout)})"
+            )
         for name, (seconds, longest) in timeouts.items():
             if seconds is not None and not MIN_TIMEOUT <= seconds <= longest:  # also nan and inf
                 raise UsageError(

@@ -130,6 +130,13 @@ class LockError(AzcpError):
     stage = "lock"
 
 
+class PeerStoppedError(AzcpError):
+    """A rank sent no pulse for ``--peer-timeout`` seconds (stopped, frozen, cut off): the job is ended (exit 10)."""
+
+    exit_code = 10
+    stage = "peer"
+
+
 class Interrupted(AzcpError):
     """The run was stopped by a signal; the exit code is the shell's 128 + signal number."""
 
@@ -168,6 +175,7 @@ ERROR_CLASSES: dict[str, type[AzcpError]] = {
         SourceError,
         LocalFSError,
         LockError,
+        PeerStoppedError,
         SigintError,
         SigtermError,
     )
@@ -184,6 +192,7 @@ EXIT_CODES: dict[int, str] = {
     7: "verification failed",
     8: "local filesystem error (mkdir, write, rename, space, a link or special file in DEST)",
     9: "DEST is in use by another run (--lock fail, or --lock-timeout passed)",
+    10: "a rank stopped answering (no pulse for --peer-timeout seconds): the job was ended",
     130: "interrupted by SIGINT",
     143: "terminated by SIGTERM",
 }

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from azcp_cluster.core.errors import ERROR_CLASSES, AzcpError, InternalError
+from azcp_cluster.run import liveness
 from azcp_cluster.run.interrupts import Interrupts, signal_error
 
 _FAIL_TAG = 7071
@@ -88,7 +89,13 @@ def redact(text: str) -> str:
 class Cluster:
     """The ranks of one run, over an mpi4py communicator (passed in, never created here)."""
 
-    def __init__(self, comm: Any, clock: Callable[[], float], interrupts: Interrupts | None = None) -> None:
+    def __init__(
+        self,
+        comm: Any,
+        clock: Callable[[], float],
+        interrupts: Interrupts | None = None,
+        peer_timeout: float | None = None,
+    ) -> None:
         self.comm = comm
         # The CLI's signal recorder; by default one that is never installed, so never fires.
         self.interrupts = interrupts if interrupts is not None else Interrupts()
@@ -99,6 +106,8 @@ class Cluster:
         self.clock = clock
         # A private duplicate so our tags and collectives never mix with the caller's.
         self._signal_comm = comm.Dup()
+        # Every rank's pulse (``peer_timeout``: a rank silent that long ends the job; None: off).
+        self._liveness = liveness.start(comm, peer_timeout)
         self._pending: list[Any] = []  # failure signals sent, completed at the next agreement
         # Where the time goes: this rank's stage spans, in seconds since ``origin`` (its run's
         # start), carried to every rank by the next agreement (:meth:`note`), and what the
@@ -110,7 +119,11 @@ class Cluster:
         self.origins: list[float] = []  # every rank's wall_origin, once an agreement has carried them
 
     def close(self) -> None:
-        """Release the communicator duplicated for signals."""
+        """Send this rank's last pulse (once the one before has sent its own) and release the
+        communicators duplicated for the pulse and the signals."""
+        if self._liveness is not None:
+            self._liveness.stop()
+            self._liveness = None
         self._signal_comm.Free()
 
     # -- agreement ------------------------------------------------------------------------

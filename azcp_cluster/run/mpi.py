@@ -28,6 +28,13 @@ def world() -> Any:
     return MPI.COMM_WORLD
 
 
+def threads_allowed() -> bool:
+    """Whether MPI runs with ``MPI_THREAD_MULTIPLE`` (a second thread may make MPI calls)."""
+    from mpi4py import MPI
+
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+
 class MpiRuntime:
     """MPI's start and end for the command, each with SIGINT and SIGTERM deferred.
 

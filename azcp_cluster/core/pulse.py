@@ -1,0 +1,88 @@
+"""When a rank sends its pulse, and when the rank it watches counts as stopped (pure).
+
+MPI's launcher ends the job when a rank dies, but nothing notices a rank that stops: one
+frozen by SIGSTOP, a debugger or a node that no longer schedules it leaves its peers waiting
+on a posted receive (the chain after it) or in an agreement, for ever. So every rank sends a
+small message, its pulse, to the next rank every :attr:`Pulse.interval` seconds, and watches
+the pulse of the rank before it (:mod:`azcp_cluster.run.liveness` does the sending, on a thread
+of its own, so a rank busy with its work still beats). A rank whose pulse has not come for
+``timeout`` seconds has stopped, and the rank that watches it ends the job naming it.
+
+The run's end is a pulse too: each rank sends a last one that says so, and waits for the one
+from the rank before it, so no message is in flight when MPI ends. That wait is bounded by the
+same timeout: a rank that never gets there has stopped as surely as a silent one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Pulses per timeout: one late or lost to scheduling still leaves three.
+PULSES_PER_TIMEOUT = 4
+# The longest wait between two looks at the pulses (the watcher's tick).
+MAX_TICK = 0.5
+
+
+@dataclass
+class Pulse:
+    """One rank's pulse schedule and its watch over the rank before it (times from one clock)."""
+
+    timeout: float
+    started: float
+    last_sent: float | None = None
+    last_heard: float | None = None
+    ending_since: float | None = None  # when this rank sent its last pulse
+    heard_end: bool = False  # the rank before has sent its last pulse
+
+    def __post_init__(self) -> None:
+        if not self.timeout > 0:
+            raise ValueError("timeout must be positive")
+
+    @property
+    def interval(self) -> float:
+        """Seconds between two pulses."""
+        return self.timeout / PULSES_PER_TIMEOUT
+
+    @property
+    def tick(self) -> float:
+        """Seconds between two looks (at most half an interval: a pulse is never sent late by more)."""
+        return min(self.interval / 2, MAX_TICK)
+
+    def send_due(self, now: float) -> bool:
+        """Whether the next pulse is due (the first at once); never after the last one."""
+        if self.ending_since is not None:
+            return False
+        return self.last_sent is None or now - self.last_sent >= self.interval
+
+    def sent(self, now: float) -> None:
+        """A pulse went out at ``now``."""
+        self.last_sent = now
+
+    def ending(self, now: float) -> None:
+        """This rank sent its last pulse at ``now``."""
+        self.ending_since = now
+
+    def heard(self, now: float, last: bool) -> None:
+        """The rank before's pulse came at ``now``; ``last``: its last one."""
+        self.last_heard = now
+        self.heard_end = self.heard_end or last
+
+    def silent_for(self, now: float) -> float:
+        """Seconds since the rank before was last heard (since the watch began, before its first pulse)."""
+        return now - (self.last_heard if self.last_heard is not None else self.started)
+
+    def stopped(self, now: float) -> bool:
+        """Whether the rank before counts as stopped: silent for the timeout, or, once this rank
+        has ended, not ended itself within the timeout (while it may still send pulses)."""
+        if self.heard_end:
+            return False
+        if self.silent_for(now) >= self.timeout:
+            return True
+        return self.ending_since is not None and now - self.ending_since >= self.timeout
+
+    def finished(self) -> bool:
+        """Whether the watch is over: both ranks have sent their last pulse."""
+        return self.ending_since is not None and self.heard_end
+
+
+__all__ = ["MAX_TICK", "PULSES_PER_TIMEOUT", "Pulse"]

@@ -1,0 +1,135 @@
+"""Every rank's pulse on a thread of its own; a rank that stops ends the job (``--peer-timeout``).
+
+The schedule and the decision are :class:`azcp_cluster.core.pulse.Pulse`'s; this module sends
+and receives the pulses over a duplicate of the run's communicator, each rank to the next in
+rank order (the last to rank 0), so every rank is watched by exactly one other. It runs on a
+thread because a rank's main thread may be busy for long (a download, a disk write), and MPI
+calls release the interpreter's lock, so the pulse never waits on the work. A process that
+stops (SIGSTOP, a debugger, a frozen node) stops its pulse thread too: that is what is seen.
+
+When the rank before has been silent for the timeout, the watcher prints one line naming it and
+calls ``MPI_Abort`` with exit code 10 (:class:`azcp_cluster.core.errors.PeerStoppedError`): the
+launcher then ends every rank, the stopped one too (SIGKILL ends a stopped process). Nothing
+has been renamed before every rank agreed on every byte, so a rerun finishes the copy.
+
+Only under an MPI started with ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it; a host program of
+the Python API may not have): otherwise there is no pulse, as with a timeout of 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from azcp_cluster.core.errors import PeerStoppedError
+from azcp_cluster.core.pulse import Pulse
+from azcp_cluster.run.mpi import threads_allowed
+
+_PULSE_TAG = 7072
+_BEAT = np.zeros(1, dtype=np.uint8)  # a pulse
+_LAST = np.ones(1, dtype=np.uint8)  # the last pulse: this rank has ended
+END_TICK = 0.005  # seconds between looks once this rank has ended (the run waits on them)
+
+
+def abort_job(comm: Any, error: PeerStoppedError) -> None:
+    """Say ``error``'s one line and end every rank of ``comm`` with its exit code."""
+    sys.stderr.write(error.one_line() + "\n")
+    sys.stderr.flush()
+    comm.Abort(error.exit_code)
+
+
+class Liveness:
+    """This rank's pulse to the next rank and its watch over the one before (a daemon thread).
+
+    Collective: every rank of ``comm`` creates it at the same point (it duplicates ``comm``),
+    and every rank calls :meth:`stop` at the end of its run.
+    """
+
+    def __init__(
+        self,
+        comm: Any,
+        timeout: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_stopped: Callable[[Any, PeerStoppedError], None] = abort_job,
+    ) -> None:
+        self.comm = comm.Dup()
+        self.rank: int = self.comm.Get_rank()
+        size: int = self.comm.Get_size()
+        self.after = (self.rank + 1) % size
+        self.before = (self.rank - 1) % size
+        self.clock = clock
+        self.on_stopped = on_stopped
+        self.pulse = Pulse(timeout, clock())
+        self._ending = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="azcp-pulse", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Send the last pulse; return once the rank before has sent its own (or has been named stopped)."""
+        self._ending.set()
+        self._thread.join()
+        self.comm.Free()
+
+    def _send(self, last: bool) -> Any:
+        """Start sending a pulse to the next rank; the last one synchronously (complete once received)."""
+        if last:
+            return self.comm.Issend(_LAST, dest=self.after, tag=_PULSE_TAG)
+        return self.comm.Isend(_BEAT, dest=self.after, tag=_PULSE_TAG)
+
+    def _run(self) -> None:
+        # SIGINT and SIGTERM go to the main thread, where the recorder runs and the blocking
+        # calls they must interrupt are.
+        signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
+        pulse, comm = self.pulse, self.comm
+        inbox = np.zeros(1, dtype=np.uint8)
+        receive = comm.Irecv(inbox, source=self.before, tag=_PULSE_TAG)
+        sends: list[Any] = []
+        while True:
+            now = self.clock()
+            if self._ending.is_set() and pulse.ending_since is None:
+                sends.append(self._send(last=True))
+                pulse.ending(now)
+            elif pulse.send_due(now):
+                sends.append(self._send(last=False))
+                pulse.sent(now)
+            while not pulse.heard_end and receive.Test():
+                pulse.heard(now, last=bool(inbox[0]))
+                if not pulse.heard_end:
+                    receive = comm.Irecv(inbox, source=self.before, tag=_PULSE_TAG)
+            sends = [request for request in sends if not request.Test()]
+            if pulse.finished() and not sends:
+                return
+            if pulse.stopped(now):
+                silent = pulse.silent_for(now)
+                why = (
+                    f"sent nothing for {silent:.0f} s (stopped, frozen or cut off: --peer-timeout "
+                    f"{pulse.timeout:g}); the job is ended"
+                    if silent >= pulse.timeout
+                    else f"did not end with the others within --peer-timeout {pulse.timeout:g} s; the job is ended"
+                )
+                if not pulse.heard_end:  # nothing is left posted (where on_stopped does not end the process)
+                    receive.Cancel()
+                    receive.Wait()
+                self.on_stopped(comm, PeerStoppedError(why, rank=self.before))
+                return
+            if self._ending.is_set():  # ending: the others end at about the same time
+                time.sleep(min(pulse.tick, END_TICK))
+            else:
+                self._ending.wait(pulse.tick)
+
+
+def start(comm: Any, timeout: float | None) -> Liveness | None:
+    """The pulse for a run over ``comm`` (collective), or None: one rank, no timeout, or no threads in MPI."""
+    if timeout is None or comm.Get_size() < 2 or not threads_allowed():
+        return None
+    return Liveness(comm, timeout)
+
+
+__all__ = ["Liveness", "abort_job", "start"]

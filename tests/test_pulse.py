@@ -1,0 +1,150 @@
+"""The pulse that names a stopped rank: its schedule and decision (pure), and its thread on a real MPI.
+
+The end-to-end case (a rank stopped with SIGSTOP in the middle of a chain, named, the job ended
+with exit 10) is ``tests/test_reliability.py``; every other MPI test runs with the pulse on, so
+its last-pulse handshake is exercised at the end of each of them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from azcp_cluster.core.config import Config
+from azcp_cluster.core.errors import PeerStoppedError, UsageError
+from azcp_cluster.core.pulse import MAX_TICK, PULSES_PER_TIMEOUT, Pulse
+from azcp_cluster.run import liveness
+
+
+def test_the_first_pulse_goes_at_once_then_one_every_interval_and_none_after_the_last() -> None:
+    pulse = Pulse(timeout=8.0, started=100.0)
+    assert pulse.interval == 8.0 / PULSES_PER_TIMEOUT == 2.0
+    assert pulse.send_due(100.0)
+    pulse.sent(100.0)
+    assert not pulse.send_due(101.9)
+    assert pulse.send_due(102.0)
+    pulse.sent(102.0)
+    pulse.ending(102.5)
+    assert not pulse.send_due(110.0)
+
+
+def test_the_tick_is_half_an_interval_and_never_longer_than_the_cap() -> None:
+    assert Pulse(timeout=2.0, started=0).tick == 0.25
+    assert Pulse(timeout=3600.0, started=0).tick == MAX_TICK
+
+
+def test_silence_for_the_timeout_is_a_stop_and_a_pulse_resets_it() -> None:
+    pulse = Pulse(timeout=4.0, started=0.0)
+    assert not pulse.stopped(3.99)  # before the first pulse, the watch counts from its start
+    assert pulse.stopped(4.0)
+    pulse.heard(3.0, last=False)
+    assert not pulse.stopped(6.99) and pulse.silent_for(6.5) == 3.5
+    assert pulse.stopped(7.0)
+
+
+def test_a_rank_that_has_ended_is_never_stopped_and_the_watch_finishes_with_both_ends() -> None:
+    pulse = Pulse(timeout=1.0, started=0.0)
+    pulse.heard(0.5, last=True)
+    assert not pulse.stopped(1000.0)
+    assert not pulse.finished()  # this rank has not sent its own last pulse
+    pulse.ending(2.0)
+    assert pulse.finished()
+
+
+def test_a_rank_still_beating_but_not_ending_with_the_others_is_stopped_after_the_timeout() -> None:
+    pulse = Pulse(timeout=2.0, started=0.0)
+    pulse.ending(10.0)
+    for now in (10.5, 11.0, 11.5):
+        pulse.heard(now, last=False)
+        assert not pulse.stopped(now)
+    pulse.heard(11.9, last=False)
+    assert pulse.stopped(12.0)  # heard 0.1 s ago, but it has not ended 2 s after this rank did
+
+
+@given(
+    timeout=st.floats(min_value=1.0, max_value=100.0),
+    gaps=st.lists(st.floats(min_value=0.0, max_value=1.0), min_size=1, max_size=50),
+)
+def test_pulses_closer_than_the_timeout_never_make_a_stop(timeout: float, gaps: list[float]) -> None:
+    pulse = Pulse(timeout=timeout, started=0.0)
+    now = 0.0
+    for gap in gaps:
+        now += gap * timeout * 0.999
+        assert not pulse.stopped(now)
+        pulse.heard(now, last=False)
+    assert pulse.stopped(now + timeout * 1.001)
+
+
+def test_a_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        Pulse(timeout=0.0, started=0.0)
+
+
+@pytest.mark.parametrize("seconds", [0.5, -1.0, float("nan"), float("inf"), 86401.0])
+def test_peer_timeout_out_of_range_is_refused(seconds: float) -> None:
+    with pytest.raises(UsageError, match="--peer-timeout must be 0 \\(off\\) or at least 1"):
+        Config(source="/s", dest="/d", peer_timeout=seconds).validate()
+
+
+@pytest.mark.parametrize("seconds", [0.0, 1.0, 30.0, 86400.0])
+def test_peer_timeout_in_range_or_off_is_accepted(seconds: float) -> None:
+    assert Config(source="/s", dest="/d", peer_timeout=seconds).validate().peer_timeout == seconds
+
+
+def test_the_pulse_thread_runs_on_a_real_mpi_and_ends_with_its_last_pulse() -> None:
+    # COMM_SELF: the one rank is its own neighbour, so it hears its own pulses and its own end.
+    from mpi4py import MPI
+
+    stopped: list[PeerStoppedError] = []
+    alive = liveness.Liveness(MPI.COMM_SELF, 1.0, on_stopped=lambda comm, error: stopped.append(error))
+    time.sleep(1.5)  # longer than the timeout: only pulses keep it from naming the rank
+    assert alive.pulse.last_heard is not None and alive.pulse.silent_for(time.monotonic()) < 1.0
+    started = time.monotonic()
+    alive.stop()
+    assert time.monotonic() - started < 0.5
+    assert alive.pulse.finished() and stopped == []
+    assert not any(thread.name == "azcp-pulse" for thread in threading.enumerate())
+
+
+class _Mute(liveness.Liveness):
+    """A rank whose pulses never leave it (as if it had stopped before the first)."""
+
+    def _send(self, last: bool) -> Any:
+        from mpi4py import MPI
+
+        return MPI.REQUEST_NULL
+
+
+def test_a_silent_rank_is_handed_to_on_stopped_naming_it() -> None:
+    # COMM_SELF: the rank watches itself, and sends nothing.
+    from mpi4py import MPI
+
+    seen: list[tuple[Any, PeerStoppedError]] = []
+    named = threading.Event()
+
+    def on_stopped(comm: Any, error: PeerStoppedError) -> None:
+        seen.append((comm, error))
+        named.set()
+
+    started = time.monotonic()
+    mute = _Mute(MPI.COMM_SELF, 1.0, on_stopped=on_stopped)
+    assert named.wait(5)
+    assert 1.0 <= time.monotonic() - started < 2.0
+    mute._thread.join(5)
+    ((comm, error),) = seen
+    assert error.exit_code == 10 and error.rank == 0
+    line = error.one_line()
+    assert line.startswith("azcp-cluster: error [peer]: rank 0: sent nothing for 1 s") and "--peer-timeout 1" in line
+    comm.Free()
+
+
+def test_no_pulse_for_one_rank_no_timeout_or_no_threads() -> None:
+    from mpi4py import MPI
+
+    assert liveness.start(MPI.COMM_SELF, 30.0) is None  # one rank: nobody to watch
+    assert liveness.start(MPI.COMM_WORLD, None) is None
