@@ -63,16 +63,23 @@ def run(
     ctx = RunContext(cfg, cluster, report, env, wall, out, host or socket.gethostname(), started, credential)
     failed: AzcpError | None = None
     plan_lines: list[str] = []
+    agreed = False  # every rank ends here together: an agreed outcome, not one rank's bug
     try:
         plan_lines = execute(ctx)
+        agreed = True
     except AzcpError as exc:
         failed = _attach(exc, report)
+        agreed = True
     finally:
         cluster.interrupts.on_first = None  # the outcome is decided: the report below says it
         try:
-            ctx.close()
-            ctx.let_dest_be(remove=failed is not None)  # a failed run's DEST, made and still empty, goes
-            cluster.close()
+            try:
+                ctx.close()
+                ctx.let_dest_be(remove=failed is not None)  # a failed run's DEST, made and still empty, goes
+            finally:
+                # Agreed: the last pulses, as every rank ends. Else this rank leaves alone (the
+                # CLI then ends the job with MPI_Abort): waiting for the others' would not end.
+                cluster.close(agreed)
         finally:
             ctx.heap.end()  # what the run froze goes back to the collector
         report.stages["total"].seconds = clock() - started

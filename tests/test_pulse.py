@@ -56,14 +56,14 @@ def test_a_rank_that_has_ended_is_never_stopped_and_the_watch_finishes_with_both
     assert pulse.finished()
 
 
-def test_a_rank_still_beating_but_not_ending_with_the_others_is_stopped_after_the_timeout() -> None:
+def test_a_rank_still_beating_is_alive_however_long_it_takes_to_end() -> None:
+    # Its last work may be long (writer threads draining, a slow filesystem): only silence names it.
     pulse = Pulse(timeout=2.0, started=0.0)
     pulse.ending(10.0)
-    for now in (10.5, 11.0, 11.5):
+    for now in (10.5, 12.0, 13.5, 100.0):
         pulse.heard(now, last=False)
-        assert not pulse.stopped(now)
-    pulse.heard(11.9, last=False)
-    assert pulse.stopped(12.0)  # heard 0.1 s ago, but it has not ended 2 s after this rank did
+        assert not pulse.stopped(now + 1.9)
+    assert pulse.stopped(102.0) and not pulse.finished()
 
 
 @given(
@@ -85,10 +85,10 @@ def test_a_timeout_must_be_positive() -> None:
         Pulse(timeout=0.0, started=0.0)
 
 
-@pytest.mark.parametrize("seconds", [0.5, -1.0, float("nan"), float("inf"), 86401.0])
-def test_peer_timeout_out_of_range_is_refused(seconds: float) -> None:
+@pytest.mark.parametrize("seconds", [0.5, -1.0, float("nan"), float("inf"), 86401.0, None, "30"])
+def test_peer_timeout_out_of_range_is_refused(seconds: object) -> None:
     with pytest.raises(UsageError, match="--peer-timeout must be 0 \\(off\\) or at least 1"):
-        Config(source="/s", dest="/d", peer_timeout=seconds).validate()
+        Config(source="/s", dest="/d", peer_timeout=seconds).validate()  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("seconds", [0.0, 1.0, 30.0, 86400.0])
@@ -141,6 +141,18 @@ def test_a_silent_rank_is_handed_to_on_stopped_naming_it() -> None:
     line = error.one_line()
     assert line.startswith("azcp-cluster: error [peer]: rank 0: sent nothing for 1 s") and "--peer-timeout 1" in line
     comm.Free()
+
+
+def test_a_rank_that_leaves_alone_stops_at_once_waiting_for_nobody() -> None:
+    # One rank's unexpected error (not agreed): no last pulse, no wait (the CLI ends the job).
+    from mpi4py import MPI
+
+    stopped: list[PeerStoppedError] = []
+    mute = _Mute(MPI.COMM_SELF, 30.0, on_stopped=lambda comm, error: stopped.append(error))
+    started = time.monotonic()
+    mute.stop(handshake=False)
+    assert time.monotonic() - started < 1.0
+    assert not mute.pulse.finished() and stopped == []
 
 
 def test_no_pulse_for_one_rank_no_timeout_or_no_threads() -> None:

@@ -327,11 +327,7 @@ class Config:
             "connect_timeout": (self.connect_timeout, MAX_READ_TIMEOUT),
             "--lock-timeout": (self.lock_timeout, MAX_LOCK_TIMEOUT),
         }
-        if self.peer_timeout != 0 and not MIN_PEER_TIMEOUT <= self.peer_timeout <= MAX_READ_TIMEOUT:
-            raise UsageError(
-                f"--peer-timeout must be 0 (off) or at least {MIN_PEER_TIMEOUT:g} and at most "
-                f"{MAX_READ_TIMEOUT:.0f} seconds (got {shown(self.peer_timeout)})"
-            )
+        _check_peer_timeout(self.peer_timeout)
         for name, (seconds, longest) in timeouts.items():
             if seconds is not None and not MIN_TIMEOUT <= seconds <= longest:  # also nan and inf
                 raise UsageError(
@@ -368,3 +364,12 @@ class Config:
                 f"download buffers need {format_bytes(need)} per rank, but only {format_bytes(available)} "
                 "of memory is available; lower --bcast-chunk, --bcast-pipeline or --concurrency"
             )
+
+
+def _check_peer_timeout(seconds: object) -> None:
+    """``--peer-timeout``: 0 (off), or a number of seconds in range (also refuses nan and inf)."""
+    if not isinstance(seconds, int | float) or (seconds != 0 and not MIN_PEER_TIMEOUT <= seconds <= MAX_READ_TIMEOUT):
+        raise UsageError(
+            f"--peer-timeout must be 0 (off) or at least {MIN_PEER_TIMEOUT:g} and at most "
+            f"{MAX_READ_TIMEOUT:.0f} seconds (got {shown(seconds)})"
+        )

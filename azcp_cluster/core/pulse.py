@@ -9,8 +9,8 @@ of its own, so a rank busy with its work still beats). A rank whose pulse has no
 ``timeout`` seconds has stopped, and the rank that watches it ends the job naming it.
 
 The run's end is a pulse too: each rank sends a last one that says so, and waits for the one
-from the rank before it, so no message is in flight when MPI ends. That wait is bounded by the
-same timeout: a rank that never gets there has stopped as surely as a silent one.
+from the rank before it, so no message is in flight when MPI ends. A rank that still beats is
+waited for however long it takes to end; one that falls silent is named as ever.
 """
 
 from __future__ import annotations
@@ -72,13 +72,10 @@ class Pulse:
         return now - (self.last_heard if self.last_heard is not None else self.started)
 
     def stopped(self, now: float) -> bool:
-        """Whether the rank before counts as stopped: silent for the timeout, or, once this rank
-        has ended, not ended itself within the timeout (while it may still send pulses)."""
-        if self.heard_end:
-            return False
-        if self.silent_for(now) >= self.timeout:
-            return True
-        return self.ending_since is not None and now - self.ending_since >= self.timeout
+        """Whether the rank before counts as stopped: silent for the timeout (before its last
+        pulse). One that still beats is alive, however long it takes to end (its last work
+        may be long: writer threads draining, a slow filesystem)."""
+        return not self.heard_end and self.silent_for(now) >= self.timeout
 
     def finished(self) -> bool:
         """Whether the watch is over: both ranks have sent their last pulse."""

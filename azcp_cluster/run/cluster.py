@@ -118,11 +118,12 @@ class Cluster:
         self.timeline: list[dict[str, Any]] = []
         self.origins: list[float] = []  # every rank's wall_origin, once an agreement has carried them
 
-    def close(self) -> None:
-        """Send this rank's last pulse (once the one before has sent its own) and release the
-        communicators duplicated for the pulse and the signals."""
+    def close(self, agreed: bool = True) -> None:
+        """Release the communicators duplicated for the pulse and the signals; ``agreed`` (every
+        rank ends its run here): first send this rank's last pulse and take the one before's.
+        Not agreed (one rank's unexpected error): its pulse just stops, nothing is waited for."""
         if self._liveness is not None:
-            self._liveness.stop()
+            self._liveness.stop(handshake=agreed)
             self._liveness = None
         self._signal_comm.Free()
 

@@ -68,11 +68,15 @@ class Liveness:
         self.on_stopped = on_stopped
         self.pulse = Pulse(timeout, clock())
         self._ending = threading.Event()
+        self._leaving = False  # stop() without the last pulses
         self._thread = threading.Thread(target=self._run, name="azcp-pulse", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Send the last pulse; return once the rank before has sent its own (or has been named stopped)."""
+    def stop(self, handshake: bool = True) -> None:
+        """Send the last pulse; return once the rank before has sent its own (or has been named
+        stopped). ``handshake=False``: stop beating at once, waiting for nobody (this rank
+        leaves alone; should the job go on, its watcher names it)."""
+        self._leaving = not handshake
         self._ending.set()
         self._thread.join()
         self.comm.Free()
@@ -93,6 +97,11 @@ class Liveness:
         sends: list[Any] = []
         while True:
             now = self.clock()
+            if self._leaving:
+                if not pulse.heard_end:
+                    receive.Cancel()
+                    receive.Wait()
+                return  # sends of beats complete locally (eager); nobody waits on them
             if self._ending.is_set() and pulse.ending_since is None:
                 sends.append(self._send(last=True))
                 pulse.ending(now)
@@ -107,12 +116,9 @@ class Liveness:
             if pulse.finished() and not sends:
                 return
             if pulse.stopped(now):
-                silent = pulse.silent_for(now)
                 why = (
-                    f"sent nothing for {silent:.0f} s (stopped, frozen or cut off: --peer-timeout "
-                    f"{pulse.timeout:g}); the job is ended"
-                    if silent >= pulse.timeout
-                    else f"did not end with the others within --peer-timeout {pulse.timeout:g} s; the job is ended"
+                    f"sent nothing for {pulse.silent_for(now):.0f} s (stopped, frozen or cut off: "
+                    f"--peer-timeout {pulse.timeout:g}); the job is ended"
                 )
                 if not pulse.heard_end:  # nothing is left posted (where on_stopped does not end the process)
                     receive.Cancel()
