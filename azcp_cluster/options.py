@@ -141,8 +141,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--block-size", "block_size", GROUPS[1], "size",
            f"bytes per ranged GET, {_range(MIN_BLOCK_SIZE, MAX_BLOCK_SIZE)} (default 16MiB)", "SIZE"),
     Option("--shard-size", "shard_size", GROUPS[1], "size",
-           f"files larger than SIZE are split into ranges fetched by several ranks; at least "
-           f"{_units(MIN_SHARD_SIZE)} (default 1GiB)", "SIZE"),
+           f"files larger than SIZE are split into ranges fetched by several ranks (finer, down to "
+           f"8MiB, where that shares the download out more evenly); at least {_units(MIN_SHARD_SIZE)} "
+           "(default 1GiB)", "SIZE"),
     Option("--max-bandwidth", "max_bandwidth", GROUPS[1], "rate",
            "cap the cluster's download, split over the downloading ranks: 25Gbps, 800Mb/s (bits), 3GiB/s "
            "(bytes) or bytes per second; keeps a job under a storage account's egress limit instead of "

@@ -11,7 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.core.plan import SHARD_ALIGN, Plan, Shard, make_plan, plan_transfers, round_up, split_ranges
+from azcp_cluster.core.plan import (
+    BALANCED_MIN_SHARD,
+    SHARD_ALIGN,
+    Plan,
+    Shard,
+    balanced_shard_size,
+    make_plan,
+    plan_transfers,
+    round_up,
+    split_ranges,
+)
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -410,3 +420,58 @@ def test_a_plan_is_immutable_and_equal_by_value() -> None:
     assert "3 shards" in repr(plan)
     with pytest.raises(TypeError):
         hash(plan)
+
+
+MIB = 1024 * 1024
+
+
+def test_a_few_files_over_more_downloaders_are_cut_finer_so_every_downloader_gets_a_share() -> None:
+    # The cluster benchmark's checkpoint: four 32 MiB files over eight downloaders. At 1 GiB
+    # shards four download 32 MiB each and four nothing; 8 MiB shards give each two.
+    sizes = [32 * MIB] * 4
+    coarse = make_plan(sizes, range(4), 8, 1 << 30)
+    assert sorted(coarse.loads()) == [0] * 4 + [32 * MIB] * 4
+    plan = plan_transfers(sizes, [[] for _ in sizes], 8, 1 << 30)
+    assert plan.loads() == [16 * MIB] * 8
+    assert {s.length for s in plan.shards} == {BALANCED_MIN_SHARD}
+
+
+def test_a_balanced_plan_is_left_as_it_is() -> None:
+    # Many files, each small against a share: LPT already ends within an eighth of the mean.
+    sizes = [3 * MIB + 17 * i for i in range(400)]
+    holders: list[list[int]] = [[] for _ in sizes]
+    assert plan_transfers(sizes, holders, 8, 1 << 30) == make_plan(sizes, range(400), 8, 1 << 30)
+    # One downloader: nothing to share.
+    assert plan_transfers([64 * MIB], [[]], 4, 1 << 30, owners=[2]) == make_plan([64 * MIB], [0], 4, 1 << 30, [2])
+
+
+def test_finer_shards_never_go_under_the_floor_nor_over_the_option() -> None:
+    # Two 12 MiB files over 8: the floor (8 MiB) leaves four pieces, still better than two.
+    plan = plan_transfers([12 * MIB, 12 * MIB], [[], []], 8, 1 << 30)
+    assert min(s.length for s in plan.shards) >= 4 * MIB and max(plan.loads()) == 6 * MIB
+    assert balanced_shard_size(make_plan([12 * MIB] * 2, [0, 1], 8, 1 << 30), 8, 1 << 30) == BALANCED_MIN_SHARD
+    # A --shard-size already as fine: kept.
+    assert balanced_shard_size(make_plan([12 * MIB] * 2, [0, 1], 8, 4 * MIB), 8, 4 * MIB) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(min_value=0, max_value=200 * MIB), min_size=1, max_size=12),
+    nranks=st.integers(min_value=1, max_value=16),
+    shard_mib=st.sampled_from([1, 16, 1024]),
+)
+def test_a_balanced_plan_covers_every_byte_once_and_its_largest_share_is_never_larger(
+    sizes: list[int], nranks: int, shard_mib: int
+) -> None:
+    holders: list[list[int]] = [[] for _ in sizes]
+    plan = plan_transfers(sizes, holders, nranks, shard_mib * MIB)
+    plain = make_plan(sizes, range(len(sizes)), nranks, shard_mib * MIB)
+    assert max(plan.loads()) <= max(plain.loads())
+    covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for shard in plan.shards:
+        assert shard.offset % SHARD_ALIGN == 0
+        covered[shard.file].append((shard.offset, shard.length))
+    for index, size in enumerate(sizes):
+        spans = sorted(covered.get(index, []))
+        assert sum(length for _, length in spans) == size
+        assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(spans))

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.core.packing import MAX_EXTENTS, transfer_schedule
+from azcp_cluster.core.packing import MAX_EXTENTS, halves, transfer_schedule
 from azcp_cluster.core.plan import Plan, Shard, make_plan
 from azcp_cluster.core.schedule import (
     ALIGN,
@@ -98,7 +98,7 @@ def test_receivers_subset_is_a_point_to_point_transfer() -> None:
 
 
 @st.composite
-def schedules(draw: st.DrawFn) -> tuple[Plan, list[int], int, int, list[int], bool, bool]:
+def schedules(draw: st.DrawFn) -> tuple[Plan, list[int], int, int, list[int], bool, bool, int | None]:
     """A plan over random files (many small, some large), a slot size, a leader map, receivers."""
     small = st.integers(0, 3 * DIRECT_MIN)
     sizes = draw(st.lists(st.one_of(st.just(0), small, st.integers(1, 1 << 22)), max_size=40))
@@ -108,7 +108,8 @@ def schedules(draw: st.DrawFn) -> tuple[Plan, list[int], int, int, list[int], bo
     slot = max(draw(st.integers(1, 1 << 21)), sum(sizes) // 1500 + 1)
     groups = draw(st.integers(1, nranks))
     root_of = [r % groups for r in range(nranks)]
-    return plan, sizes, slot, groups, root_of, draw(st.booleans()), draw(st.booleans())
+    tapered = draw(st.one_of(st.none(), st.integers(1, 1 << 20)))
+    return plan, sizes, slot, groups, root_of, draw(st.booleans()), draw(st.booleans()), tapered
 
 
 def _subset(file: int, root: int, groups: int) -> tuple[int, ...]:
@@ -117,10 +118,12 @@ def _subset(file: int, root: int, groups: int) -> tuple[int, ...]:
 
 @given(schedules())
 @settings(max_examples=300, deadline=None)
-def test_schedule_properties(args: tuple[Plan, list[int], int, int, list[int], bool, bool]) -> None:
-    plan, sizes, slot, groups, root_of, pack, subset = args
+def test_schedule_properties(args: tuple[Plan, list[int], int, int, list[int], bool, bool, int | None]) -> None:
+    plan, sizes, slot, groups, root_of, pack, subset, tapered = args
     receivers_of = (lambda f, r: _subset(f, r, groups)) if subset else None
-    schedule = transfer_schedule(plan, slot, groups, root_of=root_of, receivers_of=receivers_of, pack=pack)
+    schedule = transfer_schedule(
+        plan, slot, groups, root_of=root_of, receivers_of=receivers_of, pack=pack, tapered=tapered
+    )
     transfers = list(schedule)  # each Transfer made once (the schedule makes them as read)
     assert [t.seq for t in transfers] == list(range(len(schedule)))
     covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
@@ -187,6 +190,37 @@ def test_schedule_properties(args: tuple[Plan, list[int], int, int, list[int], b
             assert single <= streamed_files(schedule, rank, sizes)
 
 
+def test_halves_cut_what_is_left_in_two_down_to_the_smallest() -> None:
+    assert halves(4 << 20, 1 << 20) == [2 << 20, 1 << 20, 1 << 20]
+    assert halves(3 << 20, 1 << 20) == [1 << 20, 1 << 20, 1 << 20]
+    assert halves(1 << 20, 1 << 20) == [1 << 20]
+    assert halves((1 << 20) + 5, 1 << 20) == [(1 << 20) + 5]  # half is under the smallest: kept whole
+    assert halves(10, 1) == [5, 2, 1, 1, 1]
+
+
+@given(st.integers(1, 1 << 30), st.integers(1, 1 << 22))
+def test_halves_tile_the_length_in_multiples_of_the_smallest_with_a_short_last(length: int, smallest: int) -> None:
+    cut = halves(length, smallest)
+    assert sum(cut) == length and all(c > 0 for c in cut)
+    assert all(c % smallest == 0 for c in cut[:-1])
+    assert all(a >= b for a, b in itertools.pairwise(cut[:-1]))  # shrinking, then the rest
+    if len(cut) > 1:
+        assert cut[-1] <= 2 * smallest
+
+
+def test_a_tapered_schedule_sends_each_roots_last_piece_in_halves_each_its_own_transfer() -> None:
+    # Two roots, 16 MiB each, 4 MiB slots: each root's last 4 MiB go as 2, 1 and 1 MiB.
+    MiB = 1 << 20
+    plan = make_plan([16 * MiB, 16 * MiB], [0, 1], 2, 16 * MiB)
+    plain = transfer_schedule(plan, 4 * MiB, 2)
+    schedule = transfer_schedule(plan, 4 * MiB, 2, tapered=MiB)
+    assert [t.length for t in plain] == [4 * MiB] * 8
+    lengths = {root: [t.length for t in schedule if t.root == root] for root in (0, 1)}
+    assert lengths == {0: [4 * MiB] * 3 + [2 * MiB, MiB, MiB], 1: [4 * MiB] * 3 + [2 * MiB, MiB, MiB]}
+    assert [t.root for t in schedule][-2:] == [0, 1]  # the smallest leave last
+    assert sum(1 for t in schedule for e in t.extents if e.last_of_file) == 2
+
+
 def test_packing_is_tight() -> None:
     """With one root, a transfer closes only when the next piece cannot fit."""
     rng = random.Random(5)
@@ -208,8 +242,8 @@ def test_landing_order_interleaves_roots() -> None:
 
 @st.composite
 def landings(draw: st.DrawFn) -> tuple[list[Transfer], list[tuple[int, int, int]], list[int]]:
-    plan, _, slot, groups, root_of, pack, _ = draw(schedules())
-    schedule = transfer_schedule(plan, slot, groups, root_of=root_of, pack=pack)
+    plan, _, slot, groups, root_of, pack, _, tapered = draw(schedules())
+    schedule = transfer_schedule(plan, slot, groups, root_of=root_of, pack=pack, tapered=tapered)
     block = draw(st.integers(1, 1 << 21))
     blocks = []
     for shard in plan.shards:
@@ -292,11 +326,13 @@ def test_call_slices_cover_the_length(length: int, limit: int) -> None:
 @given(schedules(), st.booleans())
 @settings(max_examples=200, deadline=None)
 def test_columns_answer_as_the_list_does(
-    args: tuple[Plan, list[int], int, int, list[int], bool, bool], subset: bool
+    args: tuple[Plan, list[int], int, int, list[int], bool, bool, int | None], subset: bool
 ) -> None:
-    plan, sizes, slot, groups, root_of, pack, _ = args
+    plan, sizes, slot, groups, root_of, pack, _, tapered = args
     receivers_of = (lambda f, r: _subset(f, r, groups)) if subset else None
-    columns = transfer_schedule(plan, slot, groups, root_of=root_of, receivers_of=receivers_of, pack=pack)
+    columns = transfer_schedule(
+        plan, slot, groups, root_of=root_of, receivers_of=receivers_of, pack=pack, tapered=tapered
+    )
     listed = list(columns)
     assert isinstance(columns, Transfers) and columns == listed and listed == columns
     assert Transfers.of(listed, groups) == listed

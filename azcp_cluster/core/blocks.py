@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from azcp_cluster.core.config import MiB
+from azcp_cluster.core.packing import halves
 from azcp_cluster.core.plan import Plan, Shard
 from azcp_cluster.core.schedule import Landing, Transfer
 
@@ -51,18 +52,13 @@ def blocks_for(shards: Sequence[Shard], block_size: int) -> list[Block]:
 
 def taper(block: Block, smallest: int) -> list[Block]:
     """``block`` cut into halves of what is left (L/2, L/4, …, down to ``smallest``, multiples of
-    it), then the rest: a downloader's last block, so that what lands last, and must still be
-    sent after the download is over, is small (streaming)."""
+    it: :func:`azcp_cluster.core.packing.halves`), then the rest: a downloader's last block, so
+    that what lands last, and must still be sent after the download is over, is small (streaming)."""
     out: list[Block] = []
-    offset, left = block.offset, block.length
-    while left > smallest:
-        piece = (left // 2) // smallest * smallest
-        if piece < smallest:
-            break
-        out.append(Block(block.file, offset, piece))
-        offset += piece
-        left -= piece
-    out.append(Block(block.file, offset, left))
+    offset = block.offset
+    for length in halves(block.length, smallest):
+        out.append(Block(block.file, offset, length))
+        offset += length
     return out
 
 

@@ -178,6 +178,55 @@ def _pieces(
     return _Pieces(np.repeat(file, count), offset, length, np.repeat(root, count), np.repeat(group, count), last)
 
 
+def halves(length: int, smallest: int) -> list[int]:
+    """``length`` cut into halves of what is left (L/2, L/4, …, multiples of ``smallest``) down
+    to ``smallest``, then the rest: what lands last of a streamed share, and must still be sent
+    after the download is over, is small (``core.blocks.taper`` cuts a last block so too)."""
+    out: list[int] = []
+    left = length
+    while left > smallest:
+        piece = (left // 2) // smallest * smallest
+        if piece < smallest:
+            break
+        out.append(piece)
+        left -= piece
+    out.append(left)
+    return out
+
+
+def _taper(p: _Pieces, smallest: int) -> tuple[_Pieces, np.ndarray]:
+    """Each root's last piece cut by :func:`halves`, and which pieces must open a transfer of
+    their own (those cut: packing would put them back together)."""
+    ends = np.flatnonzero(np.append(p.root[1:] != p.root[:-1], True)) if len(p.root) else np.zeros(0, np.int64)
+    cuts = {int(i): cut for i in ends.tolist() if len(cut := halves(int(p.length[i]), smallest)) > 1}
+    if not cuts:
+        return p, np.zeros(len(p.length), dtype=np.bool_)
+    count = np.ones(len(p.length), dtype=np.int64)
+    for i, lengths in cuts.items():
+        count[i] = len(lengths)
+    first = np.cumsum(count) - count  # each old piece's first place among the new
+    offset = np.repeat(p.offset.astype(np.int64), count)
+    length = np.repeat(p.length.astype(np.int64), count)
+    last = np.repeat(p.last, count)
+    own = np.zeros(len(length), dtype=np.bool_)
+    for i, lengths in cuts.items():
+        at = int(first[i])
+        steps = np.cumsum([0, *lengths[:-1]], dtype=np.int64)
+        offset[at : at + len(lengths)] = int(p.offset[i]) + steps
+        length[at : at + len(lengths)] = lengths
+        last[at : at + len(lengths) - 1] = False  # the file's last extent is the last cut, if any
+        own[at : at + len(lengths)] = True
+    pieces = _Pieces(
+        np.repeat(p.file, count),
+        offset,
+        _narrow(length, int(length.max())),
+        np.repeat(p.root, count),
+        np.repeat(p.group, count),
+        last,
+    )
+    return pieces, own
+
+
 def transfer_schedule(
     plan: Plan,
     slot_size: int,
@@ -186,6 +235,7 @@ def transfer_schedule(
     root_of: Sequence[int] | None = None,
     receivers_of: Receivers | None = None,
     pack: bool = True,
+    tapered: int | None = None,
 ) -> Transfers:
     """Cut ``plan`` into transfers of at most ``slot_size`` bytes, packed and ordered (see the module).
 
@@ -195,7 +245,9 @@ def transfer_schedule(
     names the ranks that get a file; by default every rank but the root (a full copy on
     every node). A shard the plan names receivers for (``Plan.receivers``: a range some
     copies kept from a stopped run) goes to those only. ``pack=False`` gives every piece
-    its own transfer.
+    its own transfer. ``tapered`` (a streamed copy): each root's last piece is cut in halves
+    down to that many bytes (:func:`halves`), each its own transfer, so that what leaves
+    after the download is over is small (the last of every root crosses every link then).
 
     Column-wise: the pieces, their roots and receivers are numpy columns; one loop of plain
     integers packs the pieces that may share a slot (:func:`_pack`); the schedule stays
@@ -213,13 +265,18 @@ def transfer_schedule(
     group, tuples = _receivers(plan, file, offset, root, ranks, root_of, receivers_of)
     p = _pieces(file, offset, c.length[kept], root, group, slot_size)
     del file, offset, root, group, kept, roots
+    own = np.zeros(len(p.length), dtype=np.bool_)
+    if tapered is not None:
+        p, own = _taper(p, tapered)
     # Pieces that open a transfer whatever came before: a root's first, new receivers, no
-    # packing, or a piece that cannot share a slot with the one before (that one is at its
-    # slot's offset 0 or later).
+    # packing, a piece that cannot share a slot with the one before (that one is at its
+    # slot's offset 0 or later), or one tapered (and the piece after it).
     forced = np.ones(len(p.length), dtype=np.bool_)
     if pack:
         forced[1:] = (p.root[1:] != p.root[:-1]) | (p.group[1:] != p.group[:-1])
         forced[1:] |= p.length[1:] > slot_size - p.length[:-1]  # (no sum: it could overflow int32)
+        forced |= own
+        forced[1:] |= own[:-1]
     direct = (p.length >= DIRECT_MIN) & ((p.offset & (ALIGN - 1)) == 0)  # aligned in the slot if it can be
     opens, at = _pack(p.length, direct, forced, slot_size)
     del forced, direct

@@ -20,6 +20,13 @@ import numpy as np
 
 # Shard boundaries fall on multiples of this, so O_DIRECT writers never straddle them.
 SHARD_ALIGN = 4096
+# A plan whose largest download share exceeds the mean by more than 1/BALANCE is planned
+# again with shards of 1/BALANCE of the mean share (never under BALANCED_MIN_SHARD, a ranged
+# GET's fair size), and the finer plan is kept when its largest share is smaller: four 32 MiB
+# files over eight downloaders leave four idle at --shard-size 1GiB; 8 MiB shards keep all
+# eight busy, each with two. A ranged GET of a service costs more than nothing, so no finer.
+BALANCE = 8
+BALANCED_MIN_SHARD = 8 * 1024 * 1024
 
 
 class Shard(NamedTuple):
@@ -378,6 +385,36 @@ def make_plan(
     return Plan.of_columns(ShardColumns(file_of, offset_of, length_of, owner, peer), nranks, copy=False)
 
 
+def balanced_shard_size(plan: Plan, owners: int, shard_size: int) -> int | None:
+    """A finer shard size for ``plan`` (made with ``shard_size`` over ``owners`` downloaders),
+    or None: its largest share is within 1/BALANCE of the mean, or finer shards cannot help."""
+    loads = plan.loads()
+    total, largest = sum(loads), max(loads, default=0)
+    if owners < 2 or total == 0 or largest * BALANCE <= (total / owners) * (BALANCE + 1):
+        return None
+    finer = max(BALANCED_MIN_SHARD, int(total / owners / BALANCE) // SHARD_ALIGN * SHARD_ALIGN)
+    return finer if finer < shard_size and finer < int(plan.columns.length.max()) else None
+
+
+def balanced_plan(
+    sizes: Sequence[int],
+    files: Sequence[int] | np.ndarray,
+    nranks: int,
+    shard_size: int,
+    owners: Sequence[int] | None = None,
+    ranges: Sequence[tuple[int, int, int]] = (),
+) -> Plan:
+    """:func:`make_plan`, with shards finer than ``shard_size`` where they share the download
+    out more evenly (:func:`balanced_shard_size`): kept only if its largest share is smaller."""
+    plan = make_plan(sizes, files, nranks, shard_size, owners, ranges)
+    count = len(set(owners)) if owners is not None else nranks
+    finer = balanced_shard_size(plan, count, shard_size)
+    if finer is None:
+        return plan
+    other = make_plan(sizes, files, nranks, finer, owners, ranges)
+    return other if max(other.loads()) < max(plan.loads()) else plan
+
+
 def plan_transfers(
     sizes: Sequence[int],
     holders: Sequence[Sequence[int]],
@@ -408,7 +445,7 @@ def plan_transfers(
     whole[[i for i in partial if 0 <= i < len(holders)]] = False
     azure = np.flatnonzero(~held & whole)
     missing = [(i, off, length) for i, segs in partial.items() for off, length, by in segs if not by]
-    plan = make_plan(sizes, azure, nranks, shard_size, owners, missing)
+    plan = balanced_plan(sizes, azure, nranks, shard_size, owners, missing)
     # Peer pieces as (file, offset, size, owner), split below like the plan's.
     peer: list[tuple[int, int, int, int]] = [
         (i, 0, sizes[i], min(holders[i]))

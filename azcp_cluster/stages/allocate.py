@@ -31,7 +31,7 @@ from azcp_cluster.core.schedule import (
     payload,
 )
 from azcp_cluster.core.topology import workers_for
-from azcp_cluster.core.waves import StreamSizes, stream_sizes
+from azcp_cluster.core.waves import TAPER, StreamSizes, stream_sizes
 from azcp_cluster.dest import journal
 from azcp_cluster.dest.localfs import check_space, fs_error
 from azcp_cluster.dest.localsource import source_file
@@ -89,7 +89,9 @@ def schedule_for(ctx: RunContext, place: Placement, plan: Plan, earlier: Schedul
     else:
         sizes = stream_sizes_for(ctx, place, plan)
         chunk = sizes.chunk if sizes is not None else ctx.cfg.chunk
-        transfers = transfer_schedule(plan, chunk, topo.groups, root_of=topo.group_of)
+        # Streamed: each root's last transfer tapered as its downloaders' last blocks are.
+        tapered = TAPER if sizes is not None else None
+        transfers = transfer_schedule(plan, chunk, topo.groups, root_of=topo.group_of, tapered=tapered)
         receives = files_written(transfers, place.group)
     if earlier is not None:
         receives |= earlier.receives
