@@ -27,6 +27,9 @@ BUFFER_BYTES = 2 * MiB
 # A request holds at most one buffer and takes the next only after handing the full one
 # to the writers, so it never waits for a buffer while holding one.
 SPARE_BUFFERS = 8
+# The most fan-out slots a leader maps for smaller transfers than --bcast-chunk (each slot is
+# a transfer in flight: its requests, its writes, its place in the agreement every 16).
+MAX_SLOTS = 64
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,32 @@ def blocks_for(shards: Sequence[Shard], block_size: int) -> list[Block]:
             blocks.append(Block(shard.file, offset, length))
             offset += length
     return blocks
+
+
+def requests_for(blocks: Sequence[Block], request_bytes: int) -> list[list[Block]]:
+    """``blocks`` (in download order) as ranged GETs: each run of consecutive blocks that follow
+    one another in one file, up to ``request_bytes`` together, is one request.
+
+    A streamed copy cuts its shares into blocks as small as its transfers, so that each lands
+    (and its transfer leaves) as soon as its bytes are on the disk, while its GETs stay as
+    large as ``--block-size`` allows: a service's cost per request is never nothing. Blocks of
+    ``request_bytes`` each (every copy that does not stream) stay one request each.
+    """
+    if request_bytes < 1:
+        raise ValueError("request_bytes must be at least 1")
+    out: list[list[Block]] = []
+    size = 0
+    for block in blocks:
+        if out:
+            last = out[-1][-1]
+            follows = block.file == last.file and block.offset == last.offset + last.length
+            if follows and size + block.length <= request_bytes:
+                out[-1].append(block)
+                size += block.length
+                continue
+        out.append([block])
+        size = block.length
+    return out
 
 
 def taper(block: Block, smallest: int) -> list[Block]:
@@ -137,15 +166,30 @@ def pool_bytes(concurrency: int) -> int:
     return pool_buffers(concurrency) * BUFFER_BYTES
 
 
+def fanout_slots(pipeline: int, chunk: int, slot: int, transfers: int) -> int:
+    """How many slots the fan-out maps: the memory of ``pipeline`` slots of ``chunk`` bytes
+    (``--bcast-pipeline`` x ``--bcast-chunk``, the memory the README states and start-up checks),
+    cut into slots of ``slot`` bytes (the largest transfer), at most MAX_SLOTS and one per
+    transfer. A streamed copy's transfers are small (a share's eighth) so that they leave
+    early; as few slots as configured would leave the fabric idle between them (eight hosts
+    in the box: 4 slots of 2 MiB, 4.8 s; 16, 4.2 s), so it gets more of them in the same memory."""
+    if min(pipeline, chunk, slot, transfers) < 1:
+        raise ValueError("pipeline, chunk, slot and transfers must be at least 1")
+    return max(1, min(transfers, max(pipeline, min(MAX_SLOTS, pipeline * chunk // slot))))
+
+
 __all__ = [
     "BUFFER_BYTES",
+    "MAX_SLOTS",
     "SPARE_BUFFERS",
     "Block",
     "NodeBlocks",
     "blocks_for",
     "deal",
+    "fanout_slots",
     "node_blocks",
     "pool_buffers",
     "pool_buffers_for",
     "pool_bytes",
+    "requests_for",
 ]

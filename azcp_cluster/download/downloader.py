@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import random
 import ssl
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
@@ -29,7 +30,7 @@ from azcp_cluster.azure.credentials import Authorizer
 from azcp_cluster.azure.netfailure import network_cause
 from azcp_cluster.azure.proxies import Proxy, proxy_refused, refusal_message
 from azcp_cluster.azure.tls import ssl_context
-from azcp_cluster.core.blocks import Block
+from azcp_cluster.core.blocks import Block, requests_for
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import DownloadError
 from azcp_cluster.core.model import FileEntry
@@ -42,7 +43,7 @@ from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.download.fetcher import DownloadStats, LandingSink
 from azcp_cluster.download.http1 import ConnectFailed, Connection, TunnelRefused
 from azcp_cluster.download.httpwire import Head, ProtocolError, request_bytes
-from azcp_cluster.download.writepool import WRITER_THREADS, BlockWrites, WritePool
+from azcp_cluster.download.writepool import WRITER_THREADS, BlockWrites, Both, UnitWrites, WritePool
 from azcp_cluster.run import collector
 
 # How often the event loop checks whether another rank failed.
@@ -107,7 +108,8 @@ class Downloader:
         self._active: set[_Watch] = set()
         self._stopping = False  # set when the run ends early: workers take no new block
         self._handing_over = False  # set when ``handover`` said so: workers take no new block
-        self._queue: asyncio.Queue[Block] = asyncio.Queue()  # the blocks no request has taken (run)
+        # The requests no worker has taken (run): each a run of blocks one ranged GET fetches.
+        self._queue: asyncio.Queue[list[Block]] = asyncio.Queue()
         self._workers: list[asyncio.Task[None]] = []  # the request loops, one per request in flight
         # The buffers (the pipeline maps them at allocation, before the stage's clock starts)
         # and the node's writer, both the caller's; without them (a downloader on its own),
@@ -137,9 +139,9 @@ class Downloader:
 
     async def _run(self, blocks: Sequence[Block]) -> None:
         self._writes.bind(asyncio.get_running_loop())
-        queue: asyncio.Queue[Block] = asyncio.Queue()
-        for block in blocks:
-            queue.put_nowait(block)
+        queue: asyncio.Queue[list[Block]] = asyncio.Queue()
+        for request in requests_for(blocks, self.cfg.block_size):
+            queue.put_nowait(request)
         # REQUESTS_CA_BUNDLE / SSL_CERT_FILE name a private CA for the listing and these GETs
         # alike. Loading the CA store takes about 40 ms: not paid where it is not used (http).
         https = self.auth.source.endpoint.lower().startswith("https:")
@@ -147,7 +149,7 @@ class Downloader:
         self._queue = queue
         first = self.cfg.concurrency if self.handover is None else min(PROBE_REQUESTS, self.cfg.concurrency)
         workers = self._workers
-        workers += [asyncio.create_task(self._worker(queue)) for _ in range(min(first, len(blocks)))]
+        workers += [asyncio.create_task(self._worker(queue)) for _ in range(min(first, queue.qsize()))]
         watcher = asyncio.create_task(self._watch_peers())
         try:
             while any(not w.done() for w in workers):
@@ -170,7 +172,7 @@ class Downloader:
                 task.cancel()
             await asyncio.gather(*workers, watcher, return_exceptions=True)
         while not queue.empty():  # handed over: what no request took
-            self.left.append(queue.get_nowait())
+            self.left.extend(queue.get_nowait())
 
     async def _watch_peers(self) -> None:
         """Stop when another rank fails; drop connections whose body sent nothing for read_timeout.
@@ -213,32 +215,34 @@ class Downloader:
         more = min(self.cfg.concurrency - len(self._workers), self._queue.qsize())
         self._workers += [asyncio.create_task(self._worker(self._queue)) for _ in range(max(0, more))]
 
-    async def _worker(self, queue: asyncio.Queue[Block]) -> None:
-        link = _Link()  # this worker's keep-alive connection, reused from block to block
+    async def _worker(self, queue: asyncio.Queue[list[Block]]) -> None:
+        link = _Link()  # this worker's keep-alive connection, reused from request to request
         try:
             while not self._stopping and not self._handing_over:
                 try:
-                    block = queue.get_nowait()
+                    request = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                await self._fetch(link, block)
+                await self._fetch(link, request)
         finally:
             link.drop()
 
-    async def _fetch(self, link: _Link, block: Block) -> None:
-        entry = self.files[block.file]
+    async def _fetch(self, link: _Link, request: list[Block]) -> None:
+        """One ranged GET for ``request`` (consecutive blocks of one file), retried from its
+        first block that has not landed."""
+        entry = self.files[request[0].file]
         attempt = 0
         while True:
+            length = sum(block.length for block in request)
             slot = None
             if self.pacer is not None:
                 # Each attempt books its bytes (a retry is bytes sent again: it pays again);
                 # the request goes when its first piece is due, the rest as it is read.
-                slot = self.pacer.book(block.length)
-                await _pace(self.pacer.delay(slot, min(block.length, self.pacer.piece)))
+                slot = self.pacer.book(length)
+                await _pace(self.pacer.delay(slot, min(length, self.pacer.piece)))
+            landed: list[Block] = []  # its blocks landed in this attempt, in order
             try:
-                await self._get_once(link, block, entry, slot)
-                self.stats.bytes += block.length
-                self.sink.landed(block)
+                await self._get_once(link, request, entry, slot, landed)
                 return
             except _Retryable as exc:
                 cause, retry_after, detail = exc.cause, exc.retry_after, ""
@@ -256,9 +260,13 @@ class Downloader:
                 # Reset connections, TLS failures: retried, on a new connection. The cause is
                 # the class name only (an OSError's text can carry a URL).
                 cause, retry_after, detail = type(exc).__name__, None, network_cause(exc) or ""
+            request = request[len(landed) :]  # what landed stays landed: never twice
+            if not request:
+                return  # (the error came once every block had landed)
+            first, length = request[0], sum(block.length for block in request)
             if attempt >= self.cfg.max_retries:
                 raise DownloadError(
-                    f"giving up after {attempt} retries of bytes {block.offset}-{block.offset + block.length - 1}: "
+                    f"giving up after {attempt} retries of bytes {first.offset}-{first.offset + length - 1}: "
                     f"last cause {cause}" + (f" ({detail})" if detail else ""),
                     path=entry.name,
                 )
@@ -267,10 +275,14 @@ class Downloader:
             await asyncio.sleep(backoff_delay(attempt, retry_after, self.rng))
             attempt += 1
 
-    async def _get_once(self, link: _Link, block: Block, entry: FileEntry, slot: Slot | None = None) -> None:
+    async def _get_once(
+        self, link: _Link, blocks: list[Block], entry: FileEntry, slot: Slot | None, landed: list[Block]
+    ) -> None:
+        start = blocks[0].offset
+        end = blocks[-1].offset + blocks[-1].length
         headers = {
             "x-ms-version": API_VERSION,
-            "Range": f"bytes={block.offset}-{block.offset + block.length - 1}",
+            "Range": f"bytes={start}-{end - 1}",
         }
         if entry.etag:
             headers["If-Match"] = entry.etag
@@ -287,12 +299,12 @@ class Downloader:
             head = await asyncio.wait_for(conn.request(request), self.cfg.read_timeout)
             if head.status not in (200, 206):
                 await self._raise_for_status(head, entry)
-            if head.status == 200 and not (block.offset == 0 and block.length == entry.size):
+            if head.status == 200 and not (start == 0 and end == entry.size):
                 raise DownloadError("server ignored the Range header (HTTP 200 for a ranged GET)", path=entry.name)
             watch = _Watch(conn)
             self._active.add(watch)
             try:
-                await self._stream_body(conn, head, block, entry, slot)
+                await self._stream_body(conn, head, blocks, entry, slot, landed)
             except (OSError, ProtocolError, _Retryable):
                 if watch.stalled:
                     raise _Retryable("timeout") from None
@@ -371,54 +383,99 @@ class Downloader:
         return head.status != 404
 
     async def _stream_body(
-        self, conn: Connection, head: Head, block: Block, entry: FileEntry, slot: Slot | None = None
+        self,
+        conn: Connection,
+        head: Head,
+        request: list[Block],
+        entry: FileEntry,
+        slot: Slot | None,
+        landed: list[Block],
     ) -> None:
-        length = head.content_length
-        if length != block.length:
+        """Receive the body of ``request`` into the pool's buffers and hand each to the writers;
+        each of its blocks lands (:meth:`_land`, into ``landed``) as soon as its own bytes are
+        written, in order, while the body goes on."""
+        start, length = request[0].offset, sum(block.length for block in request)
+        if head.content_length != length:
             raise _Retryable("wrong length")
         path = self.tree.temp_shown(entry.path)
         writes, writer = self._writes, self._writer
-        target = writer.open(block.file)
+        target = writer.open(request[0].file)
+        loop = asyncio.get_running_loop()
         # The body is received straight into page-aligned buffers from the pool (no copy in
         # Python), and each full buffer goes to the writer threads, which write it with
-        # O_DIRECT and put it back in the pool.
-        tracker = BlockWrites(asyncio.get_running_loop(), target)
+        # O_DIRECT and put it back in the pool. A buffer never spans two blocks.
+        tracker = BlockWrites(loop, target)  # every write of the request: closes the file
         pacer = self.pacer if slot is not None else None
         # Under a cap, a buffer is read a piece (the pacer's burst) at a time, each once due.
         piece = pacer.piece if pacer is not None else writes.size
         buf: np.ndarray | None = None
+        landing: asyncio.Future[None] | None = None  # the last block's landing: each waits for the one before
+        lands: list[asyncio.Future[None]] = []
         try:
-            left, offset = block.length, block.offset
-            while left:
-                buf = await writes.take()
-                view = memoryview(buf)  # type: ignore[arg-type]
-                want = min(writes.size, left)
-                got = 0
-                while got < want:
-                    end = min(want, got + piece)
-                    if pacer is not None:
-                        assert slot is not None
-                        await _pace(pacer.delay(slot, offset - block.offset + end))
-                    try:
-                        got += await conn.read_into(view[got:end])
-                    except OSError:
-                        raise _Retryable("truncated body") from None
-                writes.submit(writer, target, buf, want, offset, tracker)
-                self.received += want
-                buf = None
-                offset += want
-                left -= want
-        finally:
+            for block in request:
+                unit = UnitWrites(loop)
+                left, offset = block.length, block.offset
+                while left:
+                    buf = await writes.take()
+                    view = memoryview(buf)  # type: ignore[arg-type]
+                    want = min(writes.size, left)
+                    got = 0
+                    while got < want:
+                        end = min(want, got + piece)
+                        if pacer is not None:
+                            assert slot is not None
+                            await _pace(pacer.delay(slot, offset - start + end))
+                        try:
+                            got += await conn.read_into(view[got:end])
+                        except OSError:
+                            raise _Retryable("truncated body") from None
+                    writes.submit(writer, target, buf, want, offset, Both(tracker, unit))
+                    self.received += want
+                    buf = None
+                    offset += want
+                    left -= want
+                unit.submitted()
+                landing = asyncio.ensure_future(self._land(block, unit, landing, landed, path))
+                lands.append(landing)
+        except BaseException:
             if buf is not None:
                 writes.give_back(buf)
-            await tracker.wait()  # closes the file
-            if target.refused:
+            if isinstance(sys.exc_info()[1], asyncio.CancelledError):
+                for task in lands:
+                    task.cancel()
+            raise
+        finally:
+            # The blocks read whole land (or fail) before the request ends: a retry starts
+            # after the last that landed; the file is closed once every write is done.
+            outcomes = await asyncio.gather(*lands, return_exceptions=True)
+            await tracker.wait()
+            if tracker.target.refused:
                 self.stats.direct_refused = path
-        if isinstance(tracker.error, OSError):
-            raise fs_error(tracker.error, path, "write")
-        if tracker.error is not None:
-            raise tracker.error
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    async def _land(
+        self,
+        block: Block,
+        unit: UnitWrites,
+        before: asyncio.Future[None] | None,
+        landed: list[Block],
+        path: str,
+    ) -> None:
+        """``block`` lands once its writes are done and the block before it (``before``) has
+        landed: progress, journal, streaming notice (the landing sink)."""
+        if before is not None:
+            await before
+        await unit.done
+        if isinstance(unit.error, OSError):
+            raise fs_error(unit.error, path, "write")
+        if unit.error is not None:
+            raise unit.error
+        landed.append(block)
+        self.stats.bytes += block.length
         self.sink.add_bytes(block.length)
+        self.sink.landed(block)
 
 
 async def _pace(seconds: float) -> None:

@@ -87,6 +87,62 @@ class BlockWrites:
         self.target.close()
 
 
+class UnitWrites:
+    """Completion of the writes of one block among several that one request fetches (the
+    request's :class:`BlockWrites` closes the file; this one only tells when the block's bytes
+    are all written, so that it lands before the request ends)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.outstanding = 0
+        self.closed = False  # every write of the block submitted
+        self.error: BaseException | None = None
+        self.done: asyncio.Future[None] = loop.create_future()
+
+    def started(self) -> None:
+        with self.lock:
+            self.outstanding += 1
+
+    def finished(self, error: BaseException | None) -> None:
+        with self.lock:
+            self.outstanding -= 1
+            if error is not None and self.error is None:
+                self.error = error
+            wake = self.closed and self.outstanding == 0
+        if wake:
+            with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
+                self.loop.call_soon_threadsafe(self._resolve)
+
+    def _resolve(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def submitted(self) -> None:
+        """Every write of the block is submitted: :attr:`done` resolves once they are written."""
+        with self.lock:
+            self.closed = True
+            wake = self.outstanding == 0
+        if wake:
+            self._resolve()
+
+
+class Both:
+    """A write counted by two trackers: its request's (the file) and its block's."""
+
+    def __init__(self, request: BlockWrites, block: UnitWrites) -> None:
+        self.request = request
+        self.block = block
+
+    def started(self) -> None:
+        self.request.started()
+        self.block.started()
+
+    def finished(self, error: BaseException | None) -> None:
+        self.block.finished(error)
+        self.request.finished(error)
+
+
 class WritePool:
     """The pool of aligned buffers the node's writer writes and gives back.
 
@@ -157,7 +213,13 @@ class WritePool:
                 waiter.set_result(None)
 
     def submit(
-        self, writer: NodeWriter, target: DirectFile, buf: np.ndarray, length: int, offset: int, tracker: BlockWrites
+        self,
+        writer: NodeWriter,
+        target: DirectFile,
+        buf: np.ndarray,
+        length: int,
+        offset: int,
+        tracker: BlockWrites | Both,
     ) -> None:
         """Queue ``buf[:length]`` on ``writer`` for writing at ``offset``; ``buf`` comes back to the
         pool once written."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from azcp_cluster.core.blocks import blocks_for, pool_buffers_for, pool_bytes
+from azcp_cluster.core.blocks import blocks_for, fanout_slots, pool_buffers_for, pool_bytes
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import InternalError
 from azcp_cluster.core.model import Listing
@@ -309,6 +309,7 @@ def make_broadcaster(
     if ctx.fanout is None:
         raise InternalError("the fan-out's transport was not chosen before its stage (choose_fanout)")
     threads, name = cfg.bcast_writers, "azcp-bcast-writer"
+    slot = max_length(transfers)
     shared = cfg.overlap and ctx.write_pool is not None
     if shared:
         # Streaming, and this leader downloads in its own process: its download writes
@@ -330,9 +331,10 @@ def make_broadcaster(
         transport_for(MpiTransport(ctx.node_comm), ctx.fanout),
         listed.listing.files,
         ctx.dest_tree(),
-        max_length(transfers),  # no slot larger than the largest transfer
+        slot,  # no slot larger than the largest transfer
         ctx.fanout_writer,
-        pipeline=min(cfg.bcast_pipeline, len(transfers)),
+        pipeline=fanout_slots(cfg.bcast_pipeline, cfg.chunk, slot, len(transfers)),  # in the same memory
+        populated=cfg.bcast_pipeline,
         writers=cfg.bcast_writers,
         direct=cfg.bcast_direct,
         have=list(diff.have),
