@@ -23,6 +23,7 @@ from azcp_cluster.core.chain import (
     FILL_SHARE,
     MAX_PIECE,
     MIN_PIECE,
+    PROBE_BYTES,
     PROBE_MIN_PAYLOAD,
     TAG_BASE,
     Probe,
@@ -381,7 +382,7 @@ def test_under_mpiexec_auto_probes_the_fabric_and_reports_what_it_measured(tmp_p
     fanout = result.json["fanout"]
     assert fanout["reason"].startswith("auto: ") and fanout["method"] in ("chain", "ibcast")
     probe = fanout["probe"]
-    assert probe["bytes"] == 4 * MiB and probe["ibcast_s"] > 0 and probe["chain_s"] > 0
+    assert probe["bytes"] == PROBE_BYTES and probe["ibcast_s"] > 0 and probe["chain_s"] > 0
     faster = "ibcast" if probe["ibcast_s"] * 1.1 < probe["chain_s"] else "chain"
     assert fanout["method"] == faster
 
