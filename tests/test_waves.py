@@ -49,9 +49,9 @@ def test_a_large_share_is_cut_as_without_streaming() -> None:
 
 def test_the_box_share_that_streamed_no_faster_than_two_phases() -> None:
     """Issue 24's case: 32 MiB per host (128 MiB over 4 hosts), two 16 MiB blocks in flight at
-    once, both landing at the end. Now four 8 MiB blocks one after the other, 4 MiB transfers."""
+    once, both landing at the end. Now four 8 MiB blocks one after the other, 2 MiB transfers."""
     sizes = stream_sizes(32 * MiB, 16 * MiB, 16 * MiB, 64)
-    assert (sizes.chunk, sizes.block, sizes.in_flight) == (4 * MiB, 8 * MiB, 1)
+    assert (sizes.chunk, sizes.block, sizes.in_flight) == (2 * MiB, 8 * MiB, 1)
 
 
 @pytest.mark.parametrize("bad", [(1, 0, 1, 1), (1, 1, 0, 1), (1, 1, 1, 0)])
