@@ -12,6 +12,7 @@ import itertools
 import threading
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -245,9 +246,9 @@ class RecordedChain(ChainTransport):
         super().__init__(hub.transport(rank), PIECE)
         self.said: list[bool] = []
 
-    def agree(self, failed: bool) -> bool:
+    def agree(self, failed: bool, between: Callable[[], None] | None = None) -> bool:
         self.said.append(failed)
-        return super().agree(failed)
+        return super().agree(failed, between)
 
 
 @pytest.mark.parametrize("local", [True, False], ids=["local-source", "downloaded"])

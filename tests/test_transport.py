@@ -16,6 +16,7 @@ import base64
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from azcp_cluster.dest.localsource import local_etag
 from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.fanout.broadcast import Broadcaster
+from azcp_cluster.fanout.chain import ChainTransport
 from azcp_cluster.fanout.events import BroadcastStats
 from azcp_cluster.fanout.readahead import ReadAhead
 from azcp_cluster.fanout.transport import LoopbackError, LoopbackHub, LoopbackTransport, Request, Transport
@@ -114,9 +116,9 @@ class Recorded(LoopbackTransport):
         super().__init__(hub, rank)
         self.said: list[bool] = []
 
-    def agree(self, failed: bool) -> bool:
+    def agree(self, failed: bool, between: Callable[[], None] | None = None) -> bool:
         self.said.append(failed)
-        return super().agree(failed)
+        return super().agree(failed, between)
 
 
 class Counting(Broadcaster):
@@ -290,6 +292,30 @@ def test_an_agreement_is_the_or_of_every_rank() -> None:
     assert answers == [True, True, True]
 
 
+@pytest.mark.parametrize("chained", [False, True], ids=["loopback", "chain"])
+def test_a_rank_waiting_in_an_agreement_runs_between_until_the_last_joins(chained: bool) -> None:
+    # What a rank does meanwhile (Broadcaster: tell the others of a signal at once) runs while
+    # it waits, not once the last rank has joined.
+    hub = LoopbackHub(2, timeout=5)
+    calls: list[float] = []
+    answers: list[bool] = [False, False]
+
+    def transport(rank: int) -> Transport:
+        return ChainTransport(hub.transport(rank), 1024) if chained else hub.transport(rank)
+
+    def first() -> None:
+        answers[0] = transport(0).agree(False, lambda: calls.append(time.monotonic()))
+
+    waiter = threading.Thread(target=first)
+    waiter.start()
+    time.sleep(0.3)
+    joined = time.monotonic()
+    answers[1] = transport(1).agree(True)
+    waiter.join(10)
+    assert answers == [True, True]
+    assert calls and calls[0] < joined and len(calls) > 10
+
+
 def test_mismatched_calls_a_lost_rank_and_a_wait_too_long_raise_instead_of_hanging() -> None:
     hub = LoopbackHub(2, timeout=0.2)
     zero, one = hub.transport(0), hub.transport(1)
@@ -420,9 +446,9 @@ class Flaky:
     def wait(self, request: Request) -> None:
         self.inner.wait(request)
 
-    def agree(self, failed: bool) -> bool:
+    def agree(self, failed: bool, between: Callable[[], None] | None = None) -> bool:
         self._count()
-        return self.inner.agree(failed)
+        return self.inner.agree(failed, between)
 
 
 @pytest.mark.parametrize("calls", [1, 2, 5])

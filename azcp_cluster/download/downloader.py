@@ -41,7 +41,7 @@ from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import fs_error
 from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.download.fetcher import DownloadStats, LandingSink
-from azcp_cluster.download.http1 import ConnectFailed, Connection, TunnelRefused
+from azcp_cluster.download.http1 import BodyWatch, ConnectFailed, Connection, Link, TunnelRefused
 from azcp_cluster.download.httpwire import Head, ProtocolError, request_bytes
 from azcp_cluster.download.writepool import WRITER_THREADS, BlockWrites, Both, UnitWrites, WritePool
 from azcp_cluster.run import collector
@@ -105,7 +105,7 @@ class Downloader:
         self.sink = sink if sink is not None else LandingSink()
         self.rng = rng or random.Random()
         self.stats = DownloadStats()
-        self._active: set[_Watch] = set()
+        self._active: set[BodyWatch] = set()
         self._stopping = False  # set when the run ends early: workers take no new block
         self._handing_over = False  # set when ``handover`` said so: workers take no new block
         # The requests no worker has taken (run): each a run of blocks one ranged GET fetches.
@@ -216,7 +216,7 @@ class Downloader:
         self._workers += [asyncio.create_task(self._worker(self._queue)) for _ in range(max(0, more))]
 
     async def _worker(self, queue: asyncio.Queue[list[Block]]) -> None:
-        link = _Link()  # this worker's keep-alive connection, reused from request to request
+        link = Link()  # this worker's keep-alive connection, reused from request to request
         try:
             while not self._stopping and not self._handing_over:
                 try:
@@ -227,7 +227,7 @@ class Downloader:
         finally:
             link.drop()
 
-    async def _fetch(self, link: _Link, request: list[Block]) -> None:
+    async def _fetch(self, link: Link, request: list[Block]) -> None:
         """One ranged GET for ``request`` (consecutive blocks of one file), retried from its
         first block that has not landed."""
         entry = self.files[request[0].file]
@@ -276,7 +276,7 @@ class Downloader:
             attempt += 1
 
     async def _get_once(
-        self, link: _Link, blocks: list[Block], entry: FileEntry, slot: Slot | None, landed: list[Block]
+        self, link: Link, blocks: list[Block], entry: FileEntry, slot: Slot | None, landed: list[Block]
     ) -> None:
         start = blocks[0].offset
         end = blocks[-1].offset + blocks[-1].length
@@ -301,7 +301,7 @@ class Downloader:
                 await self._raise_for_status(head, entry)
             if head.status == 200 and not (start == 0 and end == entry.size):
                 raise DownloadError("server ignored the Range header (HTTP 200 for a ranged GET)", path=entry.name)
-            watch = _Watch(conn)
+            watch = BodyWatch(conn)
             self._active.add(watch)
             try:
                 await self._stream_body(conn, head, blocks, entry, slot, landed)
@@ -482,30 +482,3 @@ async def _pace(seconds: float) -> None:
     """Wait ``seconds`` for the pacer (no event-loop turn when nothing is owed)."""
     if seconds > 0:
         await asyncio.sleep(seconds)
-
-
-class _Link:
-    """A worker's connection, kept open between its requests while the server allows."""
-
-    __slots__ = ("conn",)
-
-    def __init__(self) -> None:
-        self.conn: Connection | None = None
-
-    def drop(self) -> None:
-        """Close the connection, if any; the next request opens a new one."""
-        if self.conn is not None:
-            self.conn.abort()
-            self.conn = None
-
-
-class _Watch:
-    """Progress of one response body, for the stall watchdog."""
-
-    __slots__ = ("conn", "idle", "seen", "stalled")
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.seen = conn.received
-        self.idle = 0.0
-        self.stalled = False

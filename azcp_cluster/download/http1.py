@@ -442,3 +442,30 @@ async def _tunnel(loop: asyncio.AbstractEventLoop, sock: socket.socket, host: st
         raise TunnelRefused(reply.status, reply.reason, proxy.shown, f"{host}:{port}")
     if end + len(HEAD_END) != len(head):
         raise ProtocolError(f"proxy {proxy.shown}: bytes after the CONNECT response")
+
+
+class Link:
+    """A download worker's connection, kept open between its requests while the server allows."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self) -> None:
+        self.conn: Connection | None = None
+
+    def drop(self) -> None:
+        """Close the connection, if any; the next request opens a new one."""
+        if self.conn is not None:
+            self.conn.abort()
+            self.conn = None
+
+
+class BodyWatch:
+    """Progress of one response body, for the stall watchdog."""
+
+    __slots__ = ("conn", "idle", "seen", "stalled")
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.seen = conn.received
+        self.idle = 0.0
+        self.stalled = False

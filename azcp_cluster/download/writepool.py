@@ -31,16 +31,20 @@ from azcp_cluster.dest.nodewriter import NodeWriter
 WRITER_THREADS = 4
 
 
-class BlockWrites:
-    """Completion of one block's writes into ``target``, signalled from the writer threads."""
+class UnitWrites:
+    """Completion of a run of writes, signalled from the writer threads: :attr:`done` resolves
+    once every write is finished after :meth:`submitted` (no more will come).
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, target: DirectFile) -> None:
+    On its own, one block among several that one request fetches: it tells when the block's
+    bytes are all written, so that it lands before the request ends. The request's writes are
+    a :class:`BlockWrites`, which also closes the file.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.target = target
         self.lock = threading.Lock()
         self.outstanding = 0
-        self.closed = False
-        self.abandoned = False  # the request stopped waiting: the last write closes the file
+        self.closed = False  # every write submitted
         self.error: BaseException | None = None
         self.done: asyncio.Future[None] = loop.create_future()
 
@@ -54,28 +58,56 @@ class BlockWrites:
             if error is not None and self.error is None:
                 self.error = error
             wake = self.closed and self.outstanding == 0
-            close = self.abandoned and self.outstanding == 0
+            close = self._abandoned_last()
         if close:
-            self.target.close()
+            self._close()
         elif wake:
             with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
                 self.loop.call_soon_threadsafe(self._resolve)
+
+    def _abandoned_last(self) -> bool:
+        """Under the lock: whether this write was the last one of an abandoned wait (a file to close)."""
+        return False
+
+    def _close(self) -> None:
+        """What the last write of an abandoned wait does (nothing here)."""
 
     def _resolve(self) -> None:
         if not self.done.done():
             self.done.set_result(None)
 
+    def submitted(self) -> bool:
+        """Every write is submitted; whether some are still in flight (:attr:`done` resolves when they end)."""
+        with self.lock:
+            self.closed = True
+            pending = self.outstanding > 0
+        if not pending:
+            self._resolve()
+        return pending
+
+
+class BlockWrites(UnitWrites):
+    """Completion of one request's writes into ``target``, which :meth:`wait` closes."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, target: DirectFile) -> None:
+        super().__init__(loop)
+        self.target = target
+        self.abandoned = False  # the request stopped waiting: the last write closes the file
+
+    def _abandoned_last(self) -> bool:
+        return self.abandoned and self.outstanding == 0
+
+    def _close(self) -> None:
+        self.target.close()
+
     async def wait(self) -> None:
-        """Wait until every write submitted for the block has finished, then close the file.
+        """Wait until every write submitted for the request has finished, then close the file.
 
         Cancelled while writes are in flight, it leaves the file to the last of them: closing
         it now would pull the descriptor from under a writer thread.
         """
-        with self.lock:
-            self.closed = True
-            pending = self.outstanding > 0
         try:
-            if pending:
+            if self.submitted():
                 await self.done
         except BaseException:
             with self.lock:
@@ -85,46 +117,6 @@ class BlockWrites:
                 self.target.close()
             raise
         self.target.close()
-
-
-class UnitWrites:
-    """Completion of the writes of one block among several that one request fetches (the
-    request's :class:`BlockWrites` closes the file; this one only tells when the block's bytes
-    are all written, so that it lands before the request ends)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.lock = threading.Lock()
-        self.outstanding = 0
-        self.closed = False  # every write of the block submitted
-        self.error: BaseException | None = None
-        self.done: asyncio.Future[None] = loop.create_future()
-
-    def started(self) -> None:
-        with self.lock:
-            self.outstanding += 1
-
-    def finished(self, error: BaseException | None) -> None:
-        with self.lock:
-            self.outstanding -= 1
-            if error is not None and self.error is None:
-                self.error = error
-            wake = self.closed and self.outstanding == 0
-        if wake:
-            with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
-                self.loop.call_soon_threadsafe(self._resolve)
-
-    def _resolve(self) -> None:
-        if not self.done.done():
-            self.done.set_result(None)
-
-    def submitted(self) -> None:
-        """Every write of the block is submitted: :attr:`done` resolves once they are written."""
-        with self.lock:
-            self.closed = True
-            wake = self.outstanding == 0
-        if wake:
-            self._resolve()
 
 
 class Both:

@@ -13,9 +13,8 @@ other ranks, made on this (the main) thread only, through a
 :class:`azcp_cluster.fanout.transport.Transport` (MPI's between the node leaders; threads of
 one process in tests).
 
-The driver is a dispatcher: what happens (a thread's read or write done, a transfer
-complete, an agreement's answer, bytes landed, a failure) becomes a typed event, each event
-one call of the machine, and the driver carries out the instructions it answers with.
+The driver is a dispatcher: what happens (a read or write done, a transfer complete, an
+agreement's answer, bytes landed, a failure) becomes a typed event, one call of the machine.
 
 Errors never leave a rank behind in a collective: a rank that fails keeps taking part
 (without touching the disk) until the next agreement, where all ranks stop together; an
@@ -152,11 +151,7 @@ class Broadcaster:
         self.stop_requested = stop_requested
         self._announced = False  # the stage's hooks were told this rank failed (StageHooks.announce)
         self.stats = BroadcastStats()
-        # The first ``populated`` slots are mapped now (the stage measures the transfer, not
-        # page faults); the rest, the smaller slots of a streamed copy beyond --bcast-pipeline
-        # (blocks.fanout_slots), at first use: they come into use while the download is on,
-        # where faulting them in costs nothing, and mapped up front they cost the allocate
-        # stage 0.2 s on four hosts in the box.
+        # The first ``populated`` slots mapped now, the rest at first use (allocate.POPULATED_SLOTS).
         self.slots = [_Slot(slot_size, populate=i < populated) for i in range(pipeline)]
         self.writer_count = writers  # writer jobs one transfer's extents are spread over
         # The node's writer (shared with the download when both run at once; its maker closes
@@ -346,7 +341,10 @@ class Broadcaster:
         elif isinstance(step, Agree):
             # As the rank stands now: a failure since the machine asked (an instruction of
             # the same batch carried out before this one) is not hidden from the others.
-            return [Agreed(self.transport.agree(step.failed or run.machine.failing))]
+            # A signal meanwhile goes to the others at once (a streaming root then stops its
+            # download before it joins); the machine hears of it after the agreement.
+            failed = step.failed or run.machine.failing
+            return [Agreed(self.transport.agree(failed, lambda: self._announce_stop(run)))]
         elif isinstance(step, Drain):
             while run.inflight:
                 self.transport.wait(run.inflight.popleft().request)
@@ -427,6 +425,13 @@ class Broadcaster:
             with contextlib.suppress(Exception):  # the agreement still tells the others
                 run.hooks.announce()
         return out
+
+    def _announce_stop(self, run: _Run) -> None:
+        """Tell the other ranks now (the failure signal) if this rank was asked to stop (a signal)."""
+        if not self._announced and self.stop_requested() is not None:
+            self._announced = True
+            with contextlib.suppress(Exception):  # the agreement after it still tells the others
+                run.hooks.announce()
 
     def _retired(self, run: _Run, transfer: Transfer) -> None:
         """Count a completed transfer."""

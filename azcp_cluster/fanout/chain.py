@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -161,14 +161,17 @@ class ChainTransport:
             time.sleep(nap)
             nap = min(nap * 2, MAX_WAIT_NAP)
 
-    def agree(self, failed: bool) -> bool:
-        """Whether any rank failed, the chains in flight moving while the others join."""
+    def agree(self, failed: bool, between: Callable[[], None] | None = None) -> bool:
+        """Whether any rank failed, the chains in flight moving while the others join (and
+        ``between`` run: it must not block)."""
         request = self.wire.iagree(failed)
         nap = WAIT_NAP
         while True:
             self._advance()
             if self.wire.done(request):
                 return self.wire.answer(request)
+            if between is not None:
+                between()
             time.sleep(nap)
             nap = min(nap * 2, MAX_WAIT_NAP)
 

@@ -25,13 +25,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from azcp_cluster.core.schedule import call_slices
+
+# Seconds between looks at an agreement while a rank waits in it, growing while nothing
+# completes: a short wait stays short, a long one costs the working ranks no CPU.
+AGREE_NAP = 0.0001
+MAX_AGREE_NAP = 0.002
 
 # The tag of point-to-point transfers on the broadcast communicator (collectives never match it).
 P2P_TAG = 11
@@ -60,8 +65,10 @@ class Transport(Protocol):
     def wait(self, request: Request) -> None:
         """Block until ``request`` completed."""
 
-    def agree(self, failed: bool) -> bool:
-        """Whether any rank failed: every rank calls it at the same point, and all get the same answer."""
+    def agree(self, failed: bool, between: Callable[[], None] | None = None) -> bool:
+        """Whether any rank failed: every rank calls it at the same point, and all get the same
+        answer. ``between`` runs while the rank waits for the others (it must not block): a
+        signal that comes meanwhile is told to the others then, not once all have joined."""
 
 
 class MpiTransport:
@@ -99,8 +106,15 @@ class MpiTransport:
     def wait(self, request: Request) -> None:
         self._mpi.Request.Waitall(request)
 
-    def agree(self, failed: bool) -> bool:
-        return int(self.comm.allreduce(1 if failed else 0)) > 0
+    def agree(self, failed: bool, between: Callable[[], None] | None = None) -> bool:
+        request = self.iagree(failed)
+        nap = AGREE_NAP
+        while not self.done(request):
+            if between is not None:
+                between()
+            time.sleep(nap)
+            nap = min(nap * 2, MAX_AGREE_NAP)
+        return self.answer(request)
 
     # -- the point-to-point wire of a chain (fanout/chain.py) --------------------------------
 
@@ -404,8 +418,14 @@ class LoopbackTransport:
     def wait(self, request: Request) -> None:
         self.hub.wait(request)
 
-    def agree(self, failed: bool) -> bool:
-        return self.hub.agree(self._rank, failed)
+    def agree(self, failed: bool, between: Callable[[], None] | None = None) -> bool:
+        if between is None:
+            return self.hub.agree(self._rank, failed)
+        request = self.iagree(failed)
+        while not self.hub.test(request):
+            between()
+            time.sleep(AGREE_NAP)
+        return self.answer(request)
 
     # -- the point-to-point wire of a chain (fanout/chain.py) --------------------------------
 

@@ -109,6 +109,15 @@ def stream_sizes_for(ctx: RunContext, place: Placement, plan: Plan) -> StreamSiz
     return stream_sizes(max(loads), cfg.chunk, cfg.block_size, cfg.concurrency)
 
 
+def landing_unit(ctx: RunContext, place: Placement, plan: Plan, block_size: int) -> int:
+    """A streamed download's blocks: as small as the transfers, each landing (and its transfer
+    leaving) as soon as its bytes are written, while the downloader fetches consecutive ones in
+    one ranged GET of up to ``block_size`` (blocks.requests_for). Landing whole 8 MiB GETs,
+    four hosts in the box posted their transfers in bursts, the fabric idle between them."""
+    sizes = stream_sizes_for(ctx, place, plan)
+    return min(block_size, sizes.chunk) if sizes is not None else block_size
+
+
 def download_config(ctx: RunContext, place: Placement, plan: Plan, schedule: Schedule) -> Config:
     """The run's configuration as its download uses it: a streamed copy's block size and
     requests in flight (:func:`stream_sizes_for`), else the run's own. Streamed as

@@ -243,12 +243,7 @@ def stream(
     downloaders = place.downloaders_here()
     # Smaller blocks, fewer of them in flight, where a share would otherwise land all at once.
     streamed = allocate.download_config(ctx, place, plan, schedule)
-    # Blocks as small as the transfers, each landing (and its transfer leaving) as soon as its
-    # bytes are written; the downloader still fetches consecutive ones in one ranged GET of up
-    # to the block size (blocks.requests_for). Landing whole 8 MiB GETs, four hosts in the box
-    # posted their transfers in bursts and the fabric idled between them.
-    sizes = allocate.stream_sizes_for(ctx, place, plan)
-    unit = min(streamed.block_size, sizes.chunk) if sizes is not None else streamed.block_size
+    unit = allocate.landing_unit(ctx, place, plan, streamed.block_size)
     blocks, landing = node_blocks(transfers, plan, place.group, downloaders, unit, TAPER)
     mine = [Block(*blocks.blocks[i]) for i in blocks.of_rank.get(rank, ())]
     index = {(f, o): i for i, (f, o, _) in enumerate(blocks.blocks)}
