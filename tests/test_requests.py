@@ -9,28 +9,32 @@ them landed is asked again from the first that did not, and no block ever lands 
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from azcp_cluster.api import make_config
 from azcp_cluster.azure.credentials import Authorizer, resolve_credential
-from azcp_cluster.core.blocks import Block, blocks_for, fanout_slots, requests_for
+from azcp_cluster.core.blocks import Block, blocks_for, deal_requests, fanout_slots, requests_for
 from azcp_cluster.core.config import MiB
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.plan import Shard
 from azcp_cluster.core.source import parse_blob_url
 from azcp_cluster.dest.desttree import DestTree
+from azcp_cluster.dest.directio import DirectFile
 from azcp_cluster.dest.localfs import temp_path
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
 from azcp_cluster.download.downloader import Downloader
 from azcp_cluster.download.fetcher import DownloadStats, LandingSink
+from azcp_cluster.run.cluster import PeerFailed
 
 # -- which blocks one request fetches (pure) -------------------------------------------------
 
@@ -144,3 +148,51 @@ def test_a_request_broken_midway_is_asked_again_from_its_first_block_not_landed(
     assert again % MiB == 0 and 4 * MiB <= again <= 5 * MiB, ranges
     assert stats.retries == 1 and stats.bytes == size
     assert Path(temp_path(str(tmp_path), "b.bin")).read_bytes() == data
+
+
+def test_workers_are_dealt_whole_requests_so_consecutive_blocks_stay_one_get() -> None:
+    # 16 streamed 2 MiB blocks of one file over 4 worker processes: 4 GETs of 8 MiB, not 16 of 2.
+    blocks = blocks_for([Shard(0, 0, 32 * MiB, 0)], 2 * MiB)
+    parts = deal_requests(blocks, 4, 8 * MiB)
+    assert sorted((b for part in parts for b in part), key=lambda b: b.offset) == blocks
+    assert [len(requests_for(part, 8 * MiB)) for part in parts] == [1, 1, 1, 1]
+    assert deal_requests([], 3, MiB) == [[], [], []]
+
+
+def test_a_download_stopped_while_its_writes_are_slow_leaves_no_file_open(
+    emulator: azurite.Emulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another rank fails while this request waits for its blocks' writes: the request is
+    # cancelled there, and its file must still be closed (by the last write).
+    size = 4 * MiB
+    container = "c" + uuid.uuid4().hex[:20]
+    azurite.upload(emulator, container, {"s.bin": pseudo_random(size, container)})
+    real_write = DirectFile.write_at
+
+    def slow_write(self: DirectFile, data: np.ndarray, offset: int) -> int:
+        time.sleep(1.0)
+        return real_write(self, data, offset)
+
+    monkeypatch.setattr(DirectFile, "write_at", slow_write)
+    parsed = parse_blob_url(emulator.url(container))
+    auth = Authorizer(parsed, resolve_credential(parsed, emulator.key_env()), time.time)
+    cfg = make_config(emulator.url(container), str(tmp_path), {"block_size": size, "concurrency": 1})
+    tree = DestTree(str(tmp_path), create=True)
+    tree.prepare("s.bin", size)
+    started = time.monotonic()
+    downloader = Downloader(
+        [FileEntry(name="s.bin", path="s.bin", size=size)], tree, auth, cfg,
+        peer_failed=lambda: time.monotonic() - started > 0.3,
+    )  # fmt: skip
+    with pytest.raises(PeerFailed):
+        downloader.run(blocks_for([Shard(0, 0, size, 0)], MiB))
+    temp = temp_path(str(tmp_path), "s.bin")
+    still_open = [fd for fd in os.listdir("/proc/self/fd") if _points_to(fd, temp)]
+    assert still_open == []
+
+
+def _points_to(fd: str, path: str) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == path
+    except OSError:
+        return False

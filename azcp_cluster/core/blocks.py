@@ -102,6 +102,16 @@ def deal(blocks: Sequence[Block], workers: int) -> list[list[Block]]:
     return [[block for _, block in sorted(part, key=lambda ib: ib[0])] for part in parts]
 
 
+def deal_requests(blocks: Sequence[Block], workers: int, request_bytes: int) -> list[list[Block]]:
+    """:func:`deal` a whole request (:func:`requests_for`) at a time: a worker's consecutive
+    blocks stay one ranged GET (dealt block by block, 2 MiB streamed blocks went out as 2 MiB
+    GETs, not the 8 MiB ones they make together)."""
+    requests = requests_for(blocks, request_bytes)
+    heads = [Block(r[0].file, r[0].offset, sum(b.length for b in r)) for r in requests]
+    by_head = {(h.file, h.offset): r for h, r in zip(heads, requests, strict=True)}
+    return [[b for head in part for b in by_head[(head.file, head.offset)]] for part in deal(heads, workers)]
+
+
 @dataclass(frozen=True)
 class NodeBlocks:
     """The ranged GETs of one node's downloaders: ``blocks`` in download order, and each one's slice."""
@@ -186,6 +196,7 @@ __all__ = [
     "NodeBlocks",
     "blocks_for",
     "deal",
+    "deal_requests",
     "fanout_slots",
     "node_blocks",
     "pool_buffers",

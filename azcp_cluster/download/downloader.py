@@ -32,7 +32,7 @@ from azcp_cluster.azure.proxies import Proxy, proxy_refused, refusal_message
 from azcp_cluster.azure.tls import ssl_context
 from azcp_cluster.core.blocks import Block, requests_for
 from azcp_cluster.core.config import Config
-from azcp_cluster.core.errors import DownloadError
+from azcp_cluster.core.errors import AzcpError, DownloadError
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
 from azcp_cluster.core.source import API_VERSION
@@ -429,9 +429,9 @@ class Downloader:
                             got += await conn.read_into(view[got:end])
                         except OSError:
                             raise _Retryable("truncated body") from None
-                    writes.submit(writer, target, buf, want, offset, Both(tracker, unit))
+                    full, buf = buf, None  # the writer gives it back (also when submit raises)
+                    writes.submit(writer, target, full, want, offset, Both(tracker, unit))
                     self.received += want
-                    buf = None
                     offset += want
                     left -= want
                 unit.submitted()
@@ -446,11 +446,19 @@ class Downloader:
             raise
         finally:
             # The blocks read whole land (or fail) before the request ends: a retry starts
-            # after the last that landed; the file is closed once every write is done.
-            outcomes = await asyncio.gather(*lands, return_exceptions=True)
-            await tracker.wait()
-            if tracker.target.refused:
-                self.stats.direct_refused = path
+            # after the last that landed; the file is closed once every write is done, also
+            # when this wait is cancelled.
+            try:
+                outcomes = await asyncio.gather(*lands, return_exceptions=True)
+            finally:
+                await tracker.wait()
+                if tracker.target.refused:
+                    self.stats.direct_refused = path
+            # A write that failed is the request's error, before a network error it would
+            # otherwise be retried behind (onto a failing disk).
+            written = next((o for o in outcomes if isinstance(o, AzcpError)), None)
+            if written is not None:
+                raise written
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from azcp_cluster.azure.credentials import Authorizer, Credential
 from azcp_cluster.azure.proxies import Proxy
-from azcp_cluster.core.blocks import SPARE_BUFFERS, Block, deal
+from azcp_cluster.core.blocks import SPARE_BUFFERS, Block, deal_requests, requests_for
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import AzcpError, DownloadError, InternalError
 from azcp_cluster.core.model import FileEntry
@@ -165,8 +165,9 @@ class WorkerDownloader:
 
     def run(self, blocks: Sequence[Block]) -> DownloadStats:
         """Download every block on the workers; raise the first failure after all of them ended."""
-        count = min(self.workers, len(blocks), self.cfg.concurrency)  # each worker has a request or more
-        parts = [part for part in deal(blocks, count) if part] if count else []
+        requests = len(requests_for(blocks, self.cfg.block_size))
+        count = min(self.workers, requests, self.cfg.concurrency)  # each worker has a request or more
+        parts = [part for part in deal_requests(blocks, count, self.cfg.block_size) if part] if count else []
         running: list[_Worker] = []
         self.stats.worker_bytes = [0] * len(parts)
         try:

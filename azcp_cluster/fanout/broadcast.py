@@ -428,9 +428,9 @@ class Broadcaster:
 
     def _announce_stop(self, run: _Run) -> None:
         """Tell the other ranks now (the failure signal) if this rank was asked to stop (a signal)."""
-        if not self._announced and self.stop_requested() is not None:
-            self._announced = True
-            with contextlib.suppress(Exception):  # the agreement after it still tells the others
+        with contextlib.suppress(Exception):  # never fail inside the agreement: it tells them anyway
+            if not self._announced and self.stop_requested() is not None:
+                self._announced = True
                 run.hooks.announce()
 
     def _retired(self, run: _Run, transfer: Transfer) -> None:
