@@ -92,6 +92,14 @@ def test_fanout_slots_keep_the_memory_and_map_more_of_smaller_slots() -> None:
 # -- the downloader, against the emulator ------------------------------------------------
 
 
+def _blob(emulator: azurite.Emulator, name: str, size: int) -> tuple[str, bytes]:
+    """A new container holding blob ``name`` of ``size`` pseudo-random bytes: its name and the bytes."""
+    container = "q" + uuid.uuid4().hex[:20]
+    data = pseudo_random(size, container)
+    azurite.upload(emulator, container, {name: data})
+    return container, data
+
+
 def _download(
     source: str, key_env: dict[str, str], dest: Path, name: str, size: int, unit: int, request: int
 ) -> tuple[DownloadStats, list[tuple[float, Block]]]:
@@ -111,9 +119,7 @@ def test_one_request_lands_its_blocks_one_by_one_as_the_body_goes_on(
     emulator: azurite.Emulator, tmp_path: Path
 ) -> None:
     size = 8 * MiB
-    container = "q" + uuid.uuid4().hex[:20]
-    data = pseudo_random(size, container)
-    azurite.upload(emulator, container, {"w.bin": data})
+    container, data = _blob(emulator, "w.bin", size)
     # The body comes 256 KiB every 20 ms (about 12 MiB/s): 8 MiB take 0.6 s, so blocks that
     # landed only at the request's end would all land within a few ms of each other.
     rules = [Rule("slow", blob="w.bin", partial=256 * 1024, stall=0.02)]
@@ -131,9 +137,7 @@ def test_a_request_broken_midway_is_asked_again_from_its_first_block_not_landed(
     emulator: azurite.Emulator, tmp_path: Path
 ) -> None:
     size = 8 * MiB
-    container = "r" + uuid.uuid4().hex[:20]
-    data = pseudo_random(size, container)
-    azurite.upload(emulator, container, {"b.bin": data})
+    container, data = _blob(emulator, "b.bin", size)
     # Reset after 5.5 MiB of the first GET: blocks 0-4 (1 MiB each) are whole by then.
     rules = [Rule("reset", blob="b.bin", partial=5 * MiB + MiB // 2)]
     with FaultProxy(emulator, rules) as proxy:
@@ -165,8 +169,7 @@ def test_a_download_stopped_while_its_writes_are_slow_leaves_no_file_open(
     # Another rank fails while this request waits for its blocks' writes: the request is
     # cancelled there, and its file must still be closed (by the last write).
     size = 4 * MiB
-    container = "c" + uuid.uuid4().hex[:20]
-    azurite.upload(emulator, container, {"s.bin": pseudo_random(size, container)})
+    container, _ = _blob(emulator, "s.bin", size)
     real_write = DirectFile.write_at
 
     def slow_write(self: DirectFile, data: np.ndarray, offset: int) -> int:

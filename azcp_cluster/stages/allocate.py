@@ -144,8 +144,10 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
     agreement of their own.
 
     Before any download: a node's other ranks write into the temporary files its leader
-    creates here. A rank that cannot get its memory fails here, before anything is
-    downloaded, and never stays out of the Ibcasts the others have entered.
+    creates here. A rank whose buffers do not fit fails here (Config.check_memory, at
+    start-up, against the memory available), before anything is downloaded, and never stays
+    out of the transfers the others have posted; the fan-out's slots beyond the first are
+    reserved here and faulted in at first use (POPULATED_SLOTS).
     """
     here = writes_here(listed.listing, diff, schedule)
     if not diff.transfer:
