@@ -77,6 +77,11 @@ def test_streaming_and_two_phase_copies_are_identical(
     if overlap:
         # Reported as both stages: the download inside the whole streamed stage.
         assert 0 < stages["download"]["seconds"] <= stages["bcast"]["seconds"]
+        # Each leader downloads in its own process: its transfers leave from the download's
+        # buffers, not read back from the disk (those beyond what the pool may keep are).
+        assert 0 < result.json["sent_from_memory_bytes"] <= result.json["downloaded_bytes"]
+    else:
+        assert result.json["sent_from_memory_bytes"] == 0  # the download was over: its buffers too
 
 
 def test_a_node_whose_other_ranks_download_streams_what_they_land(emulator: azurite.Emulator, tmp_path: Path) -> None:
@@ -91,6 +96,8 @@ def test_a_node_whose_other_ranks_download_streams_what_they_land(emulator: azur
     )
     assert result.returncode == 0, result.output
     assert result.json is not None and result.json["writers"] == 2 and result.json["download_ranks"] == 4
+    # What the other rank of a node fetched is in its buffers, not its leader's: read back.
+    assert result.json["sent_from_memory_bytes"] < result.json["downloaded_bytes"]
     for pair in (0, 2):
         assert tree_of(tmp_path / "n" / str(pair)) == files
     assert not (tmp_path / "n" / "1").exists() and not (tmp_path / "n" / "3").exists()

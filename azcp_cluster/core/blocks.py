@@ -171,6 +171,16 @@ def pool_buffers_for(concurrency: int, blocks: int) -> int:
     return min(pool_buffers(concurrency), blocks + SPARE_BUFFERS)
 
 
+def keepable(buffers: int, requests: int) -> int:
+    """How many written buffers a streaming leader's pool may keep for its fan-out to send from
+    memory (``WritePool.keep_landed``): what ``requests`` in flight, one buffer each, and half
+    the spares for the writes under way leave of ``buffers``; the download never waits for a
+    buffer the fan-out holds, it only finds fewer spares."""
+    if buffers < 0 or requests < 0:
+        raise ValueError("buffers and requests must not be negative")
+    return max(0, buffers - requests - SPARE_BUFFERS // 2)
+
+
 def pool_bytes(concurrency: int) -> int:
     """Memory the download pool takes at most (stated in the README, checked at start-up)."""
     return pool_buffers(concurrency) * BUFFER_BYTES
@@ -198,6 +208,7 @@ __all__ = [
     "deal",
     "deal_requests",
     "fanout_slots",
+    "keepable",
     "node_blocks",
     "pool_buffers",
     "pool_buffers_for",

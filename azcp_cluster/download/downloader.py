@@ -430,7 +430,7 @@ class Downloader:
                         except OSError:
                             raise _Retryable("truncated body") from None
                     full, buf = buf, None  # the writer gives it back (also when submit raises)
-                    writes.submit(writer, target, full, want, offset, Both(tracker, unit))
+                    writes.submit(writer, target, full, want, offset, Both(tracker, unit), block.file)
                     self.received += want
                     offset += want
                     left -= want

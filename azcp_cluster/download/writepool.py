@@ -6,6 +6,12 @@ Apart from the requests (downloader.py) because it outlives them: the pipeline m
 pool at allocation, before the download stage's clock starts (its memory mapped up front),
 and a download worker process makes its own. Its sizes (:func:`azcp_cluster.core.blocks.pool_bytes`)
 are what the README states and the start-up memory check takes.
+
+Streaming, a node's leader downloads on a thread beside its fan-out, and each transfer it
+roots leaves once its bytes have landed. Its pool then keeps a few written buffers instead
+of taking them back (:meth:`WritePool.keep_landed`), and the fan-out copies a transfer's
+bytes from them into its slot (:meth:`WritePool.copy_landed`) instead of reading them back
+from the disk, where eight hosts' writes on one disk made such reads wait up to 0.5 s.
 """
 
 from __future__ import annotations
@@ -153,11 +159,80 @@ class WritePool:
         buffers: int | None = None,
     ) -> None:
         self.size = max(ALIGN, min(BUFFER_BYTES, round_up(cfg.block_size, ALIGN)))
-        buffers = pool_buffers(cfg.concurrency) if buffers is None else buffers
-        self.free: deque[np.ndarray] = deque(aligned_buffers(self.size, buffers, populate))
+        self.count = pool_buffers(cfg.concurrency) if buffers is None else buffers
+        self.free: deque[np.ndarray] = deque(aligned_buffers(self.size, self.count, populate))
         self.lock = threading.Lock()
         self.waiters: deque[asyncio.Future[None]] = deque()  # requests waiting for a buffer
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop of the current run
+        # Written buffers kept for the fan-out (keep_landed): (file, offset) -> (bytes, buffer).
+        self.kept: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
+        self.keep_limit = 0
+        self.closed = False  # close(): buffers coming back are dropped, nothing is kept
+
+    def keep_landed(self, limit: int) -> None:
+        """Keep up to ``limit`` written buffers (``blocks.keepable``) until the fan-out copies
+        them (:meth:`copy_landed`) or :meth:`close`; one more written is given back as before."""
+        with self.lock:
+            self.keep_limit = max(0, limit)
+
+    def copy_landed(self, file: int, offset: int, out: np.ndarray) -> bool:
+        """Copy the bytes of ``file`` from ``offset`` into ``out`` (all of it) from the buffers
+        kept for them, and give those buffers back; False when any part is not kept (the
+        caller reads it from the disk). From any thread; the copy runs without the GIL."""
+        end = offset + len(out)
+        with self.lock:
+            # Every kept block inside the range leaves: a transfer is read once, so one kept
+            # beyond a gap would otherwise hold its buffer to the end (a few dozen at most).
+            inside = sorted(key for key in self.kept if key[0] == file and offset <= key[1] < end)
+            taken = [(at, *self.kept.pop((file, at))) for _, at in inside]
+        at = offset
+        for start, length, _ in taken:
+            if start != at:
+                break
+            at += length
+        whole = at >= end
+        try:
+            if whole:
+                for start, length, buf in taken:
+                    n = min(length, end - start)
+                    out[start - offset : start - offset + n] = buf[:n]
+        finally:
+            for _, _, buf in taken:  # used or not: each block is read once
+                self._returned(buf)
+        return whole
+
+    def close(self) -> None:
+        """The download and the fan-out are done with the pool: drop every buffer (its memory is
+        freed with the last reference), keep nothing more."""
+        with self.lock:
+            self.closed = True
+            self.keep_limit = 0
+            self.kept.clear()
+            self.free.clear()
+
+    def _keep(self, file: int, offset: int, length: int, buf: np.ndarray) -> bool:
+        """From a writer thread, ``buf[:length]`` written at ``offset`` of ``file``: kept, if there is room."""
+        with self.lock:
+            # The same block written again (its request retried) replaces the older copy:
+            # what is kept is always what the disk has.
+            old = self.kept.pop((file, offset), None)
+            if old is None and len(self.kept) >= self.keep_limit:
+                return False
+            self.kept[(file, offset)] = (length, buf)
+        if old is not None:
+            self._returned(old[1])
+        return True
+
+    def _returned(self, buf: np.ndarray) -> None:
+        """From any thread: ``buf`` is free again; a request waiting for one is woken."""
+        with self.lock:
+            if self.closed:
+                return
+            self.free.append(buf)
+            wake = self.loop if self.waiters else None
+        if wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
+                wake.call_soon_threadsafe(self._wake)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Use ``loop`` for wake-ups (each download runs its own event loop)."""
@@ -212,18 +287,17 @@ class WritePool:
         length: int,
         offset: int,
         tracker: BlockWrites | Both,
+        file: int | None = None,
     ) -> None:
-        """Queue ``buf[:length]`` on ``writer`` for writing at ``offset``; ``buf`` comes back to the
-        pool once written."""
+        """Queue ``buf[:length]`` on ``writer`` for writing at ``offset`` (of file ``file``); ``buf``
+        comes back to the pool once written, or is kept (:meth:`keep_landed`)."""
         tracker.started()
 
         def done(error: BaseException | None) -> None:
-            with self.lock:
-                self.free.append(buf)
-                wake = self.loop if self.waiters else None
-            if wake is not None:
-                with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
-                    wake.call_soon_threadsafe(self._wake)
+            # Kept before the tracker hears of it: the block lands (and its transfer may be
+            # read) only after this.
+            if error is not None or file is None or not self._keep(file, offset, length, buf):
+                self._returned(buf)
             tracker.finished(error)
 
         try:

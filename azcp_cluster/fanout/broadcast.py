@@ -50,6 +50,7 @@ from azcp_cluster.fanout.events import (
     CallDone,
     Event,
     Failed,
+    Kept,
     Landed,
     LandedHere,
     ReadDone,
@@ -185,16 +186,18 @@ class Broadcaster:
         hooks: StageHooks = NO_HOOKS,
         landed: Landed | None = None,
         failed: AzcpError | None = None,
+        kept: Kept | None = None,
     ) -> BroadcastStats:
         """Carry out every transfer this rank takes part in; raise the first local error after all ranks stopped.
 
         ``hooks``: the stage's. ``landed``: streaming, the download still running (see
-        :class:`Landed`). ``failed``: this rank failed before the fan-out began (its download
+        :class:`Landed`); ``kept``: its buffers, which a root copies its transfers from while
+        they still hold them. ``failed``: this rank failed before the fan-out began (its download
         could not be set up): it takes part without reading or writing until the first
         agreement, where all ranks stop, as it does when anything else fails before its first
         post here (its threads cannot start).
         """
-        run = self._begin(schedule, hooks, landed, failed)
+        run = self._begin(schedule, hooks, landed, failed, kept)
         try:
             finish = self._drive(run)
         finally:
@@ -206,7 +209,12 @@ class Broadcaster:
         return self.stats
 
     def _begin(
-        self, schedule: Sequence[Transfer], hooks: StageHooks, landed: Landed | None, failed: AzcpError | None
+        self,
+        schedule: Sequence[Transfer],
+        hooks: StageHooks,
+        landed: Landed | None,
+        failed: AzcpError | None,
+        kept: Kept | None = None,
     ) -> _Run:
         """The machine for ``schedule``, the read-ahead, hasher and writer threads started, the first instructions."""
         self._schedule = schedule
@@ -238,6 +246,7 @@ class Broadcaster:
             direct=self.direct,
             hint_window=4 * len(self.slots),
             changed=self.changed,
+            kept=kept,
         )
         run = _Run(schedule, machine, hooks, landed, reader, StreamDigests(self.digests))
         try:
@@ -271,6 +280,7 @@ class Broadcaster:
             for thread in run.threads:
                 thread.join()
             self.stats.source_bytes += run.reader.source_bytes
+            self.stats.memory_bytes += run.reader.memory_bytes
 
     def _drive(self, run: _Run) -> Finish:
         """Carry out the machine's instructions and feed it what happened, until it says Finish."""

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from azcp_cluster.core.errors import AzcpError, InternalError
 from azcp_cluster.run.cluster import redact
 
@@ -21,7 +23,17 @@ class BroadcastStats:
     received_bytes: int = 0
     chunks: int = 0  # transfers this rank took part in
     source_bytes: int = 0  # bytes read from a local SOURCE
+    memory_bytes: int = 0  # streaming: bytes sent from the download's buffers, not read back from the disk
     direct_refused: str = ""  # a path whose filesystem refused O_DIRECT, if any
+
+
+class Kept(Protocol):
+    """Streaming: blocks this rank's own download landed and still holds in its buffers
+    (``writepool.WritePool``); called on the read-ahead thread."""
+
+    def copy_landed(self, file: int, offset: int, out: np.ndarray) -> bool:
+        """Copy ``len(out)`` bytes of ``file`` from ``offset`` into ``out``; False when they are not
+        all held (they are read from the disk)."""
 
 
 class Landed(Protocol):

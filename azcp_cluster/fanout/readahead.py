@@ -1,7 +1,8 @@
 """The root's side of a fan-out slot: fill it with a transfer's extents before it is posted.
 
 From the node's download of this run (written with O_DIRECT, so read back with O_DIRECT
-too: none of it is cached), a complete copy this rank already had, or a local SOURCE (both
+too: none of it is cached; streaming, copied from the download's buffers when they still
+hold it, see :class:`azcp_cluster.fanout.events.Kept`), a complete copy this rank already had, or a local SOURCE (both
 read through the page cache, with a read-ahead hint for the next transfer). A local
 SOURCE's file that changed since it was listed, or while it was read, is noted in
 ``changed`` (its copies are torn: the pipeline reads it again or fails), not raised.
@@ -22,6 +23,7 @@ from azcp_cluster.dest.desttree import DestTree, source_opener
 from azcp_cluster.dest.directio import DirectReader, Opener
 from azcp_cluster.dest.localfs import fs_error
 from azcp_cluster.dest.localsource import as_listed
+from azcp_cluster.fanout.events import Kept
 
 
 class ReadAhead:
@@ -42,6 +44,7 @@ class ReadAhead:
         direct: bool,
         hint_window: int,
         changed: set[int],
+        kept: Kept | None = None,
     ) -> None:
         self.files = files
         self.tree = tree
@@ -53,6 +56,8 @@ class ReadAhead:
         self.hint_window = hint_window  # how many transfers ahead the next one of ours is looked for
         self.changed = changed
         self.source_bytes = 0  # bytes read from a local SOURCE
+        self.kept = kept  # streaming: this rank's download's buffers, still holding what it landed
+        self.memory_bytes = 0  # bytes copied from them
         # The file open across its extents: (reader, file index, its stat when opened).
         self._current: tuple[DirectReader, int, os.stat_result] | None = None
 
@@ -81,6 +86,11 @@ class ReadAhead:
         return self._current[0], self._current[2]
 
     def _read_extent(self, extent: Extent, buffer: np.ndarray) -> None:
+        into = buffer[extent.at : extent.at + extent.length]
+        kept = self.kept if self._downloaded(extent.file) else None
+        if kept is not None and kept.copy_landed(extent.file, extent.offset, into):
+            self.memory_bytes += extent.length
+            return
         shown, opener = self._source(extent.file)
         outside = self.source_of(extent.file) is not None
         try:

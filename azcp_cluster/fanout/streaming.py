@@ -30,7 +30,7 @@ from azcp_cluster.core.errors import AzcpError
 from azcp_cluster.core.schedule import Landing, Transfer
 from azcp_cluster.download.fetcher import DownloadStats, Fetcher
 from azcp_cluster.fanout.broadcast import Broadcaster
-from azcp_cluster.fanout.events import BroadcastStats, StageHooks
+from azcp_cluster.fanout.events import BroadcastStats, Kept, StageHooks
 from azcp_cluster.run.cluster import PeerFailed, as_azcp_error
 from azcp_cluster.run.interrupts import shield
 
@@ -224,6 +224,7 @@ def lead(
     stop: threading.Event,
     hooks: StageHooks,
     failed: AzcpError | None = None,
+    kept: Kept | None = None,
 ) -> Streamed:
     """A leader's part: the fan-out on this (the MPI) thread, its own ``blocks`` (if any) downloaded
     by ``downloader`` on a thread meanwhile. ``since()``: seconds since the stage began.
@@ -231,7 +232,9 @@ def lead(
     ``downloader`` was made telling ``feed`` of each block it lands (its landing sink) and
     stopping once ``stop`` is set (its ``peer_failed``), which this sets when the fan-out
     stops. ``hooks``: the stage's, for the fan-out. ``failed``: the download could not be
-    set up; the fan-out still runs to its first agreement.
+    set up; the fan-out still runs to its first agreement. ``kept``: the download's buffers,
+    which hold what it landed until the fan-out copies it (its transfers are then sent from
+    memory, not read back from the disk).
 
     Raises the stage's error: the fan-out's, or this rank's own download error rather than a
     peer's failure when both happened.
@@ -265,7 +268,7 @@ def lead(
     dstats = None
     failure: BaseException | None = None
     try:
-        fanout = broadcaster.run(schedule, hooks, landed=feed, failed=failed)
+        fanout = broadcaster.run(schedule, hooks, landed=feed, failed=failed, kept=kept)
     except PeerFailed:
         if thread is not None:
             thread.stop.set()

@@ -84,6 +84,9 @@ class Report:
     max_bandwidth: float | None = None  # --max-bandwidth in bytes per second (None: no cap)
     broadcast_bytes: int = 0
     broadcast_shards: int = 0
+    # Streaming: bytes the leaders sent from their download's buffers instead of reading them
+    # back from the disk (the rest of what they downloaded was read back).
+    sent_from_memory_bytes: int = 0
     retries: int = 0
     retry_causes: dict[str, int] = field(default_factory=dict)
     retries_by_rank: list[int] = field(default_factory=list)  # index: rank

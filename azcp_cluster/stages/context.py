@@ -97,8 +97,11 @@ class RunContext:
         return self.tree
 
     def free_write_pool(self) -> None:
-        """Free the download's buffers (its memory is not the fan-out's, nor the worker processes')."""
-        self.write_pool = None
+        """Free the download's buffers (its memory is not the fan-out's, nor the worker processes'):
+        also those kept for the fan-out, which may still hold the pool."""
+        pool, self.write_pool = self.write_pool, None
+        if pool is not None:
+            pool.close()
 
     def close_write_pool(self) -> None:
         """The download's end: its writer stopped after its queued writes, its buffers freed."""
