@@ -210,7 +210,7 @@ def probe(fabric: Fabric, nbytes: int = PROBE_BYTES, piece: int = PROBE_PIECE) -
     warm = buffer[: min(nbytes, 64 * 1024)]
     timed(fabric, warm)
     timed(chain, warm)
-    return Probe(nbytes, ibcast_s=timed(fabric, buffer), chain_s=timed(chain, buffer))
+    return Probe(nbytes, ibcast_s=timed(fabric, buffer), chain_s=timed(chain, buffer), piece=piece)
 
 
 def decide(fabric: Fabric, method: str, payload: int, piece: int | None = None) -> FanoutChoice:
