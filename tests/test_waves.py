@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.core.blocks import Block, node_blocks, taper
+from azcp_cluster.core.blocks import Block, fanout_slots, node_blocks, taper
 from azcp_cluster.core.model import FileEntry
-from azcp_cluster.core.packing import transfer_schedule
+from azcp_cluster.core.packing import MIN_SPREAD_CHUNK, RING_DEPTH, spread_chunk, transfer_schedule
 from azcp_cluster.core.plan import make_plan
 from azcp_cluster.core.waves import MIN_BLOCK, MIN_CHUNK, SLOTS, WAVES, stream_sizes
 
@@ -90,3 +90,38 @@ def test_each_downloader_fetches_its_tapered_last_block_last() -> None:
         covered = sorted((o, o + n) for _, o, n in mine)
         assert covered[0][0] == 0 and covered[-1][1] == files[mine[0][0]].size
         assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
+
+
+# -- a copy that does not stream, its bytes on several nodes: every root round the ring at once
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    chunk=st.integers(1, 1 << 30),
+    pipeline=st.integers(1, 64),
+    roots=st.integers(1, 512),
+)
+def test_spread_transfers_let_every_root_be_in_flight(chunk: int, pipeline: int, roots: int) -> None:
+    size = spread_chunk(chunk, pipeline, roots)
+    assert 1 <= size <= chunk  # never larger than --bcast-chunk, nor more memory
+    if roots == 1:
+        assert size == chunk  # one reader: one chain, as before
+        return
+    assert size == chunk or size & (size - 1) == 0  # a power of two, or the chunk itself
+    if size > min(chunk, MIN_SPREAD_CHUNK):
+        # The slots the fan-out's memory holds (fanout_slots: pipeline x chunk / slot, up to
+        # MAX_SLOTS) take RING_DEPTH transfers of every root...
+        assert pipeline * chunk // size >= RING_DEPTH * roots or size == chunk
+        # ...and it is the largest such power of two.
+        assert size == chunk or pipeline * chunk // (2 * size) < RING_DEPTH * roots
+
+
+def test_eight_roots_of_sixteen_mebibyte_transfers_in_four_slots_go_round_at_once() -> None:
+    """The box's two-phase copy at 8 hosts: 8 transfers of 16 MiB in 4 slots went round in two
+    halves; 4 MiB transfers in 16 slots hold two of every root's."""
+    assert spread_chunk(16 << 20, 4, 8) == 4 << 20
+    assert fanout_slots(4, 16 << 20, 4 << 20, 32) == 16 == RING_DEPTH * 8
+    assert spread_chunk(16 << 20, 4, 1) == 16 << 20
+    assert spread_chunk(16 << 20, 4, 512) == MIN_SPREAD_CHUNK  # never a message of crumbs
+    with pytest.raises(ValueError):
+        spread_chunk(0, 4, 2)

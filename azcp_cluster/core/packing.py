@@ -13,6 +13,8 @@ column-wise over millions of pieces, and nothing that reads a schedule needs it.
 * **Order.** Transfers are ordered by when their bytes are expected on their root's node
   (each root's share is downloaded in schedule order, at about the same rate as the other
   roots'), so a streaming fan-out never waits for one root while another's bytes sit idle.
+* **Many roots.** Bytes spread over several nodes go round a ring only while every root has
+  transfers in flight: :func:`spread_chunk` cuts them small enough for that.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ import numpy as np
 
 from azcp_cluster.core.plan import Plan
 from azcp_cluster.core.schedule import ALIGN, DIRECT_MIN, ExtentColumns, Transfers
+
+# A copy that does not stream, its bytes on several nodes (the download over, or
+# --source-readers): the fan-out's slots hold this many transfers of every root at once. With
+# 16 MiB transfers in 4 slots, 8 roots went round in two halves, each link carrying 3 or 4
+# of the 4 in flight and waiting for the slowest (the box, 8 hosts: 2.9 s against 2.35).
+RING_DEPTH = 2
+# ...but no smaller than this (a message, an agreement every 16, a write per transfer).
+MIN_SPREAD_CHUNK = 1 << 20
 
 # At most this many extents share a slot: the writes of one slot are spread over the writer
 # threads, and a slot comes back (for the next read) after its last extent is written.
@@ -225,6 +235,23 @@ def _taper(p: _Pieces, smallest: int) -> tuple[_Pieces, np.ndarray]:
         last,
     )
     return pieces, own
+
+
+def spread_chunk(chunk: int, pipeline: int, roots: int) -> int:
+    """The transfer size of a copy that does not stream whose bytes are on ``roots`` nodes: at
+    most ``chunk`` (``--bcast-chunk``), and, with several roots, the largest power of two that
+    lets the fan-out's memory (``pipeline`` slots of ``chunk`` bytes, cut into slots of the
+    transfer size: ``blocks.fanout_slots``) hold RING_DEPTH transfers of every root, down to
+    MIN_SPREAD_CHUNK (or ``chunk``, if smaller)."""
+    if min(chunk, pipeline) < 1:
+        raise ValueError("chunk and pipeline must be at least 1")
+    if roots <= 1:
+        return chunk
+    fits = pipeline * chunk // (RING_DEPTH * roots)
+    power = 1
+    while power * 2 <= fits:
+        power *= 2
+    return min(chunk, max(MIN_SPREAD_CHUNK, power))
 
 
 def transfer_schedule(

@@ -19,7 +19,7 @@ from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import InternalError
 from azcp_cluster.core.model import Listing
 from azcp_cluster.core.naming import JOURNAL_DIR
-from azcp_cluster.core.packing import transfer_schedule
+from azcp_cluster.core.packing import spread_chunk, transfer_schedule
 from azcp_cluster.core.plan import Plan
 from azcp_cluster.core.schedule import (
     DIRECT_MIN,
@@ -88,7 +88,12 @@ def schedule_for(ctx: RunContext, place: Placement, plan: Plan, earlier: Schedul
         transfers = Transfers.of([], 1)
     else:
         sizes = stream_sizes_for(ctx, place, plan)
-        chunk = sizes.chunk if sizes is not None else ctx.cfg.chunk
+        if sizes is not None:
+            chunk = sizes.chunk
+        else:  # several roots: every one of them in flight at once, round the ring
+            owners = np.unique(plan.columns.owner[plan.columns.length > 0]).tolist()
+            roots = len({topo.group_of[owner] for owner in owners})
+            chunk = spread_chunk(ctx.cfg.chunk, ctx.cfg.bcast_pipeline, roots)
         # Streamed: each root's last transfer tapered as its downloaders' last blocks are.
         tapered = TAPER if sizes is not None else None
         transfers = transfer_schedule(plan, chunk, topo.groups, root_of=topo.group_of, tapered=tapered)
