@@ -17,9 +17,19 @@ files, on the emulator and in a local directory. The cases, on every host count 
 * ``ibcast`` and ``chain``: raw fan-outs of S bytes from rank 0, no disk and no tool
   (benchmarks/raw_fanout.py: pipelined Ibcast, and a pipelined point-to-point chain, of
   ``--piece`` pieces): bound S/B.
+* ``ring``: the raw fan-out of S bytes spread over the hosts (1/N each, as a sharded download
+  leaves them) around a pipelined ring: bound S·(N−1)/(N·B), the streaming fan-out's; its
+  ratio is what this machine's CPUs allow that pattern, with no disk and no download.
 * ``every-node``: the way users do it today, every host downloading everything itself through
   the same emulator (the tool alone on each host, one process each, no MPI between them):
   bound S/fe, and the emulator sends N·S.
+
+Per row, also what this machine's CPUs did while the fan-out ran (the tool's ``bcast`` or
+streamed ``transfer`` stage; a raw pattern's whole run): ``cpu_busy``, the share of the
+machine's CPU time spent working, and ``cpu_steal``, the share its hypervisor gave to other
+machines (/proc/stat every 0.1 s). A row whose ``cpu_busy`` is near 1 was bound by this box's
+cores, not by its links. The package is compiled first (as an installed copy is): a rank
+does not compile the modules it imports inside a timed stage.
 
 Per row: ``tool_s`` = total − list (the report's; for the raw patterns their own timing;
 every-node: the slowest host's), ``ratio`` = tool_s / bound_s, ``egress_bytes`` (what the
@@ -45,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -58,7 +69,8 @@ from azcp_cluster.devtools.datasets import pseudo_random
 from benchmarks.run import mpiexec
 
 REPO = Path(__file__).resolve().parents[1]
-CASES = ("local", "stream", "two-phase", "ibcast", "chain", "every-node")
+CASES = ("local", "stream", "two-phase", "ibcast", "chain", "ring", "every-node")
+RAW = ("ibcast", "chain", "ring")  # raw fan-outs (benchmarks/raw_fanout.py), no tool
 CONTAINER = "bench"
 FILES = 4
 TIMEOUT = 600
@@ -76,6 +88,8 @@ def bounds(case: str, size: int, hosts: int, front: Link, fabric: Link) -> dict[
     assert fe is not None and b is not None
     if case in ("local", "ibcast", "chain"):
         return {"bound_s": size / b, "link_s": size / b}
+    if case == "ring":
+        return {"bound_s": size * (hosts - 1) / (hosts * b), "fanout_s": size * (hosts - 1) / (hosts * b)}
     if case == "every-node":
         return {"bound_s": size / fe, "download_s": size / fe}
     download, fanout = size / (hosts * fe), size * (hosts - 1) / (hosts * b)
@@ -107,6 +121,56 @@ def compact_timeline(report: dict[str, Any], launched: float) -> dict[str, Any]:
     }
 
 
+class CpuSampler:
+    """The machine's CPU counters (/proc/stat's first line, in clock ticks) every ``period``
+    seconds on a thread, to read how busy the CPUs were over any window of a run."""
+
+    def __init__(self, period: float = 0.1) -> None:
+        self.period = period
+        self.samples: list[tuple[float, int, int, int]] = []  # (time, busy, steal, total)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._take()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._take()
+
+    def _take(self) -> None:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+        busy = user + nice + system + irq + softirq
+        self.samples.append((time.time(), busy, steal, busy + steal + idle + iowait))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._take()
+
+    def shares(self, start: float, end: float) -> dict[str, float]:
+        """``cpu_busy`` and ``cpu_steal`` from the last sample at or before ``start`` to the first
+        at or after ``end`` (empty when the window holds no two samples)."""
+        before = [s for s in self.samples if s[0] <= start] or self.samples[:1]
+        after = [s for s in self.samples if s[0] >= end] or self.samples[-1:]
+        (_, b0, s0, t0), (_, b1, s1, t1) = before[-1], after[0]
+        if t1 <= t0:
+            return {}
+        return {"cpu_busy": round((b1 - b0) / (t1 - t0), 2), "cpu_steal": round((s1 - s0) / (t1 - t0), 2)}
+
+
+def compile_package() -> None:
+    """Compile the package's modules once, as installing it does: with PYTHONDONTWRITEBYTECODE
+    set (this sandbox sets it), every rank would otherwise compile each module it imports,
+    some of them inside the timed stages (0.2 s of CPU per rank here, eight ranks on two cores)."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "azcp_cluster")], check=True,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+
+
 class Bench:
     """One box, its emulator and dataset, and the runs of each case on it."""
 
@@ -136,13 +200,20 @@ class Bench:
         subprocess.run(["sync"], check=True)  # the last run's writes are not this one's
         before = self.counters()
         launched = time.time()
-        if case == "every-node":
-            sample = self.every_node(launched)
-        elif case in ("ibcast", "chain"):
-            sample = self.raw(case)
-        else:
-            sample = self.tool(case, launched)
-        sample["wall_s"] = round(time.time() - launched, 3)
+        with CpuSampler() as cpu:
+            if case == "every-node":
+                sample = self.every_node(launched)
+            elif case in RAW:
+                sample = self.raw(case)
+            else:
+                sample = self.tool(case, launched)
+        ended = time.time()
+        sample["wall_s"] = round(ended - launched, 3)
+        window = (launched, ended)  # a raw pattern's, every node's: the whole run
+        fanout = [st for st in sample.get("timeline", {}).get("stages", []) if st["stage"] in ("bcast", "transfer")]
+        if fanout:
+            window = (launched + fanout[0]["start"], launched + fanout[-1]["end"])
+        sample.update(cpu.shares(*window))
         after = self.counters()
         sample["egress_bytes"], sample["fabric_bytes"], sample["front_bytes"] = (
             a - b for a, b in zip(after, before, strict=True)
@@ -173,6 +244,7 @@ class Bench:
             "retries": doc.get("retries", 0),
             "retry_causes": doc.get("retry_causes", {}),
             "downloaded_bytes": doc.get("downloaded_bytes", 0),
+            "sent_from_memory_bytes": doc.get("sent_from_memory_bytes", 0),
             "worker_bytes_by_rank": doc.get("worker_bytes_by_rank", []),
         }
 
@@ -223,7 +295,7 @@ def row(case: str, hosts: int, samples: list[dict[str, Any]], size: int, args: a
     return {
         "case": case,
         "hosts": hosts,
-        "ranks_per_host": 1 if case in ("ibcast", "chain", "every-node") else args.ranks_per_host,
+        "ranks_per_host": 1 if case in (*RAW, "every-node") else args.ranks_per_host,
         "bytes": size,
         "front_mbit": args.front,
         "fabric_mbit": args.fabric,
@@ -243,11 +315,14 @@ def row(case: str, hosts: int, samples: list[dict[str, Any]], size: int, args: a
         "stages": chosen.get("stages"),
         "timeline": chosen.get("timeline"),
         "samples": [s["tool_s"] for s in samples],
-        "tool_args": args.tool_args if case not in ("ibcast", "chain", "every-node") else "",
+        "tool_args": args.tool_args if case not in (*RAW, "every-node") else "",
         "fanout": chosen.get("fanout"),
         "retries": chosen.get("retries", 0),
         "retry_causes": chosen.get("retry_causes", {}),
         "downloaded_bytes": chosen.get("downloaded_bytes", 0),
+        "sent_from_memory_bytes": chosen.get("sent_from_memory_bytes", 0),
+        "cpu_busy": chosen.get("cpu_busy"),
+        "cpu_steal": chosen.get("cpu_steal"),
         "worker_bytes_by_rank": chosen.get("worker_bytes_by_rank", []),
     }
 
@@ -278,6 +353,7 @@ STYLE = {  # case: (label, marker); the bounds are dashed in the colour of their
     "two-phase": ("tool, blob SOURCE, --no-overlap", "D"),
     "ibcast": ("raw pipelined Ibcast", "^"),
     "chain": ("raw point-to-point chain", "v"),
+    "ring": ("raw ring, data spread (streaming's pattern)", "<"),
     "every-node": ("every host downloads it all (today)", "x"),
 }
 
@@ -351,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     size = args.bytes or (32 * MiB if args.quick else 128 * MiB)
     files = dataset(size)
     started = time.time()
+    compile_package()
     with tempfile.TemporaryDirectory(prefix="azcp-cluster-bench-") as tmp:
         source = Path(tmp) / "src"
         source.mkdir()
@@ -364,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         via = (r["fanout"] or {}).get("method", "") if r["fanout"] else ""
         print(f"{r['hosts']} hosts {r['case']:>10}: {r['tool_s']:6.2f} s, bound {r['bound_s']:5.2f} s, "
-              f"ratio {r['ratio']:5.2f}, egress {r['egress_ratio']:.2f} x S {via}")  # fmt: skip
+              f"ratio {r['ratio']:5.2f}, egress {r['egress_ratio']:.2f} x S, "
+              f"CPUs busy {r['cpu_busy']}, stolen {r['cpu_steal']} {via}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     if args.plot:
