@@ -165,6 +165,11 @@ def test_the_probe_is_read_for_the_payload_not_for_itself() -> None:
     assert chain_s == pytest.approx((payload + 30 * piece) / b)
     chosen = choose("auto", 32, payload, probe=chain_like)
     assert chosen.method == "chain" and chosen.piece == piece and "from the probe" in chosen.reason
+    # A chain cuts each transfer on its own: --fanout-piece 64MiB with 16 MiB transfers fills
+    # the pipe with 16 MiB pieces, not 64 (the review's case: the fill counted 4 x too large).
+    close = Probe(PROBE_BYTES, ibcast_s=PROBE_BYTES / b, chain_s=0.95 * (PROBE_BYTES + fill) / b)
+    assert choose("auto", 32, payload, piece=64 << 20, probe=close, largest=16 << 20).method == "chain"
+    assert choose("auto", 32, payload, piece=64 << 20, probe=close).method == "ibcast"  # unclamped: 30 x 64 MiB
     # A broadcast faster per byte than the chain's links is still taken.
     tree_like = Probe(PROBE_BYTES, ibcast_s=0.5 * PROBE_BYTES / b, chain_s=(PROBE_BYTES + fill) / b)
     assert choose("auto", 32, payload, probe=tree_like).method == "ibcast"

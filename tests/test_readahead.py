@@ -79,3 +79,19 @@ def test_what_is_not_held_or_was_not_downloaded_is_read_from_the_disk(tree: Dest
     assert bytes(slot[:SIZE]) == b"H" * SIZE
     assert reader.memory_bytes == 0 and held.asked == [(0, 0, SIZE)]  # had.bin was not even asked for
     reader.close()
+
+
+def test_a_file_whose_last_extent_is_held_is_closed_after_its_earlier_ones_came_from_the_disk(
+    tree: DestTree, tmp_path: Path
+) -> None:
+    _fill(tree, tmp_path)
+    half = SIZE // 2
+    held = _Held({(0, half): b"M" * half})
+    files = [FileEntry("got.bin", "got.bin", SIZE), FileEntry("had.bin", "had.bin", SIZE)]
+    transfer = Transfer(0, 0, (1,), (Extent(0, 0, half, 0, False), Extent(0, half, half, half, True)), True)
+    reader = ReadAhead(files, tree, [transfer], 0, have=[False, True], source_of=lambda i: None,
+                       direct=False, hint_window=4, changed=set(), kept=held)  # fmt: skip
+    slot = np.zeros(SIZE + 1, dtype=np.uint8)
+    reader.read(transfer, slot)
+    assert bytes(slot[:SIZE]) == b"D" * half + b"M" * half and reader.memory_bytes == half
+    assert reader._current is None  # nothing more is read of it: its descriptor is not kept

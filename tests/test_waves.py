@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.core.blocks import Block, fanout_slots, node_blocks, taper
+from azcp_cluster.core.blocks import MAX_SLOTS, Block, fanout_slots, node_blocks, taper
 from azcp_cluster.core.model import FileEntry
-from azcp_cluster.core.packing import MIN_SPREAD_CHUNK, RING_DEPTH, spread_chunk, transfer_schedule
+from azcp_cluster.core.packing import MIN_SPREAD_CHUNK, RING_DEPTH, spread_chunk, spread_roots, transfer_schedule
 from azcp_cluster.core.plan import make_plan
 from azcp_cluster.core.waves import MIN_BLOCK, MIN_CHUNK, SLOTS, WAVES, stream_sizes
 
@@ -102,26 +102,44 @@ def test_each_downloader_fetches_its_tapered_last_block_last() -> None:
     roots=st.integers(1, 512),
 )
 def test_spread_transfers_let_every_root_be_in_flight(chunk: int, pipeline: int, roots: int) -> None:
-    size = spread_chunk(chunk, pipeline, roots)
+    size = spread_chunk(chunk, pipeline, roots, MAX_SLOTS)
     assert 1 <= size <= chunk  # never larger than --bcast-chunk, nor more memory
     if roots == 1:
         assert size == chunk  # one reader: one chain, as before
         return
     assert size == chunk or size & (size - 1) == 0  # a power of two, or the chunk itself
-    if size > min(chunk, MIN_SPREAD_CHUNK):
-        # The slots the fan-out's memory holds (fanout_slots: pipeline x chunk / slot, up to
-        # MAX_SLOTS) take RING_DEPTH transfers of every root...
-        assert pipeline * chunk // size >= RING_DEPTH * roots or size == chunk
-        # ...and it is the largest such power of two.
-        assert size == chunk or pipeline * chunk // (2 * size) < RING_DEPTH * roots
+    memory = pipeline * chunk
+    if size < chunk:
+        # Cut only to fit more slots: never more than MAX_SLOTS of them (more buys nothing)...
+        assert memory // size <= MAX_SLOTS
+        # ...and no smaller than RING_DEPTH transfers of every root need, unless a half as large
+        # would no longer fit MAX_SLOTS or be too small a message.
+        enough = memory // size >= RING_DEPTH * roots
+        assert enough or memory // (size // 2) > MAX_SLOTS or size == MIN_SPREAD_CHUNK
+        # It is the largest size that does it (or the floor): twice as large holds too few.
+        assert memory // (2 * size) < RING_DEPTH * roots or memory // size > MAX_SLOTS // 2 or size == MIN_SPREAD_CHUNK
 
 
 def test_eight_roots_of_sixteen_mebibyte_transfers_in_four_slots_go_round_at_once() -> None:
     """The box's two-phase copy at 8 hosts: 8 transfers of 16 MiB in 4 slots went round in two
     halves; 4 MiB transfers in 16 slots hold two of every root's."""
-    assert spread_chunk(16 << 20, 4, 8) == 4 << 20
+    assert spread_chunk(16 << 20, 4, 8, MAX_SLOTS) == 4 << 20
     assert fanout_slots(4, 16 << 20, 4 << 20, 32) == 16 == RING_DEPTH * 8
-    assert spread_chunk(16 << 20, 4, 1) == 16 << 20
-    assert spread_chunk(16 << 20, 4, 512) == MIN_SPREAD_CHUNK  # never a message of crumbs
+    assert spread_chunk(16 << 20, 4, 1, MAX_SLOTS) == 16 << 20
+    assert spread_chunk(16 << 20, 4, 512, MAX_SLOTS) == MIN_SPREAD_CHUNK  # never a message of crumbs
+    # 64 roots, 256 MiB of slots: 4 MiB fills the 64 slots there can be; 2 MiB would too, in
+    # twice the transfers (the review's case).
+    assert spread_chunk(16 << 20, 16, 64, MAX_SLOTS) == 4 << 20
+    assert fanout_slots(16, 16 << 20, 4 << 20, 10_000) == MAX_SLOTS
     with pytest.raises(ValueError):
-        spread_chunk(0, 4, 2)
+        spread_chunk(0, 4, 2, MAX_SLOTS)
+
+
+@pytest.mark.parametrize(
+    ("loads", "roots"),
+    [([8, 8, 8, 8, 8, 8, 8, 8], 8), ([100, 1, 1, 1, 1, 1, 1, 1], 1), ([50, 50, 1, 1], 2), ([], 1), ([0, 0], 1),
+     ([5, 0, 5, 0], 2)],
+)  # fmt: skip
+def test_the_roots_a_spread_fan_out_keeps_busy_are_weighed_by_their_bytes(loads: list[int], roots: int) -> None:
+    """A resumed copy that one node sends nearly all of is one chain, not eight."""
+    assert spread_roots(loads) == roots

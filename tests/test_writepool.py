@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from azcp_cluster.api import make_config
-from azcp_cluster.core.blocks import pool_buffers, pool_buffers_for
+from azcp_cluster.core.blocks import SPARE_BUFFERS, keepable, pool_buffers, pool_buffers_for
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.directio import DirectFile
 from azcp_cluster.dest.nodewriter import NodeWriter
@@ -264,3 +264,17 @@ def test_every_buffer_is_free_kept_or_nowhere_twice(limit: int, steps: list[tupl
         assert len(pool.kept) <= max(limit, 0)
     held = [id(b) for b in pool.free] + [id(buf) for _, buf in pool.kept.values()]
     assert len(held) == len(set(held)) and set(held) == everything
+
+
+@pytest.mark.parametrize(
+    ("buffers", "requests", "per_transfer", "kept"),
+    [(24, 2, 1, 18), (24, 16, 1, 4), (24, 16, 4, 4), (24, 16, 5, 0), (16, 8, 8, 0), (72, 64, 8, 0), (9, 1, 1, 4)],
+)
+def test_a_pool_keeps_what_its_requests_leave_spare_if_that_holds_a_transfer(
+    buffers: int, requests: int, per_transfer: int, kept: int
+) -> None:
+    """One buffer per request in flight and four spares stay with the download; the rest is kept
+    only if a whole transfer fits (a 256 MiB share streams 16 MiB transfers, 8 buffers of 2 MiB:
+    4 kept would never serve one and only take the download's spares)."""
+    assert keepable(buffers, requests, per_transfer) == kept
+    assert buffers - kept >= requests + SPARE_BUFFERS // 2 or kept == 0

@@ -4,7 +4,8 @@ A transfer (one root, its receivers) flows along a chain: the root sends its byt
 pieces, to the next node; each node forwards every piece to the node after it as soon as
 the piece has arrived, and writes it. Every link carries each byte once, so a transfer
 takes about its length over the link's rate (B), whatever the number of nodes, plus the
-time to fill the pipe, (nodes − 1) · piece / B. MPI's own broadcasts do not: a binomial
+time to fill the pipe: its first piece crosses nodes − 1 links, (nodes − 2) · piece / B
+beyond its bytes. MPI's own broadcasts do not: a binomial
 tree sends log2(N) copies out of the root, a scatter-allgather about 1.75 at 8 nodes.
 
 The order along the chain follows the hosts around a ring, starting at the root: rank
@@ -167,9 +168,18 @@ def needs_probe(method: str, nodes: int, payload: int) -> bool:
     return method == "auto" and nodes > 2 and payload >= PROBE_MIN_PAYLOAD
 
 
-def choose(method: str, nodes: int, payload: int, piece: int | None = None, probe: Probe | None = None) -> FanoutChoice:
+def choose(
+    method: str,
+    nodes: int,
+    payload: int,
+    piece: int | None = None,
+    probe: Probe | None = None,
+    largest: int | None = None,
+) -> FanoutChoice:
     """The transport for ``--fanout method`` over ``nodes`` nodes fanning out ``payload`` bytes;
-    ``piece``: ``--fanout-piece`` (None: from :func:`piece_size`); ``probe``: what auto measured."""
+    ``piece``: ``--fanout-piece`` (None: from :func:`piece_size`); ``probe``: what auto measured;
+    ``largest``: the largest transfer (a chain cuts each transfer on its own, so no piece of it
+    is larger, nor its pipe fill)."""
     if method not in FANOUT_METHODS:
         raise ValueError(f"unknown fan-out method {method!r}")
     size = piece if piece is not None else piece_size(payload, nodes)
@@ -180,7 +190,7 @@ def choose(method: str, nodes: int, payload: int, piece: int | None = None, prob
     if probe is None:
         why = "two nodes" if nodes <= 2 else f"under {PROBE_MIN_PAYLOAD // MiB} MiB to fan out"
         return FanoutChoice("chain", size, f"auto: {why}, no probe")
-    ibcast_s, chain_s = probe.expected(nodes, payload, size)
+    ibcast_s, chain_s = probe.expected(nodes, payload, min(size, largest) if largest else size)
     if ibcast_s * (1 + PROBE_MARGIN) < chain_s:
         return FanoutChoice("ibcast", 0, "auto: from the probe, the broadcast would be faster", probe)
     return FanoutChoice("chain", size, "auto: from the probe, the chain would be as fast or faster", probe)

@@ -237,21 +237,34 @@ def _taper(p: _Pieces, smallest: int) -> tuple[_Pieces, np.ndarray]:
     return pieces, own
 
 
-def spread_chunk(chunk: int, pipeline: int, roots: int) -> int:
+def spread_chunk(chunk: int, pipeline: int, roots: int, most_slots: int) -> int:
     """The transfer size of a copy that does not stream whose bytes are on ``roots`` nodes: at
     most ``chunk`` (``--bcast-chunk``), and, with several roots, the largest power of two that
     lets the fan-out's memory (``pipeline`` slots of ``chunk`` bytes, cut into slots of the
-    transfer size: ``blocks.fanout_slots``) hold RING_DEPTH transfers of every root, down to
-    MIN_SPREAD_CHUNK (or ``chunk``, if smaller)."""
-    if min(chunk, pipeline) < 1:
-        raise ValueError("chunk and pipeline must be at least 1")
+    transfer size: ``blocks.fanout_slots``, at most ``most_slots``) hold RING_DEPTH transfers of
+    every root; never so small that the memory would hold more than ``most_slots`` (more,
+    smaller transfers then buy nothing), nor below MIN_SPREAD_CHUNK (or ``chunk``, if smaller)."""
+    if min(chunk, pipeline, most_slots) < 1:
+        raise ValueError("chunk, pipeline and most_slots must be at least 1")
     if roots <= 1:
         return chunk
-    fits = pipeline * chunk // (RING_DEPTH * roots)
+    memory = pipeline * chunk
+    fits = memory // (RING_DEPTH * roots)
     power = 1
     while power * 2 <= fits:
         power *= 2
-    return min(chunk, max(MIN_SPREAD_CHUNK, power))
+    floor = 1
+    while memory // floor > most_slots:  # the smallest power of two that most_slots slots hold
+        floor *= 2
+    return min(chunk, max(MIN_SPREAD_CHUNK, floor, power))
+
+
+def spread_roots(loads: Sequence[int]) -> int:
+    """How many roots a fan-out of bytes spread as ``loads`` (bytes per root) keeps busy: the
+    bytes over the largest root's, rounded (eight equal roots: 8; one root with nearly
+    everything, seven with a file each: 1, as a resumed copy sent from one node may be)."""
+    largest = max(loads, default=0)
+    return max(1, round(sum(loads) / largest)) if largest > 0 else 1
 
 
 def transfer_schedule(

@@ -213,11 +213,14 @@ def probe(fabric: Fabric, nbytes: int = PROBE_BYTES, piece: int = PROBE_PIECE) -
     return Probe(nbytes, ibcast_s=timed(fabric, buffer), chain_s=timed(chain, buffer), piece=piece)
 
 
-def decide(fabric: Fabric, method: str, payload: int, piece: int | None = None) -> FanoutChoice:
-    """``--fanout method`` for ``payload`` bytes over the fabric's ranks: probed first where auto
-    asks for it (every rank of ``fabric`` calls it at the same point, with the same arguments)."""
+def decide(
+    fabric: Fabric, method: str, payload: int, piece: int | None = None, largest: int | None = None
+) -> FanoutChoice:
+    """``--fanout method`` for ``payload`` bytes over the fabric's ranks (``largest``: the largest
+    transfer): probed first where auto asks for it (every rank of ``fabric`` calls it at the
+    same point, with the same arguments)."""
     measured = probe(fabric) if needs_probe(method, fabric.size, payload) else None
-    return choose(method, fabric.size, payload, piece, measured)
+    return choose(method, fabric.size, payload, piece, measured, largest)
 
 
 def transport_for(fabric: Fabric, choice: FanoutChoice) -> Transport:

@@ -65,7 +65,11 @@ class ReadAhead:
         """Fill ``buffer`` with ``transfer``'s extents; raise what makes the slot unusable."""
         for extent in transfer.extents:
             self._read_extent(extent, buffer)
-        self._advise_next(transfer, self._current[0].fd if self._current is not None else -1)
+        # The hint names the file still open, which is the transfer's last only if that was
+        # read from the disk (not copied from memory).
+        current = self._current
+        last = transfer.extents[-1].file
+        self._advise_next(transfer, current[0].fd if current is not None and current[1] == last else -1)
 
     def close(self) -> None:
         """Close the file still open, if any."""
@@ -90,6 +94,8 @@ class ReadAhead:
         kept = self.kept if self._downloaded(extent.file) else None
         if kept is not None and kept.copy_landed(extent.file, extent.offset, into):
             self.memory_bytes += extent.length
+            if extent.last_of_file and self._current is not None and self._current[1] == extent.file:
+                self.close()  # its earlier extents came from the disk: nothing more is read of it
             return
         shown, opener = self._source(extent.file)
         outside = self.source_of(extent.file) is not None

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from azcp_cluster.core.blocks import blocks_for, fanout_slots, pool_buffers_for, pool_bytes
+from azcp_cluster.core.blocks import MAX_SLOTS, blocks_for, fanout_slots, pool_buffers_for, pool_bytes
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import InternalError
 from azcp_cluster.core.model import Listing
 from azcp_cluster.core.naming import JOURNAL_DIR
-from azcp_cluster.core.packing import spread_chunk, transfer_schedule
+from azcp_cluster.core.packing import spread_chunk, spread_roots, transfer_schedule
 from azcp_cluster.core.plan import Plan
 from azcp_cluster.core.schedule import (
     DIRECT_MIN,
@@ -90,10 +90,14 @@ def schedule_for(ctx: RunContext, place: Placement, plan: Plan, earlier: Schedul
         sizes = stream_sizes_for(ctx, place, plan)
         if sizes is not None:
             chunk = sizes.chunk
+        elif ctx.cfg.fanout == "ibcast":  # a collective per slot: as few as the memory allows
+            chunk = ctx.cfg.chunk
         else:  # several roots: every one of them in flight at once, round the ring
-            owners = np.unique(plan.columns.owner[plan.columns.length > 0]).tolist()
-            roots = len({topo.group_of[owner] for owner in owners})
-            chunk = spread_chunk(ctx.cfg.chunk, ctx.cfg.bcast_pipeline, roots)
+            c = plan.columns
+            loads = np.zeros(topo.groups, dtype=np.int64)
+            np.add.at(loads, np.asarray(topo.group_of, dtype=np.int64)[c.owner], c.length)
+            roots = spread_roots(loads.tolist())
+            chunk = spread_chunk(ctx.cfg.chunk, ctx.cfg.bcast_pipeline, roots, MAX_SLOTS)
         # Streamed: each root's last transfer tapered as its downloaders' last blocks are.
         tapered = TAPER if sizes is not None else None
         transfers = transfer_schedule(plan, chunk, topo.groups, root_of=topo.group_of, tapered=tapered)
@@ -301,7 +305,10 @@ def choose_fanout(ctx: RunContext, place: Placement, schedule: Schedule) -> None
     if not place.leader or not schedule.transfers or ctx.fanout is not None:
         return
     cfg = ctx.cfg
-    ctx.fanout = decide(MpiTransport(ctx.node_comm), cfg.fanout, payload(schedule.transfers), cfg.fanout_piece)
+    transfers = schedule.transfers
+    ctx.fanout = decide(
+        MpiTransport(ctx.node_comm), cfg.fanout, payload(transfers), cfg.fanout_piece, max_length(transfers)
+    )
     ctx.report.fanout = ctx.fanout.as_dict()
 
 

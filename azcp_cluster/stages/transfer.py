@@ -291,7 +291,7 @@ def stream(
             pool = ctx.write_pool if mine else None
             if pool is not None:
                 in_flight = min(streamed.concurrency, len(requests_for(mine, streamed.block_size)))
-                pool.keep_landed(keepable(pool.count, in_flight))
+                pool.keep_landed(keepable(pool.count, in_flight, -(-unit // pool.size)))
             done = lead(broadcaster, transfers, feed, own, mine, since, rank, stop, hooks, early, pool)
             digests.update(done.digests or {})
         elif mine:
