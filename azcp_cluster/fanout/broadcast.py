@@ -38,10 +38,8 @@ from azcp_cluster.core.digests import StreamDigests
 from azcp_cluster.core.errors import AzcpError, InternalError
 from azcp_cluster.core.fanout import Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
 from azcp_cluster.core.model import FileEntry
-from azcp_cluster.core.plan import round_up
 from azcp_cluster.core.schedule import Extent, Transfer, completions, streamed_files
 from azcp_cluster.dest.desttree import DestTree
-from azcp_cluster.dest.directio import ALIGN, aligned_buffer
 from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.fanout.events import (
     NO_HOOKS,
@@ -59,6 +57,7 @@ from azcp_cluster.fanout.events import (
     as_error,
 )
 from azcp_cluster.fanout.readahead import ReadAhead
+from azcp_cluster.fanout.slot import Slot
 from azcp_cluster.fanout.transport import Request, Transport
 from azcp_cluster.run.cluster import PeerFailed
 from azcp_cluster.run.interrupts import shield
@@ -74,16 +73,6 @@ MAX_NAP = 0.002
 # Seconds between looks at signals, landings and peers while nothing is in flight.
 IDLE_NAP = 0.005
 _Job = TypeVar("_Job", Read, Hash)  # what a thread of the driver serves (the read-ahead, the hasher)
-
-
-class _Slot:
-    """One pipeline buffer."""
-
-    def __init__(self, size: int, populate: bool = True) -> None:
-        # Rounded up to whole blocks: an O_DIRECT read of an extent with an unaligned end
-        # (a file's last) reads the whole last block. One byte more: the root's ``intact``
-        # flag, sent right after a transfer's bytes (fanout.py).
-        self.buffer = aligned_buffer(round_up(size + 1, ALIGN), populate=populate)
 
 
 @dataclass
@@ -153,7 +142,7 @@ class Broadcaster:
         self._announced = False  # the stage's hooks were told this rank failed (StageHooks.announce)
         self.stats = BroadcastStats()
         # The first ``populated`` slots mapped now, the rest at first use (allocate.POPULATED_SLOTS).
-        self.slots = [_Slot(slot_size, populate=i < populated) for i in range(pipeline)]
+        self.slots = [Slot(slot_size, populate=i < populated) for i in range(pipeline)]
         self.writer_count = writers  # writer jobs one transfer's extents are spread over
         # The node's writer (shared with the download when both run at once; its maker closes
         # it): it creates the small files made on arrival and feeds the block journal.
@@ -191,11 +180,10 @@ class Broadcaster:
         """Carry out every transfer this rank takes part in; raise the first local error after all ranks stopped.
 
         ``hooks``: the stage's. ``landed``: streaming, the download still running (see
-        :class:`Landed`); ``kept``: its buffers, which a root copies its transfers from while
-        they still hold them. ``failed``: this rank failed before the fan-out began (its download
-        could not be set up): it takes part without reading or writing until the first
-        agreement, where all ranks stop, as it does when anything else fails before its first
-        post here (its threads cannot start).
+        :class:`Landed`); ``kept``: its buffers, a root's transfers copied from them. ``failed``:
+        this rank failed before the fan-out began (its download could not be set up): it takes
+        part without reading or writing until the first agreement, where all ranks stop, as it
+        does when anything else fails before its first post here (its threads cannot start).
         """
         run = self._begin(schedule, hooks, landed, failed, kept)
         try:
@@ -214,7 +202,7 @@ class Broadcaster:
         hooks: StageHooks,
         landed: Landed | None,
         failed: AzcpError | None,
-        kept: Kept | None = None,
+        kept: Kept | None,
     ) -> _Run:
         """The machine for ``schedule``, the read-ahead, hasher and writer threads started, the first instructions."""
         self._schedule = schedule
@@ -388,7 +376,7 @@ class Broadcaster:
         slot.buffer[transfer.length] = 1 if step.intact and transfer.root == self.rank else 0
         run.inflight.append(_InFlight(transfer, self._post(transfer, slot), step.slot))
 
-    def _post(self, transfer: Transfer, slot: _Slot) -> Request:
+    def _post(self, transfer: Transfer, slot: Slot) -> Request:
         """Start a transfer: its bytes and the root's ``intact`` byte after them, to every other
         rank or to its receivers."""
         receivers = None if transfer.everyone else transfer.receivers

@@ -11,10 +11,20 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from azcp_cluster.core.blocks import MAX_SLOTS, blocks_for, fanout_slots, pool_buffers_for, pool_bytes
+from azcp_cluster.core.blocks import (
+    MAX_SLOTS,
+    Block,
+    blocks_for,
+    fanout_slots,
+    keepable,
+    pool_buffers_for,
+    pool_bytes,
+    requests_for,
+)
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import InternalError
 from azcp_cluster.core.model import Listing
@@ -44,6 +54,9 @@ from azcp_cluster.run.cluster import StageOutcome, StageResult
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement, available_memory
 from azcp_cluster.stages.survey import Diff, Listed
+
+if TYPE_CHECKING:
+    from azcp_cluster.download.writepool import WritePool
 
 
 @dataclass(frozen=True)
@@ -125,6 +138,20 @@ def landing_unit(ctx: RunContext, place: Placement, plan: Plan, block_size: int)
     four hosts in the box posted their transfers in bursts, the fabric idle between them."""
     sizes = stream_sizes_for(ctx, place, plan)
     return min(block_size, sizes.chunk) if sizes is not None else block_size
+
+
+def keep_landed(ctx: RunContext, streamed: Config, mine: list[Block], unit: int) -> WritePool | None:
+    """A streaming leader's download pool, told to keep what it writes for the fan-out to send
+    from memory (``mine``: its blocks, ``unit``: its transfers' size); None if it downloads none.
+
+    What this rank downloads in its own process lands in the pool's buffers: the pool keeps
+    what the requests in flight and its spares leave, if that holds a whole transfer (worker
+    processes' buffers are theirs: those blocks are read back from the disk)."""
+    pool = ctx.write_pool if mine else None
+    if pool is not None:
+        in_flight = min(streamed.concurrency, len(requests_for(mine, streamed.block_size)))
+        pool.keep_landed(keepable(pool.count, in_flight, -(-unit // pool.size)))
+    return pool
 
 
 def download_config(ctx: RunContext, place: Placement, plan: Plan, schedule: Schedule) -> Config:

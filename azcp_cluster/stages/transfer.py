@@ -232,7 +232,7 @@ def stream(
     stop every leader at the same transfer. Reported as both stages: ``download`` until
     the last byte landed, ``bcast`` the whole stage (they overlap).
     """
-    from azcp_cluster.core.blocks import Block, keepable, node_blocks, requests_for
+    from azcp_cluster.core.blocks import Block, node_blocks
     from azcp_cluster.fanout.streaming import LandingFeed, Streamed, lead, notify_while_downloading
 
     cluster = ctx.cluster
@@ -285,13 +285,7 @@ def stream(
                 own = make_downloader(lambda b: here.local(index[(b.file, b.offset)]), stop.is_set) if mine else None
             except Exception as exc:  # the fan-out still runs to its first agreement: nobody is left waiting
                 early = as_azcp_error(exc, rank)
-            # What this rank downloads in its own process lands in the pool's buffers: the
-            # pool keeps what the requests in flight leave spare, and the fan-out sends it
-            # from there (worker processes' buffers are theirs: those blocks are read back).
-            pool = ctx.write_pool if mine else None
-            if pool is not None:
-                in_flight = min(streamed.concurrency, len(requests_for(mine, streamed.block_size)))
-                pool.keep_landed(keepable(pool.count, in_flight, -(-unit // pool.size)))
+            pool = allocate.keep_landed(ctx, streamed, mine, unit)
             done = lead(broadcaster, transfers, feed, own, mine, since, rank, stop, hooks, early, pool)
             digests.update(done.digests or {})
         elif mine:
