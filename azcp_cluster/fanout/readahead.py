@@ -1,9 +1,10 @@
 """The root's side of a fan-out slot: fill it with a transfer's extents before it is posted.
 
 From the node's download of this run (written with O_DIRECT, so read back with O_DIRECT
-too: none of it is cached; streaming, copied from the download's buffers when they still
-hold it, see :class:`azcp_cluster.fanout.events.Kept`), a complete copy this rank already had, or a local SOURCE (both
-read through the page cache, with a read-ahead hint for the next transfer). A local
+too: none of it is cached; streaming, copied from the download's buffers while they still
+hold it, see :class:`azcp_cluster.fanout.events.Kept`), a complete copy this rank already
+had, or a local SOURCE (both read through the page cache, with a read-ahead hint for the
+next transfer). A local
 SOURCE's file that changed since it was listed, or while it was read, is noted in
 ``changed`` (its copies are torn: the pipeline reads it again or fails), not raised.
 """
