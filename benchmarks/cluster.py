@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from azcp_cluster.core.config import MiB
 from azcp_cluster.devtools import azurite, box
 from azcp_cluster.devtools.box import Box, Link
+from azcp_cluster.devtools.bytecode import compile_package
 from azcp_cluster.devtools.datasets import pseudo_random
 from benchmarks.run import mpiexec
 
@@ -161,14 +162,6 @@ class CpuSampler:
         if t1 <= t0:
             return {}
         return {"cpu_busy": round((b1 - b0) / (t1 - t0), 2), "cpu_steal": round((s1 - s0) / (t1 - t0), 2)}
-
-
-def compile_package() -> None:
-    """Compile the package's modules once, as installing it does: with PYTHONDONTWRITEBYTECODE
-    set (this sandbox sets it), every rank would otherwise compile each module it imports,
-    some of them inside the timed stages (0.2 s of CPU per rank here, eight ranks on two cores)."""
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "azcp_cluster")], check=True,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
 
 
 class Bench:

@@ -306,14 +306,22 @@ def test_chains_give_every_rank_byte_identical_copies_each_link_carrying_each_by
     assert hubs[0].link_bytes == dict(links)
 
 
-@pytest.mark.parametrize("victim", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_a_failure_at_any_instruction_of_a_chain_ends_every_rank_together(tmp_path: Path, victim: int) -> None:
+# As test_transport's: the middle rank at a sample of its instructions in the default suite;
+# at every one, and the last rank at every one, in CI's slow step.
+@pytest.mark.parametrize(
+    ("victim", "sample"),
+    [(1, True), pytest.param(1, False, marks=pytest.mark.slow), pytest.param(2, False, marks=pytest.mark.slow)],
+    ids=["1-sampled", "1", "2"],
+)
+def test_a_failure_at_any_instruction_of_a_chain_ends_every_rank_together(
+    tmp_path: Path, victim: int, sample: bool
+) -> None:
     """As test_transport's, over chains, the victim in the middle (1) or at the end (2) of the chain."""
     w = world(tmp_path, 3, local=True)
     clean = fan_out(w, "clean", transports=RecordedChain)
     assert all(isinstance(r, BroadcastStats) for r in clean.results)
     assert {Post, Write, Agree} <= {type(s) for s in clean.drivers[victim].carried}
-    fail_at_every_instruction(w, clean, victim, RecordedChain)
+    fail_at_every_instruction(w, clean, victim, RecordedChain, sample=sample)
 
 
 def test_a_rank_that_dies_in_the_middle_of_a_chain_ends_the_others_with_an_error_not_a_hang(tmp_path: Path) -> None:

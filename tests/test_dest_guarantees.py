@@ -150,6 +150,7 @@ def test_lock_timeout_bounds_the_wait(
     assert "--lock-timeout" in line, line
 
 
+@pytest.mark.slow  # about 9 s: CI's slow step (.ci/run); the default suite stays under 10 minutes
 def test_two_jobs_whose_nodes_overlap_in_opposite_order_both_complete(
     emulator: azurite.Emulator, slow_blobs: tuple[str, dict[str, bytes]], tmp_path: Path
 ) -> None:

@@ -209,28 +209,28 @@ def test_the_plan_moves_every_missing_byte_once_and_sends_it_only_to_those_that_
     plan = plan_transfers(sizes, [(), ()], 8, shard, copies=4, partial={0: segs}, receivers=leaders)
     group_of = [r // 2 for r in range(8)]
     schedule = transfer_schedule(plan, 8 * A, 4, root_of=group_of)
-    got: dict[int, dict[int, set[int]]] = {}  # group -> file -> bytes it gets
+    # Counted in pages of A bytes (every holding, segment, shard and slot is whole pages): a
+    # set of every byte made this test take seconds.
+    got: dict[int, dict[int, set[int]]] = {}  # group -> file -> pages it gets
     for transfer in schedule:
         for extent in transfer.extents:
+            assert extent.offset % A == 0 and extent.length % A == 0, extent
+            pages_of = range(extent.offset // A, (extent.offset + extent.length) // A)
             for group in transfer.receivers:
-                got.setdefault(group, {}).setdefault(extent.file, set()).update(
-                    range(extent.offset, extent.offset + extent.length)
-                )
+                got.setdefault(group, {}).setdefault(extent.file, set()).update(pages_of)
             if not any(
                 s.peer and s.file == extent.file and s.offset <= extent.offset < s.offset + s.length
                 for s in plan.shards
             ):
-                got.setdefault(transfer.root, {}).setdefault(extent.file, set()).update(
-                    range(extent.offset, extent.offset + extent.length)  # its own download
-                )
+                got.setdefault(transfer.root, {}).setdefault(extent.file, set()).update(pages_of)  # its own download
     downloaded = sum(s.length for s in plan.shards if not s.peer)
     assert downloaded == 5 * A + sum(s.length for s in segs if not s.holders)
     for group, leader in enumerate(leaders):
-        have = {b for s, e in holdings.get(leader, []) for b in range(s, e)}
+        have = {p for s, e in holdings.get(leader, []) for p in range(s // A, e // A)}
         arriving = got.get(group, {}).get(0, set())
         assert not arriving & have, "a node is sent bytes it kept"
-        assert arriving | have == set(range(size)), "a node lacks bytes after the run"
-        assert got.get(group, {}).get(1, set()) == set(range(5 * A))
+        assert arriving | have == set(range(pages)), "a node lacks bytes after the run"
+        assert got.get(group, {}).get(1, set()) == set(range(5))
     for s in plan.shards:
         assert s.offset % A == 0, "a shard of a resumed file starts off the alignment"
         if s.peer:

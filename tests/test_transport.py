@@ -356,9 +356,15 @@ def test_every_rank_ends_with_byte_identical_copies(tmp_path: Path, ranks: int, 
     assert not any(d.changed for d in out.drivers)
 
 
-# Rank 1 as the victim (about 13 s) in CI's slow step; rank 0 in the default suite.
-@pytest.mark.parametrize("victim", [0, pytest.param(1, marks=pytest.mark.slow)])
-def test_a_failure_at_any_instruction_ends_every_rank_together(tmp_path: Path, victim: int) -> None:
+# Rank 0 as the victim, failing at a sample of its instructions (every kind's first, both
+# sides of every agreement, the last few, every SAMPLE-th), in the default suite; rank 0 at
+# every one and rank 1 at every one (about 13 s each) in CI's slow step.
+@pytest.mark.parametrize(
+    ("victim", "sample"),
+    [(0, True), pytest.param(0, False, marks=pytest.mark.slow), pytest.param(1, False, marks=pytest.mark.slow)],
+    ids=["0-sampled", "0", "1"],
+)
+def test_a_failure_at_any_instruction_ends_every_rank_together(tmp_path: Path, victim: int, sample: bool) -> None:
     """For every instruction k the victim carries out in a whole run, a run where carrying out
     its k-th fails: the victim ends with that error; every other rank with PeerFailed if an
     agreement followed (else the failure came after the last one, in a write of the last
@@ -369,17 +375,43 @@ def test_a_failure_at_any_instruction_ends_every_rank_together(tmp_path: Path, v
     clean = fan_out(w, "clean")
     assert all(isinstance(r, BroadcastStats) for r in clean.results)
     assert {Read, Post, Write, Hash, Agree} <= {type(s) for s in clean.drivers[victim].carried}
-    fail_at_every_instruction(w, clean, victim)
+    fail_at_every_instruction(w, clean, victim, sample=sample)
+
+
+# With ``sample``, one instruction in this many, besides those sampled() always takes.
+SAMPLE = 4
+
+
+def sampled(steps: Sequence[Instruction]) -> list[int]:
+    """The instructions a sampled run fails at: the first of each kind, the one before, at and
+    after each agreement (a failure reported there or just missed), the last three (after the
+    last agreement) and every SAMPLE-th."""
+    picked = set(range(0, len(steps), SAMPLE)) | set(range(max(0, len(steps) - 3), len(steps)))
+    seen: set[type] = set()
+    for k, step in enumerate(steps):
+        if type(step) not in seen:
+            seen.add(type(step))
+            picked.add(k)
+        if isinstance(step, Agree):
+            picked |= {k - 1, k, k + 1}
+    return sorted(k for k in picked if 0 <= k < len(steps))
 
 
 def fail_at_every_instruction(
-    w: World, clean: Outcome, victim: int, transports: Callable[[LoopbackHub, int], Transport] | None = None
+    w: World,
+    clean: Outcome,
+    victim: int,
+    transports: Callable[[LoopbackHub, int], Transport] | None = None,
+    *,
+    sample: bool = False,
 ) -> None:
-    """For each instruction k the victim carried out in ``clean``, a run failing at its k-th: the
-    victim ends with that error, having said so at every agreement after it; every other rank
-    with PeerFailed, or with nothing if no agreement followed; nothing wrong written."""
+    """For each instruction k the victim carried out in ``clean`` (or those :func:`sampled`
+    picks), a run failing at its k-th: the victim ends with that error, having said so at every
+    agreement after it; every other rank with PeerFailed, or with nothing if no agreement
+    followed; nothing wrong written."""
     steps = clean.drivers[victim].carried
-    for k, step in enumerate(steps):
+    for k in sampled(steps) if sample else range(len(steps)):
+        step = steps[k]
         out = fan_out(w, f"k{k}", fail_at={victim: k}, transports=transports)
         errors = out.errors()
         mine = errors[victim]

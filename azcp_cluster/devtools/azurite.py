@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import datetime as _dt
+import http.client
 import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
+
+from azcp_cluster.azure.credentials import container_sas
 
 # The emulator's documented, well-known development account: not a secret.
 ACCOUNT = "devstoreaccount1"
@@ -171,11 +177,45 @@ def container_client(emulator: Emulator, container: str, create: bool = True):  
     return client
 
 
+# Blobs up to this size go up in one plain PUT each, on a kept-alive connection; larger ones
+# through the SDK (in blocks, four at a time).
+SMALL_BLOB = 4 * 1024 * 1024
+
+
 def upload(emulator: Emulator, container: str, blobs: Mapping[str, bytes]) -> None:
-    """Upload ``{name: data}`` into ``container`` (created if missing)."""
+    """Upload ``{name: data}`` into ``container`` (created if missing).
+
+    The SDK spends some 7 ms of CPU on each request here, so a fixture of a thousand small
+    blobs took 8 s: the small ones go up as plain Put Blob requests (a write SAS made from the
+    key, one connection), the rest through the SDK."""
     client = container_client(emulator, container)
+    small = {name: data for name, data in blobs.items() if len(data) <= SMALL_BLOB}
+    if small:
+        _put_small(emulator, container, small)
     for name, data in blobs.items():
-        client.upload_blob(name, data, overwrite=True, max_concurrency=4)
+        if len(data) > SMALL_BLOB:
+            client.upload_blob(name, data, overwrite=True, max_concurrency=4)
+
+
+def _put_small(emulator: Emulator, container: str, blobs: Mapping[str, bytes]) -> None:
+    """Put Blob for each of ``blobs``, in order, on one kept-alive connection."""
+    start = _dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(minutes=15)
+    sas = container_sas(ACCOUNT, container, ACCOUNT_KEY, "cw", start, start + _dt.timedelta(hours=2))
+    if emulator.scheme == "https":
+        context = ssl.create_default_context(cafile=emulator.ca_file)
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(emulator.host, emulator.port, context=context)
+    else:
+        conn = http.client.HTTPConnection(emulator.host, emulator.port)
+    try:
+        for name, data in blobs.items():
+            path = f"/{ACCOUNT}/{container}/{quote(name, safe='/~')}?{sas}"
+            conn.request("PUT", path, body=data, headers={"x-ms-blob-type": "BlockBlob", "Content-Type": "application/octet-stream"})
+            response = conn.getresponse()
+            answer = response.read()
+            if response.status != 201:
+                raise RuntimeError(f"the emulator refused {name!r}: {response.status} {answer[:300]!r}")
+    finally:
+        conn.close()
 
 
 def delete(emulator: Emulator, container: str, names: Iterable[str]) -> None:
