@@ -180,6 +180,7 @@ def container_client(emulator: Emulator, container: str, create: bool = True):  
 # Blobs up to this size go up in one plain PUT each, on a kept-alive connection; larger ones
 # through the SDK (in blocks, four at a time).
 SMALL_BLOB = 4 * 1024 * 1024
+PUT_HEADERS = {"x-ms-blob-type": "BlockBlob", "Content-Type": "application/octet-stream"}  # as the SDK sends
 
 
 def upload(emulator: Emulator, container: str, blobs: Mapping[str, bytes]) -> None:
@@ -209,7 +210,7 @@ def _put_small(emulator: Emulator, container: str, blobs: Mapping[str, bytes]) -
     try:
         for name, data in blobs.items():
             path = f"/{ACCOUNT}/{container}/{quote(name, safe='/~')}?{sas}"
-            conn.request("PUT", path, body=data, headers={"x-ms-blob-type": "BlockBlob", "Content-Type": "application/octet-stream"})
+            conn.request("PUT", path, body=data, headers=PUT_HEADERS)
             response = conn.getresponse()
             answer = response.read()
             if response.status != 201:
