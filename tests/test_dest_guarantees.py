@@ -93,6 +93,7 @@ def _holding(cmd: list[str], env: dict[str, str], lock: Path) -> Iterator[subpro
     assert first.returncode == 0, err
 
 
+@pytest.mark.slow  # CI's slow step (.ci/run): the default suite stays under 10 minutes
 def test_two_runs_on_one_dest_one_second_apart_both_end_with_every_copy_right(
     emulator: azurite.Emulator, slow_blobs: tuple[str, dict[str, bytes]], tmp_path: Path
 ) -> None:
@@ -437,6 +438,7 @@ def test_a_local_file_rewritten_in_place_while_it_is_read_never_ends_in_a_torn_c
         assert not (tmp_path / "d" / str(rank) / "big.bin").exists(), "a torn copy under its final name"
 
 
+@pytest.mark.slow  # CI's slow step (.ci/run): the default suite stays under 10 minutes
 def test_a_local_file_changed_once_while_it_is_read_is_read_again(tmp_path: Path) -> None:
     data = pseudo_random(64 * MiB, "once")
     _write_tree(tmp_path / "src", {"big.bin": data})

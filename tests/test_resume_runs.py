@@ -205,7 +205,8 @@ def test_one_replaced_blob_loses_its_blocks_and_the_others_keep_theirs(
     _assert_copies(base, files)
 
 
-@pytest.mark.parametrize("spoil", ["truncated", "garbage"])
+# A truncated journal in CI's slow step; a garbled one in the default suite.
+@pytest.mark.parametrize("spoil", [pytest.param("truncated", marks=pytest.mark.slow), "garbage"])
 def test_a_spoiled_journal_still_gives_a_byte_identical_copy(
     emulator: azurite.Emulator, stopped: tuple[str, dict[str, bytes], Path], spoil: str
 ) -> None:
@@ -255,6 +256,7 @@ def test_a_journal_others_may_write_is_ignored_with_one_warning(
     _assert_copies(base, files)
 
 
+@pytest.mark.slow  # CI's slow step (.ci/run): the default suite stays under 10 minutes
 def test_no_resume_removes_the_journal_and_moves_every_byte(
     emulator: azurite.Emulator, stopped: tuple[str, dict[str, bytes], Path]
 ) -> None:
@@ -286,6 +288,7 @@ def test_a_resumed_copy_verifies_and_a_run_refused_by_the_lock_leaves_the_journa
     _assert_copies(base, files)
 
 
+@pytest.mark.slow  # CI's slow step (.ci/run): the default suite stays under 10 minutes
 def test_a_second_stop_keeps_what_both_runs_wrote(
     emulator: azurite.Emulator, stopped: tuple[str, dict[str, bytes], Path]
 ) -> None:
@@ -315,6 +318,7 @@ def test_the_report_counts_the_kept_bytes_over_the_nodes(
     _assert_copies(base, files)
 
 
+@pytest.mark.slow  # CI's slow step (.ci/run): the default suite stays under 10 minutes
 def test_a_copy_that_fails_verify_is_not_resumed_from_again(
     emulator: azurite.Emulator, stopped: tuple[str, dict[str, bytes], Path]
 ) -> None:

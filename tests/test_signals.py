@@ -265,6 +265,7 @@ def test_a_signal_during_the_broadcast_stops_every_rank_and_the_rerun_finishes(
         assert tree_of(tmp_path / "d" / str(rank)) == files
 
 
+@pytest.mark.slow  # CI's slow step (.ci/run): the default suite stays under 10 minutes
 def test_sigterm_during_the_download_stops_every_rank_and_the_rerun_finishes(
     emulator: azurite.Emulator, tmp_path: Path
 ) -> None:
