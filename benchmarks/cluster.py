@@ -420,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     size = args.bytes or (32 * MiB if args.quick else 128 * MiB)
     files = dataset(size)
     started = time.time()
-    compile_package()
+    if not compile_package():
+        raise SystemExit("the package did not compile")
     with tempfile.TemporaryDirectory(prefix="azcp-cluster-bench-") as tmp:
         source = Path(tmp) / "src"
         source.mkdir()

@@ -1,8 +1,8 @@
 """The pulse that names a stopped rank: its schedule and decision (pure), and its thread on a real MPI.
 
-The end-to-end case (a rank stopped with SIGSTOP at the end of a chain, named, the job ended
-with exit 10) is ``tests/test_reliability.py``'s, in CI's slow step; every other MPI test runs
-with the pulse on, so its last-pulse handshake is exercised at the end of each of them.
+The end-to-end case (a rank stopped with SIGSTOP in the middle of a chain, named, the job ended
+with exit 10) is ``tests/test_reliability.py``; every other MPI test runs with the pulse on, so
+its last-pulse handshake is exercised at the end of each of them.
 """
 
 from __future__ import annotations

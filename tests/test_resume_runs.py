@@ -256,7 +256,6 @@ def test_a_journal_others_may_write_is_ignored_with_one_warning(
     _assert_copies(base, files)
 
 
-@pytest.mark.slow  # CI's slow step (.ci/run): the default suite stays under 10 minutes
 def test_no_resume_removes_the_journal_and_moves_every_byte(
     emulator: azurite.Emulator, stopped: tuple[str, dict[str, bytes], Path]
 ) -> None:

@@ -190,31 +190,51 @@ def upload(emulator: Emulator, container: str, blobs: Mapping[str, bytes]) -> No
     blobs took 8 s: the small ones go up as plain Put Blob requests (a write SAS made from the
     key, one connection), the rest through the SDK."""
     client = container_client(emulator, container)
-    small = {name: data for name, data in blobs.items() if len(data) <= SMALL_BLOB}
+    small = {name: data for name, data in blobs.items() if _plain(name, data)}
     if small:
         _put_small(emulator, container, small)
     for name, data in blobs.items():
-        if len(data) > SMALL_BLOB:
+        if name not in small:
             client.upload_blob(name, data, overwrite=True, max_concurrency=4)
 
 
+def _plain(name: str, data: bytes) -> bool:
+    """Whether ``name`` goes up as a plain Put Blob: small, and no "." or ".." segment (the SDK's
+    client resolves those in the URL, http.client would not: the name would depend on the size)."""
+    return len(data) <= SMALL_BLOB and not {".", ".."} & set(name.split("/"))
+
+
 def _put_small(emulator: Emulator, container: str, blobs: Mapping[str, bytes]) -> None:
-    """Put Blob for each of ``blobs``, in order, on one kept-alive connection."""
+    """Put Blob for each of ``blobs``, in order, on one kept-alive connection; a request that
+    fails (a reset, a 500 or 503 of a busy emulator) is sent once more on a new connection."""
     start = _dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(minutes=15)
     sas = container_sas(ACCOUNT, container, ACCOUNT_KEY, "cw", start, start + _dt.timedelta(hours=2))
-    if emulator.scheme == "https":
-        context = ssl.create_default_context(cafile=emulator.ca_file)
-        conn: http.client.HTTPConnection = http.client.HTTPSConnection(emulator.host, emulator.port, context=context)
-    else:
-        conn = http.client.HTTPConnection(emulator.host, emulator.port)
+
+    def connect() -> http.client.HTTPConnection:
+        if emulator.scheme == "https":
+            context = ssl.create_default_context(cafile=emulator.ca_file)
+            return http.client.HTTPSConnection(emulator.host, emulator.port, context=context, timeout=60)
+        return http.client.HTTPConnection(emulator.host, emulator.port, timeout=60)
+
+    conn = connect()
     try:
         for name, data in blobs.items():
             path = f"/{ACCOUNT}/{container}/{quote(name, safe='/~')}?{sas}"
-            conn.request("PUT", path, body=data, headers=PUT_HEADERS)
-            response = conn.getresponse()
-            answer = response.read()
-            if response.status != 201:
-                raise RuntimeError(f"the emulator refused {name!r}: {response.status} {answer[:300]!r}")
+            for attempt in (1, 2):
+                try:
+                    conn.request("PUT", path, body=data, headers=PUT_HEADERS)
+                    response = conn.getresponse()
+                    answer = response.read()
+                except (OSError, http.client.HTTPException):
+                    if attempt == 2:
+                        raise
+                    conn.close()
+                    conn = connect()
+                    continue
+                if response.status == 201:
+                    break
+                if attempt == 2 or response.status not in (500, 503):
+                    raise RuntimeError(f"the emulator refused {name!r}: {response.status} {answer[:300]!r}")
     finally:
         conn.close()
 
