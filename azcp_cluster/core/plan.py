@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from azcp_cluster.core.columns import distinct, distinct_pairs
+
 # Shard boundaries fall on multiples of this, so O_DIRECT writers never straddle them.
 SHARD_ALIGN = 4096
 # A plan whose largest download share exceeds the mean by more than 1/BALANCE is planned
@@ -174,15 +176,15 @@ class Plan:
         """The files with bytes that one of ``owners`` downloads (not a peer shard)."""
         c = self.columns
         chosen = np.isin(c.owner, np.fromiter(owners, dtype=np.int64)) & ~c.peer
-        return set(np.unique(c.file[chosen]).tolist())
+        return set(distinct(c.file[chosen]).tolist())
 
     def files_per_rank(self) -> list[int]:
         """How many distinct files each rank has a shard of (downloaded or sent to peers)."""
         c = self.columns
         counts = np.zeros(self.nranks, dtype=np.int64)
         if len(c.file):
-            pairs = np.unique(np.stack((c.owner, c.file), axis=1), axis=0)
-            np.add.at(counts, pairs[:, 0], 1)
+            owners, _ = distinct_pairs(c.owner, c.file)
+            np.add.at(counts, owners, 1)
         return [int(n) for n in counts.tolist()]
 
     def spread(self, owners: Sequence[int] | None = None) -> float:

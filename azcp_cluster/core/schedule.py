@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from azcp_cluster.core.columns import distinct
 from azcp_cluster.core.plan import SHARD_ALIGN
 
 # MPI counts are C ints; the reference tool splits each call at 1 GiB to stay well below.
@@ -307,7 +308,7 @@ def payload(schedule: Sequence[Transfer]) -> int:
 def files_of(schedule: Sequence[Transfer]) -> int:
     """How many files have bytes in the transfers."""
     if isinstance(schedule, Transfers):
-        return len(np.unique(schedule.extents.file))
+        return len(distinct(schedule.extents.file))
     return len({e.file for t in schedule for e in t.extents})
 
 
@@ -318,7 +319,7 @@ def files_written(schedule: Sequence[Transfer], rank: int) -> set[int]:
     if isinstance(schedule, Transfers):
         mine = np.zeros(len(schedule), dtype=np.bool_)
         mine[schedule.involving(rank)] = True
-        files: set[int] = set(np.unique(schedule.extents.file[schedule.per_extent(mine)]).tolist())
+        files: set[int] = set(distinct(schedule.extents.file[schedule.per_extent(mine)]).tolist())
         return files
     return {e.file for t in schedule if t.involves(rank) for e in t.extents}
 

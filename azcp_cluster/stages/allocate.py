@@ -25,6 +25,7 @@ from azcp_cluster.core.blocks import (
     pool_bytes,
     requests_for,
 )
+from azcp_cluster.core.columns import distinct
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import InternalError
 from azcp_cluster.core.model import Listing
@@ -97,7 +98,7 @@ def schedule_for(ctx: RunContext, place: Placement, plan: Plan, earlier: Schedul
         # nothing is fanned out (no slots, no read-back). A local SOURCE still goes through
         # the fan-out: its reader's copy is the one the fan-out writes.
         c = plan.columns
-        receives = set(np.unique(c.file[c.length > 0]).tolist())
+        receives = set(distinct(c.file[c.length > 0]).tolist())
         transfers = Transfers.of([], 1)
     else:
         sizes = stream_sizes_for(ctx, place, plan)
