@@ -24,6 +24,13 @@ files, on the emulator and in a local directory. The cases, on every host count 
   the same emulator (the tool alone on each host, one process each, no MPI between them):
   bound S/fe, and the emulator sends N·S.
 
+The tool's cases also have the box's own bound: its hosts' DESTs are on this machine's one
+disk (a cluster's nodes have a disk each), which takes N·S from them. Before the cases, one
+O_DIRECT writer per host writes S there at once (``disk_mib_s``, what the disk took), and
+``disk_s`` = N·S / that rate is a part of their bound (``bound_s`` the largest part). A disk
+that stalls with writes in flight binds before its rate says so: the last writes land after
+the last byte crossed the fabric (``--tmpfs`` takes the disk out).
+
 Per row, also what this machine's CPUs did while the fan-out ran (the tool's ``bcast`` or
 streamed ``transfer`` stage; a raw pattern's whole run): ``cpu_busy``, the share of the
 machine's CPU time spent working, and ``cpu_steal``, the share its hypervisor gave to other
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shlex
 import shutil
@@ -83,18 +91,64 @@ def dataset(size: int) -> dict[str, bytes]:
     return {f"model-{i:05d}-of-{FILES:05d}.bin": pseudo_random(n, f"cluster-{i}") for i, n in enumerate(sizes)}
 
 
-def bounds(case: str, size: int, hosts: int, front: Link, fabric: Link) -> dict[str, float]:
-    """The physical bound of a case (``bound_s``) and its parts, from the link rates."""
+def bounds(case: str, size: int, hosts: int, front: Link, fabric: Link, disk: float | None = None) -> dict[str, float]:
+    """The physical bound of a case (``bound_s``) and its parts, from the link rates and
+    ``disk``, the bytes per second the box's one disk took from all its hosts' writers at once
+    (:func:`disk_rate`; None: not measured). The tool's cases write S on every host, all to
+    that disk (a cluster's nodes each have their own): ``disk_s`` = N·S / disk, a part of
+    the bound like the links'. The raw patterns write nothing."""
     fe, b = front.bytes_per_s, fabric.bytes_per_s
     assert fe is not None and b is not None
+    parts: dict[str, float]
     if case in ("local", "ibcast", "chain"):
-        return {"bound_s": size / b, "link_s": size / b}
-    if case == "ring":
-        return {"bound_s": size * (hosts - 1) / (hosts * b), "fanout_s": size * (hosts - 1) / (hosts * b)}
-    if case == "every-node":
-        return {"bound_s": size / fe, "download_s": size / fe}
-    download, fanout = size / (hosts * fe), size * (hosts - 1) / (hosts * b)
-    return {"bound_s": max(download, fanout), "download_s": download, "fanout_s": fanout, "sum_s": download + fanout}
+        parts = {"link_s": size / b}
+    elif case == "ring":
+        parts = {"fanout_s": size * (hosts - 1) / (hosts * b)}
+    elif case == "every-node":
+        parts = {"download_s": size / fe}
+    else:
+        download, fanout = size / (hosts * fe), size * (hosts - 1) / (hosts * b)
+        parts = {"download_s": download, "fanout_s": fanout, "sum_s": download + fanout}
+    if disk is not None and case not in RAW:
+        parts["disk_s"] = hosts * size / disk
+    return {"bound_s": max(v for k, v in parts.items() if k != "sum_s"), **parts}
+
+
+def disk_rate(bx: Box, size: int) -> float:
+    """Bytes per second the box's disk takes from one O_DIRECT writer per host at once, each
+    writing ``size`` bytes (what the tool writes there) in 1 MiB pieces into a file in its
+    DEST's directory allocated first (as the tool's temporary files are), then an fdatasync
+    each; the files are removed."""
+    piece = 1 * MiB
+    region = mmap.mmap(-1, piece)  # page-aligned, as O_DIRECT needs
+    region.write(bytes(piece))
+    paths = [bx.dest_of(host).parent / f".disk-{host.name}" for host in bx.hosts]
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    started = threading.Event()
+
+    def write(path: Path) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            started.wait()
+            for at in range(0, size, piece):
+                os.pwrite(fd, memoryview(region)[: min(piece, size - at)], at)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    writers = [threading.Thread(target=write, args=(path,)) for path in paths]
+    for w in writers:
+        w.start()
+    began = time.perf_counter()
+    started.set()
+    for w in writers:
+        w.join()
+    seconds = time.perf_counter() - began
+    for path in paths:
+        path.unlink(missing_ok=True)
+    return len(paths) * size / seconds
 
 
 def clear_dest(bx: Box) -> None:
@@ -279,12 +333,20 @@ class Bench:
         }
 
 
-def row(case: str, hosts: int, samples: list[dict[str, Any]], size: int, args: argparse.Namespace) -> dict[str, Any]:
-    """The row of one case on ``hosts`` hosts: the median sample's figures, its bound, every sample."""
+def row(
+    case: str,
+    hosts: int,
+    samples: list[dict[str, Any]],
+    size: int,
+    args: argparse.Namespace,
+    disk: float | None = None,
+) -> dict[str, Any]:
+    """The row of one case on ``hosts`` hosts: the median sample's figures, its bound (``disk``:
+    the box's disk rate, :func:`disk_rate`), every sample."""
     front, fabric = Link(args.front), Link(args.fabric)
     median = statistics.median(s["tool_s"] for s in samples)
     chosen = min(samples, key=lambda s: abs(s["tool_s"] - median))  # the sample closest to the median
-    bound = bounds(case, size, hosts, front, fabric)
+    bound = bounds(case, size, hosts, front, fabric, disk)
     return {
         "case": case,
         "hosts": hosts,
@@ -293,6 +355,7 @@ def row(case: str, hosts: int, samples: list[dict[str, Any]], size: int, args: a
         "front_mbit": args.front,
         "fabric_mbit": args.fabric,
         "dest": "tmpfs" if args.tmpfs else "disk",
+        "disk_mib_s": round(disk / MiB) if disk is not None else None,
         "mpi": box.flavour_of(args.mpiexec or mpiexec()),
         "bound_s": round(bound["bound_s"], 3),
         "bound_parts": {k: round(v, 3) for k, v in bound.items() if k != "bound_s"},
@@ -329,6 +392,10 @@ def bench_hosts(hosts: int, files: dict[str, bytes], source: Path, args: argpars
         bx.emulator() as emu,
     ):
         azurite.upload(emu, CONTAINER, files)
+        # The disk all the hosts write to, as they will (a tmpfs is memory: no disk to bind).
+        disk = None if args.tmpfs or all(case in RAW for case in args.cases) else disk_rate(bx, size)
+        if disk is not None:
+            print(f"# {hosts} hosts: the disk took {disk / MiB:.0f} MiB/s from {hosts} writers", file=sys.stderr)
         bench = Bench(bx, emu, source, size, args)
         samples: dict[str, list[dict[str, Any]]] = {case: [] for case in args.cases}
         for _ in range(args.repeats):
@@ -336,7 +403,7 @@ def bench_hosts(hosts: int, files: dict[str, bytes], source: Path, args: argpars
                 samples[case].append(bench.run(case))
                 print(f"# {hosts} hosts {case}: {samples[case][-1]['tool_s']:.2f} s", file=sys.stderr, flush=True)
         for case in args.cases:
-            rows.append(row(case, hosts, samples[case], size, args))
+            rows.append(row(case, hosts, samples[case], size, args, disk))
     return rows
 
 

@@ -1,0 +1,48 @@
+"""benchmarks/cluster.py's bounds: the links', and the box's one disk that all its hosts write to."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from azcp_cluster.core.config import MiB
+from azcp_cluster.devtools import box
+from azcp_cluster.devtools.box import Box, Link
+from benchmarks.cluster import CASES, RAW, bounds, disk_rate
+
+S = 128 * MiB
+FRONT, FABRIC = Link(mbit=100), Link(mbit=400)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_bound_is_the_largest_part_and_the_disk_binds_only_what_writes(case: str) -> None:
+    without = bounds(case, S, 8, FRONT, FABRIC)
+    assert "disk_s" not in without
+    slow = bounds(case, S, 8, FRONT, FABRIC, disk=10 * MiB)  # 8 x 128 MiB at 10 MiB/s: 102 s
+    fast = bounds(case, S, 8, FRONT, FABRIC, disk=100_000 * MiB)
+    if case in RAW:  # no disk written: as without
+        assert slow == without == fast
+        return
+    assert slow["disk_s"] == pytest.approx(8 * S / (10 * MiB))
+    assert slow["bound_s"] == slow["disk_s"] > without["bound_s"]
+    assert fast["bound_s"] == without["bound_s"]  # a fast disk binds nothing
+    for figures in (without, slow, fast):
+        parts = [v for k, v in figures.items() if k not in ("bound_s", "sum_s")]
+        assert figures["bound_s"] == max(parts)
+
+
+def test_the_streamed_bound_is_the_download_or_the_ring() -> None:
+    figures = bounds("stream", S, 8, FRONT, FABRIC)
+    assert figures["download_s"] == pytest.approx(S / 8 / (100e6 / 8))
+    assert figures["fanout_s"] == pytest.approx(S * 7 / 8 / (400e6 / 8))
+    assert figures["bound_s"] == figures["fanout_s"] and figures["sum_s"] > figures["bound_s"]
+
+
+@pytest.mark.skipif(box.unavailable() is not None, reason=box.unavailable() or "")
+def test_the_disk_rate_is_measured_where_the_hosts_write_and_leaves_nothing() -> None:
+    with Box(2) as bx:
+        rate = disk_rate(bx, 8 * MiB)
+        assert 1 * MiB < rate < 1e12
+        where = bx.dest_of(bx.hosts[0]).parent
+        assert not [name for name in os.listdir(where) if name.startswith(".disk-")]
