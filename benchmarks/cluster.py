@@ -54,6 +54,7 @@ Needs root (network namespaces).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -116,38 +117,55 @@ def bounds(case: str, size: int, hosts: int, front: Link, fabric: Link, disk: fl
 
 def disk_rate(bx: Box, size: int) -> float:
     """Bytes per second the box's disk takes from one O_DIRECT writer per host at once, each
-    writing ``size`` bytes (what the tool writes there) in 1 MiB pieces into a file in its
-    DEST's directory allocated first (as the tool's temporary files are), then an fdatasync
-    each; the files are removed."""
+    writing ``size`` bytes (what the tool writes there; rounded up to whole 4 KiB, as O_DIRECT
+    needs) in 1 MiB pieces into a file in its DEST's directory allocated first (as the tool's
+    temporary files are), then an fdatasync each; timed from when every file is allocated.
+    The files are removed; a writer's error is raised."""
     piece = 1 * MiB
-    region = mmap.mmap(-1, piece)  # page-aligned, as O_DIRECT needs
-    region.write(bytes(piece))
+    size = -(-size // 4096) * 4096
     paths = [bx.dest_of(host).parent / f".disk-{host.name}" for host in bx.hosts]
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
-    started = threading.Event()
+    ready = threading.Barrier(len(paths) + 1)
+    errors: list[BaseException] = []
+    with mmap.mmap(-1, piece) as region:  # page-aligned, as O_DIRECT needs; zeros
 
-    def write(path: Path) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+        def write(path: Path) -> None:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                    ready.wait()
+                    with memoryview(region) as view:
+                        for at in range(0, size, piece):
+                            os.pwrite(fd, view[: min(piece, size - at)], at)
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+            except BaseException as exc:  # raised by the caller, once every writer ended
+                errors.append(exc)
+                ready.abort()  # nobody waits for a writer that will not come
+
+        writers = [threading.Thread(target=write, args=(path,)) for path in paths]
         try:
-            os.posix_fallocate(fd, 0, size)
-            started.wait()
-            for at in range(0, size, piece):
-                os.pwrite(fd, memoryview(region)[: min(piece, size - at)], at)
-            os.fdatasync(fd)
+            for w in writers:
+                w.start()
+            with contextlib.suppress(threading.BrokenBarrierError):
+                ready.wait()
+            began = time.perf_counter()
+            for w in writers:
+                w.join()
+            seconds = time.perf_counter() - began
         finally:
-            os.close(fd)
-
-    writers = [threading.Thread(target=write, args=(path,)) for path in paths]
-    for w in writers:
-        w.start()
-    began = time.perf_counter()
-    started.set()
-    for w in writers:
-        w.join()
-    seconds = time.perf_counter() - began
-    for path in paths:
-        path.unlink(missing_ok=True)
+            ready.abort()
+            for w in writers:
+                if w.ident is not None:
+                    w.join()
+            for path in paths:
+                path.unlink(missing_ok=True)
+    if errors:  # the first real failure (the others then found the barrier broken)
+        first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        raise RuntimeError(f"measuring the disk: {first!r}") from first
     return len(paths) * size / seconds
 
 

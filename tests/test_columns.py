@@ -29,18 +29,20 @@ def test_distinct_is_numpys_unique(values: list[int]) -> None:
 def test_distinct_pairs_are_numpys_unique_rows(pairs: list[tuple[int, int]], huge: bool) -> None:
     a = np.array([p[0] for p in pairs], dtype=np.int64)
     b = np.array([p[1] for p in pairs], dtype=np.int64)
-    if huge:  # keys that cannot share one int64: the lexsort path
-        a = a + (1 << 61)
+    if huge:  # keys that cannot share one int64 (second values of 1 and more): the lexsort path
+        a, b = a + (1 << 61), b + 1
     first, second = distinct_pairs(a, b)
     rows = np.unique(np.stack((a, b), axis=1), axis=0) if len(a) else np.zeros((0, 2), dtype=np.int64)
     assert first.tolist() == rows[:, 0].tolist() and second.tolist() == rows[:, 1].tolist()
 
 
-def test_distinct_pairs_refuses_columns_that_differ_or_go_negative() -> None:
+def test_distinct_pairs_refuses_columns_that_differ_go_negative_or_are_not_integers() -> None:
     with pytest.raises(ValueError):
         distinct_pairs(np.array([1, 2]), np.array([1]))
     with pytest.raises(ValueError):
         distinct_pairs(np.array([1, -2]), np.array([1, 2]))
+    with pytest.raises(ValueError):
+        distinct_pairs(np.array([1.7, 1.2]), np.array([1, 1]))  # not truncated into one pair
 
 
 def test_the_plan_and_schedule_do_not_import_numpy_ma() -> None:

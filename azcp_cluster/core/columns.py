@@ -27,6 +27,8 @@ def distinct(values: np.ndarray) -> np.ndarray:
 def distinct_pairs(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct ``(first[i], second[i])`` pairs of two non-negative integer columns, in
     ascending order of first then second, as two columns."""
+    if not all(np.issubdtype(np.asarray(c).dtype, np.integer) for c in (first, second)):
+        raise ValueError("the columns must be integers")
     a = np.asarray(first, dtype=np.int64).reshape(-1)
     b = np.asarray(second, dtype=np.int64).reshape(-1)
     if len(a) != len(b):
