@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import mmap
 import os
 import shlex
 import shutil
@@ -72,6 +71,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from azcp_cluster.core.config import MiB
+from azcp_cluster.dest.directio import aligned_buffer
+from azcp_cluster.dest.localfs import pwritev_all
 from azcp_cluster.devtools import azurite, box
 from azcp_cluster.devtools.box import Box, Link
 from azcp_cluster.devtools.bytecode import compile_package
@@ -120,7 +121,7 @@ def disk_rate(bx: Box, size: int) -> float:
     writing ``size`` bytes (what the tool writes there; rounded up to whole 4 KiB, as O_DIRECT
     needs) in 1 MiB pieces into a file in its DEST's directory allocated first (as the tool's
     temporary files are), then an fdatasync each; timed from when every file is allocated.
-    The files are removed; a writer's error is raised."""
+    The files it made are removed (a name already taken is an error); a writer's error is raised."""
     piece = 1 * MiB
     size = -(-size // 4096) * 4096
     paths = [bx.dest_of(host).parent / f".disk-{host.name}" for host in bx.hosts]
@@ -128,41 +129,44 @@ def disk_rate(bx: Box, size: int) -> float:
         path.parent.mkdir(parents=True, exist_ok=True)
     ready = threading.Barrier(len(paths) + 1)
     errors: list[BaseException] = []
-    with mmap.mmap(-1, piece) as region:  # page-aligned, as O_DIRECT needs; zeros
+    made: list[Path] = []
+    buffer = memoryview(aligned_buffer(piece))  # zeros, aligned as O_DIRECT needs (the tool's own kind)
+    # A name of the box's own directory, made anew: never through a link, never a file left there.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0)
 
-        def write(path: Path) -> None:
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                    ready.wait()
-                    with memoryview(region) as view:
-                        for at in range(0, size, piece):
-                            os.pwrite(fd, view[: min(piece, size - at)], at)
-                    os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-            except BaseException as exc:  # raised by the caller, once every writer ended
-                errors.append(exc)
-                ready.abort()  # nobody waits for a writer that will not come
-
-        writers = [threading.Thread(target=write, args=(path,)) for path in paths]
+    def write(path: Path) -> None:
         try:
-            for w in writers:
-                w.start()
-            with contextlib.suppress(threading.BrokenBarrierError):
+            fd = os.open(path, flags, 0o600)
+            made.append(path)  # only what this made is removed
+            try:
+                os.posix_fallocate(fd, 0, size)
                 ready.wait()
-            began = time.perf_counter()
-            for w in writers:
+                for at in range(0, size, piece):
+                    pwritev_all(fd, [buffer[: min(piece, size - at)]], at)
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        except BaseException as exc:  # raised by the caller, once every writer ended
+            errors.append(exc)
+            ready.abort()  # nobody waits for a writer that will not come
+
+    writers = [threading.Thread(target=write, args=(path,)) for path in paths]
+    try:
+        for w in writers:
+            w.start()
+        with contextlib.suppress(threading.BrokenBarrierError):
+            ready.wait()
+        began = time.perf_counter()
+        for w in writers:
+            w.join()
+        seconds = time.perf_counter() - began
+    finally:
+        ready.abort()
+        for w in writers:
+            if w.ident is not None:
                 w.join()
-            seconds = time.perf_counter() - began
-        finally:
-            ready.abort()
-            for w in writers:
-                if w.ident is not None:
-                    w.join()
-            for path in paths:
-                path.unlink(missing_ok=True)
+        for path in made:
+            path.unlink(missing_ok=True)
     if errors:  # the first real failure (the others then found the barrier broken)
         first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
         raise RuntimeError(f"measuring the disk: {first!r}") from first

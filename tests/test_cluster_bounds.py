@@ -76,3 +76,15 @@ def test_a_writer_that_fails_fails_the_measure_and_leaves_nothing(
     with pytest.raises(RuntimeError, match="No space left"):
         disk_rate(_Box(tmp_path, 3), 4 * MiB)  # type: ignore[arg-type]
     assert os.listdir(tmp_path / "dest") == []
+
+
+def test_a_name_already_taken_is_not_written_through_nor_removed(tmp_path: Path) -> None:
+    bx = _Box(tmp_path, 2)
+    (tmp_path / "dest").mkdir()
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"not the benchmark's")
+    (tmp_path / "dest" / ".disk-h1").symlink_to(target)
+    with pytest.raises(RuntimeError, match="FileExists"):
+        disk_rate(bx, 4 * MiB)  # type: ignore[arg-type]
+    assert target.read_bytes() == b"not the benchmark's"
+    assert os.listdir(tmp_path / "dest") == [".disk-h1"]  # its own file removed, the link left
