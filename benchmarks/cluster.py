@@ -130,7 +130,7 @@ def disk_rate(bx: Box, size: int) -> float:
     ready = threading.Barrier(len(paths) + 1)
     errors: list[BaseException] = []
     made: list[Path] = []
-    buffer = memoryview(aligned_buffer(piece))  # zeros, aligned as O_DIRECT needs (the tool's own kind)
+    buffer = aligned_buffer(piece).data  # zeros, aligned as O_DIRECT needs (the tool's own kind)
     # A name of the box's own directory, made anew: never through a link, never a file left there.
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0)
 

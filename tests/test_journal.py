@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def _write(tree: DestTree, rel: str, offset: int, data: bytes) -> None:
 def _running(tree: DestTree, kept: dict[int, journal.Kept] | None = None) -> journal.Journal:
     fd = journal.begin(tree, FILES, kept or {}, ORIGIN)
     assert fd is not None
-    return journal.Journal(tree, fd, FILES, ORIGIN, first_id=len(kept or {}), interval=3600)
+    return journal.Journal(tree, fd, FILES, ORIGIN, first_id=len(kept or {}), interval=3600, early=None)
 
 
 def _reopen(tree: DestTree) -> DestTree:
@@ -140,7 +141,7 @@ def test_begin_keeps_what_is_kept_and_removes_every_other_journal(dest: DestTree
     run.close()
     other = journal.open_for(dest, 3)  # a node's other downloader
     assert other is not None
-    second = journal.Journal(dest, other, FILES, ORIGIN, interval=3600)
+    second = journal.Journal(dest, other, FILES, ORIGIN, interval=3600, early=None)
     second.written(0, 4 * MiB, MiB)
     second.close()
     later = _reopen(dest)
@@ -203,7 +204,7 @@ def test_a_weak_etag_ties_no_block_to_its_file(dest: DestTree) -> None:
     assert journal.tag(weak[0], ORIGIN) == "" and journal.tag(FILES[0], ORIGIN) != ""
     fd = journal.begin(dest, weak, {}, ORIGIN)
     assert fd is not None
-    run = journal.Journal(dest, fd, weak, ORIGIN, interval=3600)
+    run = journal.Journal(dest, fd, weak, ORIGIN, interval=3600, early=None)
     _write(dest, "a.bin", 0, b"x" * MiB)
     run.written(0, 0, MiB)
     run.close()
@@ -222,3 +223,41 @@ def test_a_journal_of_the_first_version_claims_nothing(dest: DestTree, capsys: p
     journal_file.write_bytes(b"AZCPJNL1" + data[len(resume.MAGIC) :])
     assert journal.load(_reopen(dest), FILES, [0], ORIGIN) == {}
     assert "another version of the tool" in capsys.readouterr().err
+
+
+# -- when a running journal takes its turn (resume.turn_due) -------------------------------
+
+
+def test_a_turn_comes_early_once_enough_was_written_and_not_before(dest: DestTree) -> None:
+    """Ranges of 2 MiB against an early turn at 1 MiB are claimed within a few TURN_MIN, with
+    the interval an hour away; half a MiB is not, however long the journal waits."""
+    fd = journal.begin(dest, FILES, {}, ORIGIN)
+    assert fd is not None
+    run = journal.Journal(dest, fd, FILES, ORIGIN, interval=3600, early=MiB)
+    try:
+        run.written(1, 0, MiB // 2)
+        time.sleep(4 * resume.TURN_MIN)
+        assert journal.load(_reopen(dest), FILES, [1], ORIGIN) == {}  # under the bytes: no turn
+        run.written(0, 0, 2 * MiB)
+        deadline = time.monotonic() + 20 * resume.TURN_MIN
+        while time.monotonic() < deadline and not journal.load(_reopen(dest), FILES, [0], ORIGIN):
+            time.sleep(resume.TURN_MIN / 5)
+        kept = journal.load(_reopen(dest), FILES, [0, 1], ORIGIN)
+        assert kept[0].spans == ((0, 2 * MiB),)
+        assert kept[1].spans == ((0, MiB // 2),)  # what was pending went with the turn
+    finally:
+        run.close()
+
+
+def test_a_turn_comes_by_time_whatever_was_written(dest: DestTree) -> None:
+    fd = journal.begin(dest, FILES, {}, ORIGIN)
+    assert fd is not None
+    run = journal.Journal(dest, fd, FILES, ORIGIN, interval=0.3, early=None)
+    try:
+        run.written(0, 0, 4096)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not journal.load(_reopen(dest), FILES, [0], ORIGIN):
+            time.sleep(0.05)
+        assert journal.load(_reopen(dest), FILES, [0], ORIGIN)[0].spans == ((0, 4096),)
+    finally:
+        run.close()

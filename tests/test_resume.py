@@ -261,3 +261,41 @@ def test_missing_segments_join_the_lpt_with_whole_files(owners: list[int] | None
         assert plan.spread() < 0.2
     else:
         assert plan.loads()[0] == 0
+
+
+# -- a running journal's turns ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("written", "since", "due"),
+    [
+        (0, 0.0, False),
+        (0, resume.TURN_MAX - 0.01, False),  # nothing written: only by time
+        (0, resume.TURN_MAX, True),
+        (resume.TURN_BYTES, resume.TURN_MIN - 0.01, False),  # never sooner than TURN_MIN
+        (resume.TURN_BYTES, resume.TURN_MIN, True),
+        (resume.TURN_BYTES - 1, resume.TURN_MAX - 0.01, False),
+        (10 * resume.TURN_BYTES, 0.0, False),
+    ],
+)
+def test_a_turn_is_due_by_time_or_by_bytes(written: int, since: float, due: bool) -> None:
+    assert resume.turn_due(written, since) is due
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 1 << 40),
+    st.floats(0, 10, allow_nan=False),
+    st.integers(0, 1 << 30),
+    st.floats(0, 5, allow_nan=False),
+    st.one_of(st.none(), st.integers(1, 1 << 32)),
+)
+def test_more_bytes_or_more_time_never_puts_a_turn_off(
+    written: int, since: float, more: int, later: float, early: int | None
+) -> None:
+    least, most = 0.25, 1.0
+    if resume.turn_due(written, since, most, least, early):
+        assert resume.turn_due(written + more, since + later, most, least, early)
+    assert resume.turn_due(written, max(since, most), most, least, early)  # the interval always ends it
+    if early is None:  # by time only: the bytes change nothing
+        assert resume.turn_due(written, since, most, least, None) == (since >= most)

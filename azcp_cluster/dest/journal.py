@@ -2,9 +2,10 @@
 
 Every rank that writes into a node's temporary files (its downloaders, or its leader's
 fan-out writers) owns one journal file in ``DEST/.azcp-journal/``, appended to by a
-background thread: every :data:`INTERVAL` seconds it takes the ranges written since the
-last time, makes those files durable (``fdatasync``, or one ``syncfs`` for many files),
-and only then appends the ranges, with a CRC each, and syncs the journal. So a recorded
+background thread: at least every :data:`INTERVAL` seconds, and sooner once 16 MiB were
+written (``resume.turn_due``), it takes the ranges written since the last time, makes those
+files durable (``fdatasync``, or one ``syncfs`` for many files), and only then appends the
+ranges, with a CRC each, and syncs the journal. So a recorded
 range is on disk; a torn append or a garbled journal can only claim less (resume.py).
 
 A stopped run leaves the journals; the next run reads them (:func:`load`), keeps the
@@ -24,6 +25,7 @@ import fcntl
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,8 +39,9 @@ from azcp_cluster.dest.localfs import fs_error, temp_name
 from azcp_cluster.run.interrupts import shield
 from azcp_cluster.run.report import say
 
-# Seconds between two appends of a running journal: what a SIGKILL can lose at most.
-INTERVAL = 1.0
+# Seconds between two appends of a running journal at most: what a SIGKILL can lose. Sooner
+# once enough was written: resume.turn_due.
+INTERVAL = resume.TURN_MAX
 # A journal larger than this is not read (a million small files journal some 60 MB).
 READ_LIMIT = 1 << 30
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -324,7 +327,9 @@ def remove(tree: DestTree) -> None:
 
 
 class Journal:
-    """One rank's running journal: :meth:`written` from any thread; appended every INTERVAL."""
+    """One rank's running journal: :meth:`written` from any thread; appended at least every
+    ``interval`` seconds, and sooner once ``early`` bytes were written (``resume.turn_due``;
+    None: only by time)."""
 
     def __init__(
         self,
@@ -335,12 +340,16 @@ class Journal:
         *,
         first_id: int = 0,
         interval: float = INTERVAL,
+        early: int | None = resume.TURN_BYTES,
     ) -> None:
         self.tree = tree
         self.fd = fd
         self.files = files
         self.origin = origin
         self.interval = interval
+        self.early = early
+        self._least = min(resume.TURN_MIN, interval)
+        self._pending_bytes = 0  # written since the last turn took the pending ranges
         self._ids: dict[int, int] = {}  # file index -> its header's id in this journal
         self._next_id = first_id
         self._pending: list[tuple[int, int, int]] = []
@@ -359,17 +368,31 @@ class Journal:
         if length > 0:
             with self._lock:
                 self._pending.append((file, offset, length))
+                self._pending_bytes += length
 
     def _loop(self) -> None:
         shield()
-        while not self._stop.wait(self.interval):
-            self.flush()
+        last = time.monotonic()
+        while True:
+            since = time.monotonic() - last
+            # Looked at every TURN_MIN (a turn by bytes is due from then on), or at the
+            # interval's end, whichever comes first.
+            wait = max(0.0, self.interval - since) if self.early is None else min(self._least, self.interval - since)
+            if self._stop.wait(max(0.0, wait)):
+                return
+            now = time.monotonic()
+            with self._lock:
+                written = self._pending_bytes
+            if resume.turn_due(written, now - last, self.interval, self._least, self.early):
+                last = now
+                self.flush()
 
     def flush(self) -> None:
         """Make what was written durable, then record it (a failure only stops the journal)."""
         with self._append:
             with self._lock:
                 batch, self._pending = self._pending, []
+                self._pending_bytes = 0
             if not batch or self._broken:
                 return
             try:
