@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +28,10 @@ from azcp_cluster.core.chain import (
     PROBE_MIN_PAYLOAD,
     PROBE_PIECE,
     TAG_BASE,
+    WINDOW_COVER,
+    WINDOW_MIN_BYTES,
     Probe,
+    SendWindow,
     chain_order,
     choose,
     needs_probe,
@@ -149,6 +152,22 @@ def test_the_choice_of_transport() -> None:
         choose("tree", 8, big)
 
 
+def test_a_chain_keeps_a_send_window_only_under_an_mpi_that_interleaves_its_sends() -> None:
+    for method in ("auto", "chain", "ring"):
+        assert choose(method, 4, MiB, interleaves=True).window
+        assert not choose(method, 4, MiB).window
+    assert choose("auto", 4, MiB, interleaves=True).as_dict()["send_window"] is True
+    assert "send_window" not in choose("auto", 4, MiB).as_dict()
+    assert not choose("ibcast", 4, MiB, interleaves=True).window
+    slow_chain = Probe(PROBE_BYTES, ibcast_s=0.01, chain_s=1.0)
+    assert not choose("auto", 8, PROBE_MIN_PAYLOAD, probe=slow_chain, interleaves=True).window  # the broadcast
+    hub = LoopbackHub(2)
+    windowed = transport_for(hub.transport(0), choose("chain", 2, MiB, interleaves=True))
+    assert isinstance(windowed, ChainTransport) and windowed.windowed
+    plain = transport_for(hub.transport(0), choose("chain", 2, MiB))
+    assert isinstance(plain, ChainTransport) and not plain.windowed
+
+
 def test_the_probe_is_read_for_the_payload_not_for_itself() -> None:
     """At 32 nodes a 2 MiB probe in 256 KiB pieces carries 30 pieces of pipe fill for 8 of
     bytes: a chain at the links' rate B takes 4.75 x the probe's bytes over B, a
@@ -173,6 +192,81 @@ def test_the_probe_is_read_for_the_payload_not_for_itself() -> None:
     # A broadcast faster per byte than the chain's links is still taken.
     tree_like = Probe(PROBE_BYTES, ibcast_s=0.5 * PROBE_BYTES / b, chain_s=(PROBE_BYTES + fill) / b)
     assert choose("auto", 32, payload, probe=tree_like).method == "ibcast"
+
+
+def _look_at_a_link(rate: float, piece: int, look: float, seconds: float, buffered: bool) -> tuple[SendWindow, float]:
+    """A sender that looks every ``look`` seconds, counting the sends a link of ``rate`` bytes/s
+    completed (in order) and posting pieces while its window allows; ``buffered``: the first
+    look finds everything posted already sent (socket buffers took it). The window, and the
+    share of the last half of the time the link was busy."""
+    window = SendWindow(piece, 0.0)
+    in_flight: list[int] = []
+    credit, busy, now = 0.0, 0.0, 0.0
+    while now < seconds:
+        while window.allows(piece):
+            window.started(piece)
+            in_flight.append(piece)
+        now += look
+        work = min(rate * look, sum(in_flight) - credit)
+        credit += work
+        if now >= seconds / 2:
+            busy += work / rate
+        if buffered and now == look:
+            credit = float(sum(in_flight))
+        while in_flight and credit >= in_flight[0]:
+            credit -= in_flight[0]
+            window.sent(in_flight.pop(0), now)
+    return window, busy / (seconds / 2)
+
+
+def test_a_send_window_starts_at_two_mib_or_two_pieces_and_always_lets_one_send_go() -> None:
+    assert SendWindow(512 * 1024, 0.0).limit == WINDOW_MIN_BYTES == 2 * MiB
+    window = SendWindow(4 * MiB, 0.0)
+    assert window.limit == 8 * MiB
+    assert window.allows(64 * MiB)  # nothing in flight: a piece larger than the window still goes
+    window.started(4 * MiB)
+    assert window.allows(4 * MiB)
+    window.started(4 * MiB)
+    assert not window.allows(1)
+    window.sent(4 * MiB, 0.001)
+    assert window.in_flight == 4 * MiB and window.allows(4 * MiB)
+    with pytest.raises(ValueError):
+        SendWindow(0, 0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rate=st.floats(1e6, 125e6),  # up to 1 Gbit/s
+    piece=st.sampled_from([MIN_PIECE, 512 * 1024, MiB, 2 * MiB, MAX_PIECE]),
+    look=st.floats(0.0005, 0.004),
+    buffered=st.booleans(),
+)
+def test_a_send_window_stays_small_on_a_slow_link(rate: float, piece: int, look: float, buffered: bool) -> None:
+    """Where a small window keeps the link busy anyway (Open MPI's TCP path interleaves what is
+    in flight: the smaller, the sooner each piece arrives), it does not grow."""
+    window, busy = _look_at_a_link(rate, piece, look, 2.0, buffered)
+    assert window.limit == max(WINDOW_MIN_BYTES, 2 * piece)
+    assert busy > 0.95
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rate=st.floats(1e9, 50e9),  # 8 to 400 Gbit/s
+    piece=st.sampled_from([MIN_PIECE, MiB, MAX_PIECE]),
+    look=st.floats(0.0005, 0.002),
+    buffered=st.booleans(),
+)
+def test_a_send_window_grows_until_a_fast_link_never_waits_between_looks(
+    rate: float, piece: int, look: float, buffered: bool
+) -> None:
+    """A fabric that drains the smallest window between two looks of the driver: within a
+    second the window covers several looks, and the link is busy, not starved; it never
+    grows far past what the link takes in WINDOW_COVER (that would be Open MPI's interleaving
+    again, on a fast link)."""
+    window, busy = _look_at_a_link(rate, piece, look, 1.0, buffered)
+    assert window.limit >= 2 * rate * look
+    assert busy > 0.95
+    assert window.limit <= 1.5 * rate * WINDOW_COVER + 2 * piece
 
 
 @pytest.mark.parametrize(
@@ -251,6 +345,89 @@ def test_transfers_from_many_roots_in_flight_at_once_are_matched_by_their_tags()
     for (src, dst), carried in hub.link_bytes.items():
         assert dst == (src + 1) % 3
         assert carried == total - sum(len(p) for p, root in zip(payloads, roots, strict=True) if root == dst)
+
+
+class SlowSends(LoopbackTransport):
+    """A loopback rank whose sends complete only after ``looks`` looks at them (a link takes
+    time), counting the bytes this rank has in flight to each rank at once."""
+
+    def __init__(self, hub: LoopbackHub, rank: int, looks: int = 3) -> None:
+        super().__init__(hub, rank)
+        self.looks = looks
+        self._sends: dict[int, tuple[int, int, int]] = {}  # id(request) -> (dest, bytes, looks so far)
+        self.in_flight: Counter[int] = Counter()
+        self.most: Counter[int] = Counter()
+
+    def isend(self, data: np.ndarray, dest: int, tag: int) -> Request:
+        request = super().isend(data, dest, tag)
+        self._sends[id(request)] = (dest, len(data), 0)
+        self.in_flight[dest] += len(data)
+        self.most[dest] = max(self.most[dest], self.in_flight[dest])
+        return request
+
+    def done(self, request: Request) -> bool:
+        if id(request) not in self._sends:
+            return super().done(request)
+        dest, nbytes, looks = self._sends[id(request)]
+        if looks < self.looks or not super().done(request):
+            self._sends[id(request)] = (dest, nbytes, looks + 1)
+            return False
+        del self._sends[id(request)]
+        self.in_flight[dest] -= nbytes
+        return True
+
+
+@pytest.mark.parametrize("roots", [[0, 0, 0, 0], [0, 1, 2, 3, 0, 2]], ids=["one-root", "many-roots"])
+def test_a_rank_has_at_most_its_window_in_flight_to_the_rank_after_and_every_chain_completes(
+    monkeypatch: pytest.MonkeyPatch, roots: list[int]
+) -> None:
+    """With windows of two pieces and sends that take a while, transfers from several roots in
+    flight over 4 ranks, posted as the driver posts them: no rank ever has more than its window
+    (and the oldest transfer's one send beyond it) in flight to the next, the window is used,
+    and every copy completes, byte-identical."""
+    monkeypatch.setattr("azcp_cluster.core.chain.WINDOW_MIN_BYTES", 1)
+    hub = LoopbackHub(4, timeout=20)
+    piece = 1000
+    payloads = [np.frombuffer(bytes([i + 1]) * (9_500 + 700 * i), dtype=np.uint8) for i in range(len(roots))]
+    wires = [SlowSends(hub, r) for r in range(4)]
+
+    def rank(r: int) -> object:
+        chain = ChainTransport(wires[r], piece, window=True, clock=lambda: 0.0)  # a clock standing still
+        buffers = [p.copy() if root == r else np.zeros_like(p) for p, root in zip(payloads, roots, strict=True)]
+        # Two transfers in flight at most, the next posted once the oldest completed (as the
+        # driver's slots allow): a rank ahead sends pieces of a transfer the next has not posted.
+        requests = deque(chain.post(b, root, None) for b, root in zip(buffers[:2], roots[:2], strict=True))
+        for b, root in zip(buffers[2:], roots[2:], strict=True):
+            chain.wait(requests.popleft())
+            requests.append(chain.post(b, root, None))
+        for request in requests:
+            chain.wait(request)
+        return all(bytes(b) == bytes(p) for b, p in zip(buffers, payloads, strict=True))
+
+    assert _threads(4, rank) == [True] * 4
+    for wire in wires:
+        assert set(wire.most) <= {(wire.rank + 1) % 4}
+        assert all(most <= 2 * piece + piece for most in wire.most.values()), wire.most
+        assert all(most >= 2 * piece for most in wire.most.values()), wire.most  # the window was used
+
+
+def test_without_a_window_every_piece_is_in_flight_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chain without a window (under MPICH, which sends in order) posts a root's every piece
+    at once; with one, no more than the window (this also guards the test above)."""
+    monkeypatch.setattr("azcp_cluster.core.chain.WINDOW_MIN_BYTES", 1)
+    payload = np.arange(40_000, dtype=np.uint8)
+    for window, most in ((False, len(payload)), (True, 2 * 1000)):
+        hub = LoopbackHub(2, timeout=10)
+        wires = [SlowSends(hub, r) for r in range(2)]
+
+        def rank(r: int) -> object:
+            chain = ChainTransport(wires[r], 1000, window=window, clock=lambda: 0.0)  # noqa: B023 (run at once)
+            data = payload.copy() if r == 0 else np.zeros_like(payload)
+            chain.wait(chain.post(data, 0, None))
+            return bytes(data) == bytes(payload)
+
+        assert _threads(2, rank) == [True] * 2
+        assert wires[0].most[1] == most, (window, wires[0].most)
 
 
 def test_the_probe_gives_every_rank_the_same_choice() -> None:

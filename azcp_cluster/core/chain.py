@@ -61,6 +61,26 @@ PROBE_PIECE = 256 * KiB
 # with the nodes, the broadcast's may).
 PROBE_MARGIN = 0.10
 
+# Sends in flight from a rank to the rank after it, under an MPI that moves the messages in
+# flight to a peer together (FanoutChoice.window): SendWindow. Open MPI's ob1 (its TCP path)
+# pushes the fragments of every rendezvous message in flight to a peer in turn, so with a
+# transfer's every piece posted at once no piece arrives before nearly all have, and each
+# node forwards late (the box, Open MPI 5.0.11, a raw chain of 128 MiB in 512 KiB pieces: 64
+# in flight 1.59 and 2.77 x S/B at 4 and 8 hosts, 4 in flight 1.11 and 1.44). MPICH sends
+# them in order, and there a window cost time (8 hosts streamed 256 MiB, alternating: a
+# median of 7.55 s against 7.13 without): none.
+# The window starts at WINDOW_MIN_BYTES (WINDOW_MIN_PIECES pieces or more) and grows to
+# what the link took in WINDOW_COVER seconds, measured over WINDOW_SAMPLE seconds or more:
+# a fast link (InfiniBand) drains a small window between two looks of the driver (naps up
+# to 2 ms), a slow one (a 400 Mbit/s link takes 2 MiB in 42 ms) never does. What sits in the
+# window when a sample starts (sent to socket buffers, not yet across) adds at most the
+# window over a sample, a quarter of it to the next limit (the sample is four covers), so a
+# link under 3/4 x WINDOW_MIN_BYTES / WINDOW_COVER (about 1.3 Gbit/s) keeps the smallest.
+WINDOW_MIN_BYTES = 2 * MiB
+WINDOW_MIN_PIECES = 2
+WINDOW_COVER = 0.01
+WINDOW_SAMPLE = 0.04
+
 
 def chain_order(root: int, receivers: Sequence[int], size: int) -> tuple[int, ...]:
     """The ranks a transfer flows through: ``root``, then its receivers from ``root + 1`` on, around the ring."""
@@ -113,6 +133,39 @@ def piece_size(payload: int, nodes: int) -> int:
     return piece
 
 
+class SendWindow:
+    """How many bytes a rank may have in flight to one neighbour (see WINDOW_MIN_BYTES):
+    :meth:`allows` before each send, :meth:`sent` as each completes, with the time from the
+    caller's clock."""
+
+    def __init__(self, piece: int, now: float) -> None:
+        if piece < 1:
+            raise ValueError("piece must be at least 1 byte")
+        self.piece = piece
+        self.limit = max(WINDOW_MIN_BYTES, WINDOW_MIN_PIECES * piece)
+        self.in_flight = 0
+        self._since = now
+        self._bytes = 0
+
+    def allows(self, nbytes: int) -> bool:
+        """Whether a send of ``nbytes`` may start now (always, when nothing is in flight)."""
+        return self.in_flight == 0 or self.in_flight + nbytes <= self.limit
+
+    def started(self, nbytes: int) -> None:
+        """A send of ``nbytes`` started."""
+        self.in_flight += nbytes
+
+    def sent(self, nbytes: int, now: float) -> None:
+        """A send of ``nbytes`` completed at ``now``; the window grows to what the link takes in
+        WINDOW_COVER seconds, by each sample of WINDOW_SAMPLE seconds or more."""
+        self.in_flight -= nbytes
+        self._bytes += nbytes
+        elapsed = now - self._since
+        if elapsed >= WINDOW_SAMPLE:
+            self.limit = max(self.limit, int(self._bytes / elapsed * WINDOW_COVER))
+            self._since, self._bytes = now, 0
+
+
 @dataclass(frozen=True)
 class Probe:
     """What the start-up probe measured: ``nbytes`` sent once by MPI's broadcast and once down a
@@ -146,18 +199,22 @@ class Probe:
 @dataclass(frozen=True)
 class FanoutChoice:
     """The fan-out's transport for a run: ``method`` ("chain" or "ibcast"), a chain's piece size
-    (0 for the broadcast, which has none), why."""
+    (0 for the broadcast, which has none), why, and whether a chain keeps its sends in flight
+    to a :class:`SendWindow` (``window``)."""
 
     method: str
     piece: int
     reason: str
     probe: Probe | None = None
+    window: bool = False
 
     def as_dict(self) -> dict[str, object]:
         """The report's form."""
         out: dict[str, object] = {"method": self.method, "reason": self.reason}
         if self.piece:
             out["piece"] = self.piece
+        if self.window:
+            out["send_window"] = True
         if self.probe is not None:
             out["probe"] = self.probe.as_dict()
         return out
@@ -175,25 +232,28 @@ def choose(
     piece: int | None = None,
     probe: Probe | None = None,
     largest: int | None = None,
+    interleaves: bool = False,
 ) -> FanoutChoice:
     """The transport for ``--fanout method`` over ``nodes`` nodes fanning out ``payload`` bytes;
     ``piece``: ``--fanout-piece`` (None: from :func:`piece_size`); ``probe``: what auto measured;
     ``largest``: the largest transfer (a chain cuts each transfer on its own, so no piece of it
-    is larger, nor its pipe fill)."""
+    is larger, nor its pipe fill); ``interleaves``: the MPI moves the messages in flight to a
+    peer together (a chain then keeps a :class:`SendWindow`)."""
     if method not in FANOUT_METHODS:
         raise ValueError(f"unknown fan-out method {method!r}")
     size = piece if piece is not None else piece_size(payload, nodes)
     if method == "ibcast":
         return FanoutChoice("ibcast", 0, "--fanout ibcast")
     if method in ("chain", "ring"):
-        return FanoutChoice("chain", size, f"--fanout {method}")
+        return FanoutChoice("chain", size, f"--fanout {method}", window=interleaves)
     if probe is None:
         why = "two nodes" if nodes <= 2 else f"under {PROBE_MIN_PAYLOAD // MiB} MiB to fan out"
-        return FanoutChoice("chain", size, f"auto: {why}, no probe")
+        return FanoutChoice("chain", size, f"auto: {why}, no probe", window=interleaves)
     ibcast_s, chain_s = probe.expected(nodes, payload, min(size, largest) if largest else size)
     if ibcast_s * (1 + PROBE_MARGIN) < chain_s:
         return FanoutChoice("ibcast", 0, "auto: from the probe, the broadcast would be faster", probe)
-    return FanoutChoice("chain", size, "auto: from the probe, the chain would be as fast or faster", probe)
+    reason = "auto: from the probe, the chain would be as fast or faster"
+    return FanoutChoice("chain", size, reason, probe, window=interleaves)
 
 
 __all__ = [
@@ -206,6 +266,7 @@ __all__ = [
     "TAG_BASE",
     "FanoutChoice",
     "Probe",
+    "SendWindow",
     "chain_order",
     "choose",
     "needs_probe",

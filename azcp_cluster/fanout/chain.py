@@ -2,12 +2,15 @@
 
 :class:`ChainTransport` is a :class:`azcp_cluster.fanout.transport.Transport`: the driver
 posts a transfer as it posts a broadcast, and the transport carries it down the chain that
-:mod:`azcp_cluster.core.chain` orders (the arithmetic, the tags, the piece size and the
-choice of ``--fanout auto`` are there, pure). A receiver pre-posts a receive for every piece
-of the transfer; as each piece arrives, in order, it posts that piece's send to the next
-rank, from the same slot (no copy). A transfer is complete on a rank once every piece has
-arrived and every send it posted has completed, so its slot is free for the writers and
-then for the next transfer.
+:mod:`azcp_cluster.core.chain` orders (the arithmetic, the tags, the piece size, the send
+window and the choice of ``--fanout auto`` are there, pure). A receiver pre-posts a receive
+for every piece of the transfer; as each piece arrives, in order, it sends that piece on to
+the next rank, from the same slot (no copy). The sends in flight to the next rank are at
+most a window of bytes (``core.chain.SendWindow``), the oldest transfer's first: posted all
+at once, Open MPI's TCP path moves every message's fragments in turn and the first piece
+arrives with the last. A transfer is complete on a rank once every piece has arrived and
+every send it owes has completed, so its slot is free for the writers and then for the next
+transfer.
 
 MPI moves bytes only inside MPI calls, and forwarding is ours: the transport advances every
 chain in flight at each call the driver makes (``test``, ``wait``) and while it waits in an
@@ -35,6 +38,7 @@ from azcp_cluster.core.chain import (
     PROBE_PIECE,
     FanoutChoice,
     Probe,
+    SendWindow,
     chain_order,
     choose,
     needs_probe,
@@ -83,6 +87,11 @@ class Wire(Protocol):
     def maximum(self, value: float) -> float:
         """The largest of every rank's ``value`` (blocks; every rank calls it at the same point)."""
 
+    @property
+    def interleaves(self) -> bool:
+        """Whether the MPI moves the messages in flight to a peer together, not in order (see
+        ``core.chain.SendWindow``)."""
+
 
 @dataclass
 class _Chain:
@@ -92,33 +101,58 @@ class _Chain:
     slices: list[tuple[int, int]]
     after: int | None
     tag_out: int
+    root: bool
     receives: list[Request] = field(default_factory=list)  # one per piece (none at the root)
-    sends: deque[Request] = field(default_factory=deque)  # posted, not yet complete, in order
-    arrived: int = 0  # pieces received (and, if there is a rank after, their sends posted)
+    sends: deque[tuple[Request, int]] = field(default_factory=deque)  # posted, not complete, in order; bytes
+    arrived: int = 0  # pieces received
+    queued: int = 0  # pieces whose send was posted
     done: bool = False
 
-    def advance(self, wire: Wire) -> None:
-        """Forward what has arrived, in piece order (the rank after matches them in that order)."""
+    def collect(self, wire: Wire, window: SendWindow | None, now: float) -> None:
+        """Count the pieces that arrived and the sends that completed (in order: the rank after
+        matches them in that order)."""
         while self.arrived < len(self.receives) and wire.done(self.receives[self.arrived]):
-            if self.after is not None:
-                start, stop = self.slices[self.arrived]
-                self.sends.append(wire.isend(self.data[start:stop], self.after, self.tag_out))
             self.arrived += 1
-        while self.sends and wire.done(self.sends[0]):
-            self.sends.popleft()
-        self.done = self.arrived == len(self.receives) and not self.sends
+        while self.sends and wire.done(self.sends[0][0]):
+            _, nbytes = self.sends.popleft()
+            if window is not None:
+                window.sent(nbytes, now)
+
+    def feed(self, wire: Wire, window: SendWindow | None, oldest: bool) -> None:
+        """Post the sends of the pieces this rank has, in order, as far as the window allows;
+        the oldest chain in flight may always have one (so it never waits on later ones, whose
+        sends the ranks after may not match before it completes)."""
+        if self.after is not None:
+            ready = len(self.slices) if self.root else self.arrived
+            while self.queued < ready:
+                start, stop = self.slices[self.queued]
+                if window is not None and not (window.allows(stop - start) or (oldest and not self.sends)):
+                    break
+                self.sends.append((wire.isend(self.data[start:stop], self.after, self.tag_out), stop - start))
+                if window is not None:
+                    window.started(stop - start)
+                self.queued += 1
+        sent_all = self.after is None or self.queued == len(self.slices)
+        self.done = self.arrived == len(self.receives) and sent_all and not self.sends
 
 
 class ChainTransport:
-    """A :class:`Transport` whose every transfer flows down a pipelined chain of ``piece``-byte messages."""
+    """A :class:`Transport` whose every transfer flows down a pipelined chain of ``piece``-byte
+    messages; with ``window``, at most a :class:`SendWindow` of them in flight to the rank
+    after (``clock``: seconds, for the window's measure of the link)."""
 
-    def __init__(self, wire: Wire, piece: int) -> None:
+    def __init__(
+        self, wire: Wire, piece: int, window: bool = False, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if piece < 1:
             raise ValueError("piece must be at least 1 byte")
         self.wire = wire
         self.piece = piece
+        self.windowed = window
+        self._clock = clock
         self._sent: dict[int, int] = {}  # rank after -> transfers sent to it so far
         self._received: dict[int, int] = {}  # rank before -> transfers received from it so far
+        self._windows: dict[int, SendWindow] = {}  # rank after -> the sends in flight to it
         self._live: list[_Chain] = []
 
     @property
@@ -136,10 +170,9 @@ class ChainTransport:
         before, after = neighbours(chain_order(root, others, size), rank)
         slices = pieces(len(data), self.piece)
         tag_out = self._tag(self._sent, after) if after is not None else 0
-        chain = _Chain(data, slices, after, tag_out)
-        if before is None:  # the root: every piece at once, from its slot
-            if after is not None:
-                chain.sends.extend(self.wire.isend(data[a:b], after, tag_out) for a, b in slices)
+        chain = _Chain(data, slices, after, tag_out, root=before is None)
+        if before is None:  # the root: its first pieces at once, from its slot
+            chain.feed(self.wire, self._window(after), oldest=not self._live)
         else:
             tag_in = self._tag(self._received, before)
             chain.receives = [self.wire.irecv(data[a:b], before, tag_in) for a, b in slices]
@@ -175,15 +208,27 @@ class ChainTransport:
             time.sleep(nap)
             nap = min(nap * 2, MAX_WAIT_NAP)
 
+    def _window(self, after: int | None) -> SendWindow | None:
+        if after is None or not self.windowed:
+            return None
+        window = self._windows.get(after)
+        if window is None:
+            window = self._windows[after] = SendWindow(self.piece, self._clock())
+        return window
+
     def _tag(self, counts: dict[int, int], peer: int) -> int:
         count = counts.get(peer, 0)
         counts[peer] = count + 1
         return pair_tag(count, self.wire.tag_limit)
 
     def _advance(self) -> None:
-        """Forward every piece that has arrived; drop the chains that completed."""
+        """Forward every piece that has arrived, oldest transfer first, as the windows allow;
+        drop the chains that completed."""
+        now = self._clock()
         for chain in self._live:
-            chain.advance(self.wire)
+            chain.collect(self.wire, self._window(chain.after), now)
+        for i, chain in enumerate(self._live):
+            chain.feed(self.wire, self._window(chain.after), oldest=i == 0)
         if any(chain.done for chain in self._live):
             self._live = [chain for chain in self._live if not chain.done]
 
@@ -198,7 +243,7 @@ def probe(fabric: Fabric, nbytes: int = PROBE_BYTES, piece: int = PROBE_PIECE) -
 
     Each is warmed first with a small message, so neither pays for opening connections.
     """
-    chain = ChainTransport(fabric, piece)
+    chain = ChainTransport(fabric, piece, window=fabric.interleaves)
     buffer = np.zeros(nbytes, dtype=np.uint8)
 
     def timed(transport: Transport, data: np.ndarray) -> float:
@@ -220,12 +265,12 @@ def decide(
     transfer): probed first where auto asks for it (every rank of ``fabric`` calls it at the
     same point, with the same arguments)."""
     measured = probe(fabric) if needs_probe(method, fabric.size, payload) else None
-    return choose(method, fabric.size, payload, piece, measured, largest)
+    return choose(method, fabric.size, payload, piece, measured, largest, fabric.interleaves)
 
 
 def transport_for(fabric: Fabric, choice: FanoutChoice) -> Transport:
     """The transport that carries out ``choice``."""
-    return ChainTransport(fabric, choice.piece) if choice.method == "chain" else fabric
+    return ChainTransport(fabric, choice.piece, choice.window) if choice.method == "chain" else fabric
 
 
 __all__ = ["ChainTransport", "Fabric", "Wire", "decide", "probe", "transport_for"]

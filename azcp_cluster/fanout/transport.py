@@ -83,6 +83,9 @@ class MpiTransport:
         self.comm = comm
         self._rank: int = comm.Get_rank()
         self._size: int = comm.Get_size()
+        # Open MPI (and HPC-X, which is Open MPI) moves the messages in flight to a peer
+        # together; MPICH and its kin (Intel MPI, Cray MPICH) in order (core.chain.SendWindow).
+        self.interleaves: bool = MPI.get_vendor()[0] == "Open MPI"
 
     @property
     def rank(self) -> int:
@@ -430,6 +433,7 @@ class LoopbackTransport:
     # -- the point-to-point wire of a chain (fanout/chain.py) --------------------------------
 
     tag_limit = 32767  # MPI's least MPI_TAG_UB: the chains' tags wrap as they would there
+    interleaves = False  # its messages complete as both ends post them, in any order
 
     def isend(self, data: np.ndarray, dest: int, tag: int) -> Request:
         return self.hub.isend(self._rank, data, dest, tag)
