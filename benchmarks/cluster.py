@@ -45,7 +45,8 @@ emulator sent, counted on its link: the tool's is S, whatever N), ``fabric_bytes
 and the stage timeline from the JSON report, in seconds since mpiexec was started: each
 stage from its first rank's start to its last rank's end, ``run_start`` (the first rank's
 run started: interpreter, imports, MPI) and ``run_end`` (rank 0's report's total). Medians
-of ``--repeats`` runs (the cases alternate); every sample is kept.
+of ``--repeats`` runs (the cases alternate); every sample is kept. After each run of the
+tool, off its clock, every host's copy is checked byte for byte against the dataset.
 
 ``--quick``: 32 MiB, one run each (about 2 minutes). The full run: 128 MiB, 3 runs each.
 Needs root (network namespaces).
@@ -179,6 +180,16 @@ def clear_dest(bx: Box) -> None:
         shutil.rmtree(bx.dest_of(host), ignore_errors=True)
 
 
+def check_copies(bx: Box, files: dict[str, bytes]) -> None:
+    """Every host's DEST holds every file of the dataset, byte-identical (a run that exits 0
+    with a wrong copy is no figure); raises RuntimeError naming the first that differs."""
+    for host in bx.hosts:
+        for name, data in files.items():
+            path = bx.dest_of(host) / name
+            if not path.is_file() or path.read_bytes() != data:
+                raise RuntimeError(f"{host.name}: {name} is missing or differs from the dataset")
+
+
 def compact_timeline(report: dict[str, Any], launched: float) -> dict[str, Any]:
     """The report's timeline in seconds since mpiexec started: each stage from its first rank's
     start to its last rank's end; when the first rank's run started, when rank 0's ended."""
@@ -243,8 +254,11 @@ class CpuSampler:
 class Bench:
     """One box, its emulator and dataset, and the runs of each case on it."""
 
-    def __init__(self, bx: Box, emu: azurite.Emulator, source: Path, size: int, args: argparse.Namespace) -> None:
-        self.bx, self.emu, self.source, self.size, self.args = bx, emu, source, size, args
+    def __init__(
+        self, bx: Box, emu: azurite.Emulator, source: Path, files: dict[str, bytes], args: argparse.Namespace
+    ) -> None:
+        self.bx, self.emu, self.source, self.files, self.args = bx, emu, source, files, args
+        self.size = sum(len(d) for d in files.values())
         self.mpiexec = args.mpiexec or mpiexec()
         self.flavour = box.flavour_of(self.mpiexec)
         self.work = bx.dir / "bench"
@@ -277,6 +291,8 @@ class Bench:
             else:
                 sample = self.tool(case, launched)
         ended = time.time()
+        if case not in RAW and case != "every-node":
+            check_copies(self.bx, self.files)  # after the clock: reading the copies back is no part of the run
         sample["wall_s"] = round(ended - launched, 3)
         window = (launched, ended)  # a raw pattern's, every node's: the whole run
         fanout = [st for st in sample.get("timeline", {}).get("stages", []) if st["stage"] in ("bcast", "transfer")]
@@ -418,7 +434,7 @@ def bench_hosts(hosts: int, files: dict[str, bytes], source: Path, args: argpars
         disk = None if args.tmpfs or all(case in RAW for case in args.cases) else disk_rate(bx, size)
         if disk is not None:
             print(f"# {hosts} hosts: the disk took {disk / MiB:.0f} MiB/s from {hosts} writers", file=sys.stderr)
-        bench = Bench(bx, emu, source, size, args)
+        bench = Bench(bx, emu, source, files, args)
         samples: dict[str, list[dict[str, Any]]] = {case: [] for case in args.cases}
         for _ in range(args.repeats):
             for case in args.cases:

@@ -9,7 +9,7 @@ import pytest
 
 from azcp_cluster.core.config import MiB
 from azcp_cluster.devtools.box import Link
-from benchmarks.cluster import CASES, RAW, bounds, disk_rate
+from benchmarks.cluster import CASES, RAW, bounds, check_copies, disk_rate
 
 S = 128 * MiB
 FRONT, FABRIC = Link(mbit=100), Link(mbit=400)
@@ -88,3 +88,20 @@ def test_a_name_already_taken_is_not_written_through_nor_removed(tmp_path: Path)
         disk_rate(bx, 4 * MiB)  # type: ignore[arg-type]
     assert target.read_bytes() == b"not the benchmark's"
     assert os.listdir(tmp_path / "dest") == [".disk-h1"]  # its own file removed, the link left
+
+
+def test_a_copy_missing_or_differing_on_any_host_fails_the_run(tmp_path: Path) -> None:
+    files = {"a.bin": b"x" * 1000, "b.bin": b"y" * 10}
+    bx = _Box(tmp_path, 3)
+    for host in bx.hosts:
+        (bx.dest_of(host)).mkdir(parents=True)
+        for name, data in files.items():
+            (bx.dest_of(host) / name).write_bytes(data)
+    check_copies(bx, files)  # type: ignore[arg-type]
+    (bx.dest_of(bx.hosts[2]) / "a.bin").write_bytes(b"x" * 999 + b"z")
+    with pytest.raises(RuntimeError, match=r"h2: a\.bin"):
+        check_copies(bx, files)  # type: ignore[arg-type]
+    (bx.dest_of(bx.hosts[2]) / "a.bin").write_bytes(files["a.bin"])
+    (bx.dest_of(bx.hosts[1]) / "b.bin").unlink()
+    with pytest.raises(RuntimeError, match=r"h1: b\.bin"):
+        check_copies(bx, files)  # type: ignore[arg-type]
