@@ -48,7 +48,7 @@ from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.fanout.chain import ChainTransport, decide, transport_for
 from azcp_cluster.fanout.events import BroadcastStats
 from azcp_cluster.fanout.transport import LoopbackError, LoopbackHub, LoopbackTransport, Request
-from tests.conftest import REPO, assert_copies, run_cli, tree_of
+from tests.conftest import REPO, assert_copies, mpi_flavour, run_cli, tree_of
 from tests.test_transport import assert_nothing_wrong, fail_at_every_instruction, fan_out, md5, world
 
 MiB = 1 << 20
@@ -549,13 +549,16 @@ def _dataset(root: Path) -> dict[str, bytes]:
 def test_under_mpiexec_each_method_gives_every_node_the_same_bytes(tmp_path: Path, method: str) -> None:
     files = _dataset(tmp_path / "src")
     dest = str(tmp_path / "d" / "{rank}")
-    args = [str(tmp_path / "src"), dest, "--fanout", method, "--fanout-piece", "64KiB", "--bcast-chunk", "1MiB"]
+    # Transfers of 4 MiB in 64 KiB pieces: under Open MPI the chain's send window (2 MiB) binds.
+    args = [str(tmp_path / "src"), dest, "--fanout", method, "--fanout-piece", "64KiB", "--bcast-chunk", "4MiB"]
     result = run_cli([*args, "--verify", "stream", "--no-progress"], json_path=tmp_path / "r.json")
     assert result.returncode == 0, result.output
     assert_copies(tmp_path / "d", files)
     assert result.json is not None
     expected = "ibcast" if method == "ibcast" else "chain"
     assert result.json["fanout"]["method"] == expected and result.json["fanout"]["reason"] == f"--fanout {method}"
+    windowed = expected == "chain" and mpi_flavour() == "openmpi"
+    assert result.json["fanout"].get("send_window", False) is windowed, result.json["fanout"]
     via = " via ibcast" if method == "ibcast" else " via chain (64 KiB pieces)"
     assert any(line.startswith("[bcast] ") and line.endswith(via) for line in result.stdout.splitlines()), result.stdout
 
