@@ -169,7 +169,7 @@ def test_a_chain_keeps_a_send_window_only_under_an_mpi_that_interleaves_its_send
 
 
 def test_the_probe_is_read_for_the_payload_not_for_itself() -> None:
-    """At 32 nodes a 2 MiB probe in 256 KiB pieces carries 30 pieces of pipe fill for 8 of
+    """At 32 nodes a 1 MiB probe in 128 KiB pieces carries 30 pieces of pipe fill for 8 of
     bytes: a chain at the links' rate B takes 4.75 x the probe's bytes over B, a
     scatter-allgather broadcast about 2 x. As measured the broadcast wins; on 10 GiB the chain
     takes about 1 x and the broadcast 2 x, and the chain is chosen."""

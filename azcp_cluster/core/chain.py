@@ -50,12 +50,15 @@ MAX_PIECE_OPTION = 256 * MiB
 # choice saves; the chain, at the bound on every fabric measured, is taken), nor on two
 # nodes (a chain of two is one point-to-point transfer, as a broadcast between two is).
 PROBE_MIN_PAYLOAD = 256 * MiB
-# The probe: this many bytes sent once by each method (0.2 s in all on a 400 Mbit/s fabric of
-# eight nodes, milliseconds on InfiniBand), cut into PROBE_PIECE pieces for the chain: small
-# enough that the chain's pipe fill ((N - 2) pieces) stays a small part of its time at eight
-# nodes (4 MiB in 512 KiB pieces cost the allocate stage 0.33 s there; 2 MiB, 0.19 s).
-PROBE_BYTES = 2 * MiB
-PROBE_PIECE = 256 * KiB
+# The probe: this many bytes sent once by each method (about 0.1 s in all on a 400 Mbit/s
+# fabric of eight nodes, milliseconds on InfiniBand), cut into PROBE_PIECE pieces for the
+# chain, so that its pipe fill ((N - 2) pieces) stays under its bytes at eight nodes. It is
+# paid once per run, inside it: on the box's eight hosts 4 MiB in 512 KiB pieces cost the
+# allocate stage 0.33 s, 2 MiB in 256 KiB pieces 0.15 to 0.17 s (3 % of a 256 MiB copy's
+# bound), 1 MiB in 128 KiB pieces 0.10 to 0.13 s for the whole stage, and each size found
+# the broadcast about 1.5 x the chain's time for its bytes.
+PROBE_BYTES = 1 * MiB
+PROBE_PIECE = 128 * KiB
 # The chain is kept unless the broadcast would be faster by more than this share, for the
 # payload, from the probe (Probe.expected; a tie is the chain's: its time does not grow
 # with the nodes, the broadcast's may).
@@ -183,7 +186,7 @@ class Probe:
         A chain's time is its bytes plus its pipe fill, (nodes − 2) pieces, over its rate; the
         probe's fill is of probe pieces and the payload's of its own, so the probe's time per
         byte of both is what scales. A broadcast's time scales with its bytes. Compared as
-        measured, the fill would decide at scale: at 32 nodes a 2 MiB probe in 256 KiB pieces
+        measured, the fill would decide at scale: at 32 nodes a 1 MiB probe in 128 KiB pieces
         carries 30 pieces of fill for 8 of bytes, and the broadcast would win a probe that it
         loses on every gigabyte after it.
         """
