@@ -29,7 +29,8 @@ disk (a cluster's nodes have a disk each), which takes N·S from them. Before th
 O_DIRECT writer per host writes S there at once (``disk_mib_s``, what the disk took), and
 ``disk_s`` = N·S / that rate is a part of their bound (``bound_s`` the largest part). A disk
 that stalls with writes in flight binds before its rate says so: the last writes land after
-the last byte crossed the fabric (``--tmpfs`` takes the disk out).
+the last byte crossed the fabric (``--tmpfs`` takes the disk out). Before the tool's cases, one
+raw chain of S warms the box's links, untimed (a first copy in a fresh box ran slow).
 
 Per row, also what this machine's CPUs did while the fan-out ran (the tool's ``bcast`` or
 streamed ``transfer`` stage; a raw pattern's whole run): ``cpu_busy``, the share of the
@@ -435,6 +436,13 @@ def bench_hosts(hosts: int, files: dict[str, bytes], source: Path, args: argpars
         if disk is not None:
             print(f"# {hosts} hosts: the disk took {disk / MiB:.0f} MiB/s from {hosts} writers", file=sys.stderr)
         bench = Bench(bx, emu, source, files, args)
+        if any(case not in RAW for case in args.cases):
+            # Untimed, the links warmed first. The first copy of the tool in a fresh box ran 0.5
+            # to 2.3 s slower than the ones after it at 8 hosts (6.6 to 8.3 s against 5.9 to 6.4:
+            # in its fan-out, each node a few tenths of a second behind the one before it; on a
+            # tmpfs too, so not the disk; TCP's retransmits, reclaim and an idle box ruled out;
+            # the cause not found). With one raw chain of S over the fabric before it: 6.1 to 7.4.
+            bench.raw("chain")
         samples: dict[str, list[dict[str, Any]]] = {case: [] for case in args.cases}
         for _ in range(args.repeats):
             for case in args.cases:
