@@ -432,8 +432,9 @@ class Box:
 
         MPICH: the ofi netmod with its tcp provider, on the fabric NIC (by default it would use
         shared memory between the namespaces: they are one machine). Open MPI: ob1 with the TCP
-        BTL on the fabric network, and PRRTE's own connections there too; plus
-        scripts/openmpi.env (root, oversubscription, start-up).
+        BTL on the fabric network, and PRRTE's own connections there too, a rank yielding its
+        core while it waits (the hosts share the machine's cores); plus scripts/openmpi.env
+        (root, oversubscription, start-up).
         """
         net = str(self.fabric_net)
         if flavour == "mpich":
@@ -446,6 +447,12 @@ class Box:
                 "PMIX_MCA_ptl_tcp_if_include": net,
                 # Fill each host's slots in turn (openmpi.env's oversubscription put every rank on the first).
                 "PRTE_MCA_rmaps_default_mapping_policy": "slot",
+                # The hosts share this machine's cores, which Open MPI cannot know: each host
+                # has its slots, so it spins in every wait instead of yielding, as it does on a
+                # node it knows is oversubscribed. With 8 hosts on 2 cores, a waiting rank then
+                # holds a core for its whole time slice: an allgather of 8 took 64 to 84 ms, a
+                # Comm.Split 130 to 200 ms (MPICH: 1 ms); yielding, 0.8 to 1.6 ms.
+                "OMPI_MCA_mpi_yield_when_idle": "1",
             })  # fmt: skip
             return env
         raise ValueError(f"unknown MPI flavour {flavour!r} (mpich or openmpi)")
