@@ -27,6 +27,7 @@ from azcp_cluster.core.chain import (
     PROBE_BYTES,
     PROBE_MIN_PAYLOAD,
     PROBE_PIECE,
+    PROBE_WINDOW,
     TAG_BASE,
     WINDOW_COVER,
     WINDOW_MIN_BYTES,
@@ -45,7 +46,7 @@ from azcp_cluster.core.errors import UsageError
 from azcp_cluster.core.fanout import Agree, Post, Write
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.fanout.chain import ChainTransport, decide, transport_for
+from azcp_cluster.fanout.chain import ChainTransport, decide, probe, transport_for
 from azcp_cluster.fanout.events import BroadcastStats
 from azcp_cluster.fanout.transport import LoopbackError, LoopbackHub, LoopbackTransport, Request
 from tests.conftest import REPO, assert_copies, mpi_flavour, run_cli, tree_of
@@ -428,6 +429,27 @@ def test_without_a_window_every_piece_is_in_flight_at_once(monkeypatch: pytest.M
 
         assert _threads(2, rank) == [True] * 2
         assert wires[0].most[1] == most, (window, wires[0].most)
+
+
+class InterleavingSlowSends(SlowSends):
+    """:class:`SlowSends` on an MPI that moves the messages in flight to a peer together (Open MPI)."""
+
+    interleaves = True
+
+
+def test_the_probe_keeps_its_own_window_under_an_mpi_that_interleaves() -> None:
+    """Under Open MPI the probe's chain keeps at most PROBE_WINDOW in flight to the next rank, a
+    part of the probe, as a run's chain keeps its first window: with the run's 2 MiB the whole
+    probe went at once, and the chain was timed as the window exists to avoid."""
+    assert PROBE_PIECE < PROBE_WINDOW < PROBE_BYTES
+    size = 4
+    hub = LoopbackHub(size, timeout=20)
+    wires = [InterleavingSlowSends(hub, r) for r in range(size)]
+    measured = _threads(size, lambda r: probe(wires[r]))
+    assert not [m for m in measured if isinstance(m, BaseException)], measured
+    assert all(m.chain_s > 0 and m.ibcast_s > 0 and m.nbytes == PROBE_BYTES for m in measured)
+    for r in range(size - 1):  # the chain runs 0, 1, 2, 3 (MPI's broadcast's sends are not windowed)
+        assert PROBE_PIECE < wires[r].most[r + 1] <= PROBE_WINDOW, (r, wires[r].most)
 
 
 def test_the_probe_gives_every_rank_the_same_choice() -> None:

@@ -59,6 +59,12 @@ PROBE_MIN_PAYLOAD = 256 * MiB
 # the broadcast about 1.5 x the chain's time for its bytes.
 PROBE_BYTES = 1 * MiB
 PROBE_PIECE = 128 * KiB
+# Under an MPI that interleaves (FanoutChoice.window) the probe's chain keeps at most this
+# many bytes in flight to the next rank: as many pieces as a run's first window holds of its
+# own (2 MiB of 512 KiB pieces). With the run's 2 MiB the whole probe was in flight at once,
+# the very pattern the window exists to avoid, and the chain was timed at 2 to 6 x MPICH's on
+# the same links (the box, 8 hosts), the broadcast then only 1.15 x slower by the probe.
+PROBE_WINDOW = 4 * PROBE_PIECE
 # The chain is kept unless the broadcast would be faster by more than this share, for the
 # payload, from the probe (Probe.expected; a tie is the chain's: its time does not grow
 # with the nodes, the broadcast's may).
@@ -141,11 +147,12 @@ class SendWindow:
     :meth:`allows` before each send, :meth:`sent` as each completes, with the time from the
     caller's clock."""
 
-    def __init__(self, piece: int, now: float) -> None:
+    def __init__(self, piece: int, now: float, floor: int | None = None) -> None:
         if piece < 1:
             raise ValueError("piece must be at least 1 byte")
         self.piece = piece
-        self.limit = max(WINDOW_MIN_BYTES, WINDOW_MIN_PIECES * piece)
+        # ``floor``: WINDOW_MIN_BYTES unless given (the probe's, PROBE_WINDOW, is smaller).
+        self.limit = max(WINDOW_MIN_BYTES if floor is None else floor, WINDOW_MIN_PIECES * piece)
         self.in_flight = 0
         self._since = now
         self._bytes = 0
@@ -266,6 +273,7 @@ __all__ = [
     "MIN_PIECE_OPTION",
     "PROBE_BYTES",
     "PROBE_PIECE",
+    "PROBE_WINDOW",
     "TAG_BASE",
     "FanoutChoice",
     "Probe",

@@ -451,8 +451,9 @@ class Box:
                 # has its slots, so it spins in every wait instead of yielding, as it does on a
                 # node it knows is oversubscribed. With 8 hosts on 2 cores, a waiting rank then
                 # holds a core for its whole time slice: an allgather of 8 took 64 to 84 ms, a
-                # Comm.Split 130 to 200 ms (MPICH: 1 ms); yielding, 0.8 to 1.6 ms.
-                "OMPI_MCA_mpi_yield_when_idle": "1",
+                # Comm.Split 130 to 200 ms (MPICH: 1 ms); yielding, 0.8 to 1.6 ms. The caller's
+                # own setting wins (0: Open MPI spinning, to compare).
+                "OMPI_MCA_mpi_yield_when_idle": os.environ.get("OMPI_MCA_mpi_yield_when_idle", "1"),  # noqa: SIM112 (its name)
             })  # fmt: skip
             return env
         raise ValueError(f"unknown MPI flavour {flavour!r} (mpich or openmpi)")

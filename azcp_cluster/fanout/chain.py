@@ -36,6 +36,7 @@ import numpy as np
 from azcp_cluster.core.chain import (
     PROBE_BYTES,
     PROBE_PIECE,
+    PROBE_WINDOW,
     FanoutChoice,
     Probe,
     SendWindow,
@@ -139,16 +140,23 @@ class _Chain:
 class ChainTransport:
     """A :class:`Transport` whose every transfer flows down a pipelined chain of ``piece``-byte
     messages; with ``window``, at most a :class:`SendWindow` of them in flight to the rank
-    after (``clock``: seconds, for the window's measure of the link)."""
+    after, from ``window_floor`` bytes on (None: WINDOW_MIN_BYTES; ``clock``: seconds, for the
+    window's measure of the link)."""
 
     def __init__(
-        self, wire: Wire, piece: int, window: bool = False, clock: Callable[[], float] = time.monotonic
+        self,
+        wire: Wire,
+        piece: int,
+        window: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        window_floor: int | None = None,
     ) -> None:
         if piece < 1:
             raise ValueError("piece must be at least 1 byte")
         self.wire = wire
         self.piece = piece
         self.windowed = window
+        self.window_floor = window_floor
         self._clock = clock
         self._sent: dict[int, int] = {}  # rank after -> transfers sent to it so far
         self._received: dict[int, int] = {}  # rank before -> transfers received from it so far
@@ -213,7 +221,7 @@ class ChainTransport:
             return None
         window = self._windows.get(after)
         if window is None:
-            window = self._windows[after] = SendWindow(self.piece, self._clock())
+            window = self._windows[after] = SendWindow(self.piece, self._clock(), self.window_floor)
         return window
 
     def _tag(self, counts: dict[int, int], peer: int) -> int:
@@ -243,7 +251,7 @@ def probe(fabric: Fabric, nbytes: int = PROBE_BYTES, piece: int = PROBE_PIECE) -
 
     Each is warmed first with a small message, so neither pays for opening connections.
     """
-    chain = ChainTransport(fabric, piece, window=fabric.interleaves)
+    chain = ChainTransport(fabric, piece, window=fabric.interleaves, window_floor=PROBE_WINDOW)
     buffer = np.zeros(nbytes, dtype=np.uint8)
 
     def timed(transport: Transport, data: np.ndarray) -> float:
