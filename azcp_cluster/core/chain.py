@@ -54,9 +54,10 @@ PROBE_MIN_PAYLOAD = 256 * MiB
 # fabric of eight nodes, milliseconds on InfiniBand), cut into PROBE_PIECE pieces for the
 # chain, so that its pipe fill ((N - 2) pieces) stays under its bytes at eight nodes. It is
 # paid once per run, inside it: on the box's eight hosts 4 MiB in 512 KiB pieces cost the
-# allocate stage 0.33 s, 2 MiB in 256 KiB pieces 0.15 to 0.17 s (3 % of a 256 MiB copy's
-# bound), 1 MiB in 128 KiB pieces 0.10 to 0.13 s for the whole stage, and each size found
-# the broadcast about 1.5 x the chain's time for its bytes.
+# allocate stage 0.33 s, 2 MiB in 256 KiB pieces took 0.15 to 0.17 s itself (3 % of a 256 MiB
+# copy's bound), and with 1 MiB in 128 KiB pieces the whole stage took 0.10 to 0.13 s. The
+# 2 MiB probe found the broadcast 1.7 to 2.1 x the chain's time for its bytes, the 1 MiB one
+# 1.45 to 1.56 x (the chain is kept unless the broadcast is faster by PROBE_MARGIN).
 PROBE_BYTES = 1 * MiB
 PROBE_PIECE = 128 * KiB
 # Under an MPI that interleaves (FanoutChoice.window) the probe's chain keeps at most this
