@@ -447,7 +447,7 @@ def test_the_probe_keeps_its_own_window_under_an_mpi_that_interleaves() -> None:
     wires = [InterleavingSlowSends(hub, r) for r in range(size)]
     measured = _threads(size, lambda r: probe(wires[r]))
     assert not [m for m in measured if isinstance(m, BaseException)], measured
-    assert all(m.chain_s > 0 and m.ibcast_s > 0 and m.nbytes == PROBE_BYTES for m in measured)
+    assert all(isinstance(m, Probe) and m.chain_s > 0 and m.ibcast_s > 0 and m.nbytes == PROBE_BYTES for m in measured)
     for r in range(size - 1):  # the chain runs 0, 1, 2, 3 (MPI's broadcast's sends are not windowed)
         assert PROBE_PIECE < wires[r].most[r + 1] <= PROBE_WINDOW, (r, wires[r].most)
 
@@ -503,6 +503,31 @@ def test_chains_give_every_rank_byte_identical_copies_each_link_carrying_each_by
         for link in itertools.pairwise(order):
             links[link] += t.length + 1  # the root's intact byte rides with each transfer
     assert hubs[0].link_bytes == dict(links)
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local-source", "downloaded"])
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_the_real_driver_over_windowed_chains_copies_every_byte_within_the_windows(
+    tmp_path: Path, ranks: int, local: bool
+) -> None:
+    """The fan-out's driver over chains that keep a send window (as under Open MPI), sends slow
+    to complete and the window held at two pieces (the clock stands still): every copy
+    byte-identical, and no rank ever had more than its window and the oldest transfer's one
+    send of its own in flight to the next."""
+    w = world(tmp_path, ranks, local)
+    wires: dict[int, SlowSends] = {}
+
+    def transports(hub: LoopbackHub, rank: int) -> ChainTransport:
+        wire = wires[rank] = InterleavingSlowSends(hub, rank)
+        return ChainTransport(wire, PIECE, window=True, clock=lambda: 0.0, window_floor=2 * PIECE)
+
+    out = fan_out(w, "run", transports=transports)
+    expected = {f.path: d for f, d in zip(w.files, w.data, strict=True)}
+    for rank, result in enumerate(out.results):
+        assert isinstance(result, BroadcastStats), f"rank {rank}: {result!r}"
+        assert tree_of(out.dests[rank]) == expected, f"rank {rank}"
+    most = max(n for wire in wires.values() for n in wire.most.values())
+    assert 2 * PIECE <= most <= 3 * PIECE, {r: dict(wire.most) for r, wire in wires.items()}
 
 
 # As test_transport's: the middle rank at a sample of its instructions in the default suite;
