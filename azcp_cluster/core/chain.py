@@ -63,7 +63,7 @@ PROBE_PIECE = 128 * KiB
 # Under an MPI that interleaves (FanoutChoice.window) the probe's chain keeps at most this
 # many bytes in flight to the next rank: as many pieces as a run's first window holds of its
 # own (2 MiB of 512 KiB pieces). With the run's 2 MiB the whole probe was in flight at once,
-# the very pattern the window exists to avoid, and the chain was timed at 2 to 6 x MPICH's on
+# the very pattern the window exists to avoid, and the chain was timed at 2 to 6.5 x MPICH's on
 # the same links (the box, 8 hosts), the broadcast then only 1.15 x slower by the probe.
 PROBE_WINDOW = 4 * PROBE_PIECE
 # The chain is kept unless the broadcast would be faster by more than this share, for the
