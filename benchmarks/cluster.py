@@ -84,6 +84,7 @@ from benchmarks.run import mpiexec
 REPO = Path(__file__).resolve().parents[1]
 CASES = ("local", "stream", "two-phase", "ibcast", "chain", "ring", "every-node")
 RAW = ("ibcast", "chain", "ring")  # raw fan-outs (benchmarks/raw_fanout.py), no tool
+MPI_TOOL = ("local", "stream", "two-phase")  # the tool as one MPI job over the hosts
 CONTAINER = "bench"
 FILES = 4
 TIMEOUT = 600
@@ -292,7 +293,7 @@ class Bench:
             else:
                 sample = self.tool(case, launched)
         ended = time.time()
-        if case not in RAW and case != "every-node":
+        if case in MPI_TOOL:
             check_copies(self.bx, self.files)  # after the clock: reading the copies back is no part of the run
         sample["wall_s"] = round(ended - launched, 3)
         window = (launched, ended)  # a raw pattern's, every node's: the whole run
@@ -389,7 +390,7 @@ def row(
     return {
         "case": case,
         "hosts": hosts,
-        "ranks_per_host": 1 if case in (*RAW, "every-node") else args.ranks_per_host,
+        "ranks_per_host": args.ranks_per_host if case in MPI_TOOL else 1,
         "bytes": size,
         "front_mbit": args.front,
         "fabric_mbit": args.fabric,
@@ -410,7 +411,7 @@ def row(
         "stages": chosen.get("stages"),
         "timeline": chosen.get("timeline"),
         "samples": [s["tool_s"] for s in samples],
-        "tool_args": args.tool_args if case not in (*RAW, "every-node") else "",
+        "tool_args": args.tool_args if case in MPI_TOOL else "",
         "fanout": chosen.get("fanout"),
         "retries": chosen.get("retries", 0),
         "retry_causes": chosen.get("retry_causes", {}),
@@ -436,7 +437,7 @@ def bench_hosts(hosts: int, files: dict[str, bytes], source: Path, args: argpars
         if disk is not None:
             print(f"# {hosts} hosts: the disk took {disk / MiB:.0f} MiB/s from {hosts} writers", file=sys.stderr)
         bench = Bench(bx, emu, source, files, args)
-        if any(case not in (*RAW, "every-node") for case in args.cases):  # the tool's MPI cases
+        if any(case in MPI_TOOL for case in args.cases):
             # Untimed, the links warmed first. The first copy of the tool in a fresh box ran 0.5
             # to 2.3 s slower than the ones after it at 8 hosts (6.6 to 8.3 s against 5.9 to 6.4:
             # in its fan-out, each node a few tenths of a second behind the one before it; on a

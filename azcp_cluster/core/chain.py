@@ -151,7 +151,6 @@ class SendWindow:
     def __init__(self, piece: int, now: float, floor: int | None = None) -> None:
         if piece < 1:
             raise ValueError("piece must be at least 1 byte")
-        self.piece = piece
         # ``floor``: WINDOW_MIN_BYTES unless given (the probe's, PROBE_WINDOW, is smaller).
         self.limit = max(WINDOW_MIN_BYTES if floor is None else floor, WINDOW_MIN_PIECES * piece)
         self.in_flight = 0
