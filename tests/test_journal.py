@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from crc32c import crc32c
 
 from azcp_cluster.core import resume
 from azcp_cluster.core.model import FileEntry
@@ -41,6 +42,23 @@ def _write(tree: DestTree, rel: str, offset: int, data: bytes) -> None:
         os.close(fd)
 
 
+def written(run: journal.Journal, file: int, offset: int, length: int) -> None:
+    """Record a range as the writers do: with the CRC-32C of the bytes written there (read back)."""
+    head, _, base = FILES[file].path.rpartition("/")
+    with open(Path(run.tree.real) / head / temp_name(base), "rb") as fh:
+        fh.seek(offset)
+        run.written(file, offset, length, crc32c(fh.read(length)))
+
+
+def _flip(tree: DestTree, rel: str, offset: int) -> None:
+    """One byte of ``rel``'s temporary file inverted (a disk, a filesystem or another writer)."""
+    fd = tree.opener(rel, temp=True)(os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0xFF]), offset)
+    finally:
+        os.close(fd)
+
+
 def _running(tree: DestTree, kept: dict[int, journal.Kept] | None = None) -> journal.Journal:
     fd = journal.begin(tree, FILES, kept or {}, ORIGIN)
     assert fd is not None
@@ -55,9 +73,9 @@ def _reopen(tree: DestTree) -> DestTree:
 def test_recorded_ranges_are_kept_by_the_next_run(dest: DestTree) -> None:
     run = _running(dest)
     _write(dest, "a.bin", 0, b"x" * 4 * MiB)
-    run.written(0, 0, 4 * MiB)
+    written(run, 0, 0, 4 * MiB)
     _write(dest, "dir/b.bin", MiB, b"y" * (2 * MiB + 5))
-    run.written(1, MiB, 2 * MiB + 5)
+    written(run, 1, MiB, 2 * MiB + 5)
     run.close()
     later = _reopen(dest)
     kept = journal.load(later, FILES, [0, 1], ORIGIN)
@@ -67,9 +85,42 @@ def test_recorded_ranges_are_kept_by_the_next_run(dest: DestTree) -> None:
     assert journal.load(later, FILES, [0, 1], ORIGIN + "x") == {}  # from another SOURCE
 
 
+def test_a_kept_range_whose_bytes_changed_is_not_kept_and_the_others_are(dest: DestTree) -> None:
+    """A rerun reads every claimed range back: one whose bytes no longer have the recorded
+    CRC-32C (a byte flipped on the disk after it was written) is fetched again, not trusted
+    and sent on; the ranges around it stay kept, and begin() writes only what was checked."""
+    run = _running(dest)
+    _write(dest, "a.bin", 0, os.urandom(4 * MiB))
+    for i in range(4):
+        written(run, 0, i * MiB, MiB)
+    run.close()
+    _flip(dest, "a.bin", MiB + 100)
+    later = _reopen(dest)
+    kept = journal.load(later, FILES, [0], ORIGIN)
+    assert kept[0].spans == ((0, MiB), (2 * MiB, 4 * MiB))
+    assert [(c.offset, c.length) for c in kept[0].claims] == [(0, MiB), (2 * MiB, MiB), (3 * MiB, MiB)]
+    fd = journal.begin(later, FILES, kept, ORIGIN)
+    assert fd is not None
+    os.close(fd)
+    assert journal.load(_reopen(dest), FILES, [0], ORIGIN) == kept  # the rewrite carries the CRCs
+    _flip(dest, "a.bin", 3 * MiB)  # and they are checked again the next time
+    assert journal.load(_reopen(dest), FILES, [0], ORIGIN)[0].spans == ((0, MiB), (2 * MiB, 3 * MiB))
+
+
+def test_a_claim_past_the_bytes_there_or_with_another_crc_is_not_kept(dest: DestTree) -> None:
+    run = _running(dest)
+    _write(dest, "dir/b.bin", 0, os.urandom(FILES[1].size))
+    run.written(1, 0, MiB, crc32c(b"not these bytes"))
+    written(run, 1, MiB, 2 * MiB + 5)
+    run.close()
+    assert journal.load(_reopen(dest), FILES, [1], ORIGIN)[1].spans == ((MiB, 3 * MiB + 5),)
+    os.truncate(Path(dest.real) / "dir" / temp_name("b.bin"), 3 * MiB)  # shorter: not resumed at all
+    assert journal.load(_reopen(dest), FILES, [1], ORIGIN) == {}
+
+
 def test_nothing_is_claimed_before_the_append(dest: DestTree) -> None:
     run = _running(dest)
-    run.written(0, 0, MiB)
+    written(run, 0, 0, MiB)
     assert journal.load(_reopen(dest), FILES, [0], ORIGIN) == {}  # still pending: not claimed
     run.flush()
     assert journal.load(_reopen(dest), FILES, [0], ORIGIN)[0].spans == ((0, MiB),)
@@ -78,7 +129,7 @@ def test_nothing_is_claimed_before_the_append(dest: DestTree) -> None:
 
 def test_a_temporary_file_made_anew_loses_its_ranges(dest: DestTree) -> None:
     run = _running(dest)
-    run.written(0, 0, MiB)
+    written(run, 0, 0, MiB)
     run.close()
     # Removed and made again (by hand, or by a run that did not resume it): the inode number
     # may come back, by the same owner; its generation does not.
@@ -93,8 +144,8 @@ def test_a_temporary_file_made_anew_loses_its_ranges(dest: DestTree) -> None:
 
 def test_a_file_of_another_size_or_with_two_links_is_not_resumed(dest: DestTree) -> None:
     run = _running(dest)
-    run.written(0, 0, MiB)
-    run.written(1, 0, MiB)
+    written(run, 0, 0, MiB)
+    written(run, 1, 0, MiB)
     run.close()
     os.truncate(Path(dest.real) / temp_name("a.bin"), 5)
     os.link(Path(dest.real) / "dir" / temp_name("b.bin"), Path(dest.real) / "elsewhere")
@@ -106,7 +157,7 @@ def test_a_journal_file_others_could_have_written_is_ignored_with_a_warning(
     dest: DestTree, spoil: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = _running(dest)
-    run.written(0, 0, MiB)
+    written(run, 0, 0, MiB)
     run.close()
     journal_file = Path(dest.real) / JOURNAL_DIR / "rank-0"
     if spoil == "group-writable":
@@ -120,7 +171,7 @@ def test_a_journal_file_others_could_have_written_is_ignored_with_a_warning(
 def test_a_journal_directory_that_is_a_link_is_not_followed(dest: DestTree, tmp_path: Path) -> None:
     # A directory elsewhere holding a journal that would claim all of a.bin, linked in at the name.
     run = _running(dest)
-    run.written(0, 0, FILES[0].size)
+    written(run, 0, 0, FILES[0].size)
     run.close()
     elsewhere = tmp_path / "elsewhere"
     os.rename(Path(dest.real) / JOURNAL_DIR, elsewhere)
@@ -136,13 +187,13 @@ def test_a_journal_directory_that_is_a_link_is_not_followed(dest: DestTree, tmp_
 
 def test_begin_keeps_what_is_kept_and_removes_every_other_journal(dest: DestTree) -> None:
     run = _running(dest)
-    run.written(0, 0, 2 * MiB)
-    run.written(1, 0, MiB)
+    written(run, 0, 0, 2 * MiB)
+    written(run, 1, 0, MiB)
     run.close()
     other = journal.open_for(dest, 3)  # a node's other downloader
     assert other is not None
     second = journal.Journal(dest, other, FILES, ORIGIN, interval=3600, early=None)
-    second.written(0, 4 * MiB, MiB)
+    written(second, 0, 4 * MiB, MiB)
     second.close()
     later = _reopen(dest)
     kept = journal.load(later, FILES, [0, 1], ORIGIN)
@@ -157,8 +208,8 @@ def test_begin_keeps_what_is_kept_and_removes_every_other_journal(dest: DestTree
 
 def test_a_drop_makes_a_path_count_nothing_and_remove_leaves_no_journal(dest: DestTree) -> None:
     run = _running(dest)
-    run.written(0, 0, MiB)
-    run.written(1, 0, MiB)
+    written(run, 0, 0, MiB)
+    written(run, 1, 0, MiB)
     run.drop(["a.bin"])
     run.close()
     assert journal.load(_reopen(dest), FILES, [0, 1], ORIGIN).keys() == {1}
@@ -170,8 +221,8 @@ def test_a_drop_makes_a_path_count_nothing_and_remove_leaves_no_journal(dest: De
 def test_a_range_of_a_file_this_run_did_not_make_is_never_recorded(dest: DestTree) -> None:
     run = _running(dest)
     dest.made.pop("dir/b.bin")  # renamed already, or never ours
-    run.written(1, 0, MiB)
-    run.written(0, 0, MiB)
+    written(run, 1, 0, MiB)
+    written(run, 0, 0, MiB)
     run.close()
     records, readable = resume.decode((Path(dest.real) / JOURNAL_DIR / "rank-0").read_bytes())
     assert readable and {r.path for r in records if isinstance(r, resume.Header)} == {"a.bin"}
@@ -188,9 +239,9 @@ def test_a_sync_that_fails_fails_the_copy_and_claims_nothing(dest: DestTree, mon
         raise LocalFSError("sync file: Input/output error", path=dest.shown(rels[0]))
 
     monkeypatch.setattr(dest, "sync_all", failing)
-    run.written(0, 0, MiB)
+    written(run, 0, 0, MiB)
     run.flush()  # on the thread, it would be: no traceback, the error kept
-    run.written(0, MiB, MiB)
+    written(run, 0, MiB, MiB)
     with pytest.raises(LocalFSError, match="Input/output error"):
         run.close()
     monkeypatch.undo()
@@ -206,16 +257,27 @@ def test_a_weak_etag_ties_no_block_to_its_file(dest: DestTree) -> None:
     assert fd is not None
     run = journal.Journal(dest, fd, weak, ORIGIN, interval=3600, early=None)
     _write(dest, "a.bin", 0, b"x" * MiB)
-    run.written(0, 0, MiB)
+    written(run, 0, 0, MiB)
     run.close()
     assert journal.load(_reopen(dest), weak, [0], ORIGIN) == {}
+
+
+def test_a_journal_of_the_second_version_claims_nothing(dest: DestTree, capsys: pytest.CaptureFixture[str]) -> None:
+    """Version 2 ranges had no CRC: nothing to check a kept range against, so nothing is kept."""
+    run = _running(dest)
+    written(run, 0, 0, MiB)
+    run.close()
+    journal_file = Path(dest.real) / JOURNAL_DIR / "rank-0"
+    journal_file.write_bytes(b"AZCPJNL2" + journal_file.read_bytes()[len(resume.MAGIC) :])
+    assert journal.load(_reopen(dest), FILES, [0], ORIGIN) == {}
+    assert "another version of the tool" in capsys.readouterr().err
 
 
 def test_a_journal_of_the_first_version_claims_nothing(dest: DestTree, capsys: pytest.CaptureFixture[str]) -> None:
     """Version 1 journals came from builds whose fan-out could record a failed root's unfilled
     slot as kept (fanout.Post.intact): the same records under the old magic are not believed."""
     run = _running(dest)
-    run.written(0, 0, MiB)
+    written(run, 0, 0, MiB)
     run.close()
     assert journal.load(_reopen(dest), FILES, [0], ORIGIN) != {}  # believed under today's magic
     journal_file = Path(dest.real) / JOURNAL_DIR / "rank-0"
@@ -235,10 +297,10 @@ def test_a_turn_comes_early_once_enough_was_written_and_not_before(dest: DestTre
     assert fd is not None
     run = journal.Journal(dest, fd, FILES, ORIGIN, interval=3600, early=MiB)
     try:
-        run.written(1, 0, MiB // 2)
+        written(run, 1, 0, MiB // 2)
         time.sleep(4 * resume.TURN_MIN)
         assert journal.load(_reopen(dest), FILES, [1], ORIGIN) == {}  # under the bytes: no turn
-        run.written(0, 0, 2 * MiB)
+        written(run, 0, 0, 2 * MiB)
         deadline = time.monotonic() + 20 * resume.TURN_MIN
         while time.monotonic() < deadline and not journal.load(_reopen(dest), FILES, [0], ORIGIN):
             time.sleep(resume.TURN_MIN / 5)
@@ -254,7 +316,7 @@ def test_a_turn_comes_by_time_whatever_was_written(dest: DestTree) -> None:
     assert fd is not None
     run = journal.Journal(dest, fd, FILES, ORIGIN, interval=0.3, early=None)
     try:
-        run.written(0, 0, 4096)
+        written(run, 0, 0, 4096)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not journal.load(_reopen(dest), FILES, [0], ORIGIN):
             time.sleep(0.05)

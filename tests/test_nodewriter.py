@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from crc32c import crc32c
 
 from azcp_cluster.core.errors import LocalFSError
 from azcp_cluster.core.model import FileEntry
@@ -166,21 +167,24 @@ def test_small_extents_are_walked_to_by_runs_of_one_directory_and_a_large_one_al
 
 def test_every_extent_and_block_written_is_recorded_in_the_journal(tree: DestTree) -> None:
     tree.prepare_all([("big.bin", BIG), ("d/a.txt", 100), ("d/b.txt", 200), ("e/c.txt", 300)])
-    recorded: list[tuple[int, int, int]] = []
+    recorded: list[tuple[int, int, int, int]] = []
     buffer = pattern(BIG + 2 * ALIGN)
     ends = Ends()
     extents = [Extent(1, 0, 100, 0, True), Extent(2, 0, 200, 100, True), Extent(3, 0, 300, 300, True)]
     with NodeWriter(FILES, tree, 1, journal=lambda *r: recorded.append(r)) as writer:
         writer.write_extents(extents, buffer, True, ends.finished, ends.refused.append)
         assert ends.wait() is None
-        writer.written(0, 0, BIG)  # a range recorded directly
-    assert recorded == [(1, 0, 100), (2, 0, 200), (3, 0, 300), (0, 0, BIG)]
+        writer.written(Extent(0, 0, BIG, 0, True), buffer)  # a range recorded directly
+    # Each with the CRC-32C of the bytes it was written from (what a rerun checks it by).
+    crcs = [crc32c(bytes(buffer[at : at + n])) for at, n in ((0, 100), (100, 200), (300, 300), (0, BIG))]
+    assert recorded == [(1, 0, 100, crcs[0]), (2, 0, 200, crcs[1]), (3, 0, 300, crcs[2]), (0, 0, BIG, crcs[3])]
+    assert len(set(crcs)) == 4
 
 
 def test_a_failed_write_reaches_its_caller_named_and_is_not_recorded(tree: DestTree, dest: Path) -> None:
     tree.prepare("d/a.txt", 100)
     os.unlink(temp_path(str(dest), "d/a.txt"))  # gone from under the writer
-    recorded: list[tuple[int, int, int]] = []
+    recorded: list[tuple[int, int, int, int]] = []
     ends = Ends()
     with NodeWriter(FILES, tree, 1, journal=lambda *r: recorded.append(r)) as writer:
         writer.write_extents([Extent(1, 0, 100, 0, True)], pattern(ALIGN), True, ends.finished, ends.refused.append)

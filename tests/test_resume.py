@@ -30,8 +30,8 @@ def _journal(*records: resume.Record) -> bytes:
 def test_records_round_trip() -> None:
     records = [
         Header(0, "dir/ä.bin", 10 * MiB, '"0x8D"|http://h/c|dir/ä.bin', (7 << 96) | (0 << 64) | 123456),
-        Range(0, 0, 4 * MiB),
-        Range(0, 4 * MiB, 6 * MiB),
+        Range(0, 0, 4 * MiB, 0xFFFFFFFF),
+        Range(0, 4 * MiB, 6 * MiB, 0x1234ABCD),
         Drop("dir/ä.bin"),
         Header(1, "b", 5, "t", (1 << 96) | (1000 << 64) | 9, geometry=8192, generation=0xDEADBEEF),
     ]
@@ -40,7 +40,7 @@ def test_records_round_trip() -> None:
 
 
 def test_a_journal_cut_at_any_byte_claims_a_prefix_of_its_records() -> None:
-    records = [Header(0, "f", 64 * MiB, "t", 42), *(Range(0, i * MiB, MiB) for i in range(20))]
+    records = [Header(0, "f", 64 * MiB, "t", 42), *(Range(0, i * MiB, MiB, 0) for i in range(20))]
     data = _journal(*records)
     for cut in range(len(MAGIC), len(data) + 1):
         got, readable = resume.decode(data[:cut])
@@ -49,7 +49,7 @@ def test_a_journal_cut_at_any_byte_claims_a_prefix_of_its_records() -> None:
 
 
 def test_a_flipped_byte_ends_the_reading_there() -> None:
-    records = [Header(0, "f", 64 * MiB, "t", 42), *(Range(0, i * MiB, MiB) for i in range(8))]
+    records = [Header(0, "f", 64 * MiB, "t", 42), *(Range(0, i * MiB, MiB, 0) for i in range(8))]
     data = bytearray(_journal(*records))
     rng = random.Random(5)
     for _ in range(200):
@@ -76,7 +76,7 @@ def _fits(size: int = 64 * MiB, identity: int = 42) -> dict[str, Expected]:
 
 
 def test_only_ranges_under_a_header_that_fits_count() -> None:
-    journal = [Header(0, "f", 64 * MiB, "t", 42), Range(0, 0, 8 * MiB), Range(0, 16 * MiB, 8 * MiB)]
+    journal = [Header(0, "f", 64 * MiB, "t", 42), Range(0, 0, 8 * MiB, 0), Range(0, 16 * MiB, 8 * MiB, 0)]
     assert resume.held([journal], _fits()) == {"f": [(0, 8 * MiB), (16 * MiB, 24 * MiB)]}
     for changed in (
         _fits(size=65 * MiB),  # the blob grew
@@ -88,31 +88,36 @@ def test_only_ranges_under_a_header_that_fits_count() -> None:
         {},  # not a file this run lacks
     ):
         assert resume.held([journal], changed) == {}
-    other_geometry = [Header(0, "f", 64 * MiB, "t", 42, geometry=GEOMETRY * 2), Range(0, 0, 8 * MiB)]
+    other_geometry = [Header(0, "f", 64 * MiB, "t", 42, geometry=GEOMETRY * 2), Range(0, 0, 8 * MiB, 0)]
     assert resume.held([other_geometry], _fits()) == {}
 
 
 def test_a_range_without_its_header_or_past_the_end_counts_nothing() -> None:
-    journal = [Range(0, 0, MiB), Header(0, "f", 8 * MiB, "t", 42), Range(1, 0, MiB), Range(0, 7 * MiB, 2 * MiB)]
+    journal = [
+        Range(0, 0, MiB, 0),
+        Header(0, "f", 8 * MiB, "t", 42),
+        Range(1, 0, MiB, 0),
+        Range(0, 7 * MiB, 2 * MiB, 0),
+    ]
     assert resume.held([journal], _fits(8 * MiB)) == {}
 
 
 def test_a_drop_in_any_journal_discards_the_path_everywhere() -> None:
-    first = [Header(0, "f", 64 * MiB, "t", 42), Range(0, 0, 8 * MiB)]
+    first = [Header(0, "f", 64 * MiB, "t", 42), Range(0, 0, 8 * MiB, 0)]
     second = [Drop("f")]
     assert resume.held([first, second], _fits()) == {}
     assert resume.held([second, first], _fits()) == {}
 
 
 def test_an_id_reused_for_a_file_that_does_not_fit_claims_nothing_for_the_first() -> None:
-    journal = [Header(0, "f", 64 * MiB, "t", 42), Header(0, "g", 64 * MiB, "t", 7), Range(0, 0, 8 * MiB)]
+    journal = [Header(0, "f", 64 * MiB, "t", 42), Header(0, "g", 64 * MiB, "t", 7), Range(0, 0, 8 * MiB, 0)]
     assert resume.held([journal], _fits()) == {}
 
 
 def test_held_ranges_are_merged_across_journals_and_trimmed_inward() -> None:
     size = 10 * MiB + 123
-    a = [Header(3, "f", size, "t", 42), Range(3, 100, MiB), Range(3, 9 * MiB, MiB + 123)]
-    b = [Header(0, "f", size, "t", 42), Range(0, MiB + 100, MiB)]
+    a = [Header(3, "f", size, "t", 42), Range(3, 100, MiB, 0), Range(3, 9 * MiB, MiB + 123, 0)]
+    b = [Header(0, "f", size, "t", 42), Range(0, MiB + 100, MiB, 0)]
     # 100 rounds up to 4096; MiB + 100 and 2 MiB + 100 end inside a page: down to 2 MiB; the end stays.
     assert resume.held([a, b], {"f": Expected(size, "t", 42)}) == {"f": [(A, 2 * MiB), (9 * MiB, size)]}
 

@@ -57,16 +57,16 @@ def journal_bytes(dest: Path) -> int:
 
 
 def stop_halfway(cmd: list[str], env: dict[str, str], dests: list[Path], total: int, sig: int,
-                 share: float = 0.5) -> subprocess.CompletedProcess[str]:  # fmt: skip
+                 share: float = 0.5, ranks: int = RANKS) -> subprocess.CompletedProcess[str]:  # fmt: skip
     """Run ``cmd``; once every node's journal claims ``share`` of ``total``, send ``sig`` to every rank."""
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(cmd, env=clean_env({**env, "AZCP_TEST_TAG": tag}), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        pids: list[int | None] = [None] * RANKS
+        pids: list[int | None] = [None] * ranks
         while None in pids and proc.poll() is None and time.monotonic() < deadline:
-            pids = [_pid_of_rank(tag, rank) for rank in range(RANKS)]  # found before the copy runs far
+            pids = [_pid_of_rank(tag, rank) for rank in range(ranks)]  # found before the copy runs far
         while proc.poll() is None and time.monotonic() < deadline:
             if all(journal_bytes(d) >= share * total for d in dests):
                 break
@@ -98,8 +98,8 @@ def _assert_copies(base: Path, files: dict[str, bytes]) -> None:
         assert not (base / str(rank) / JOURNAL_DIR).exists(), "a finished copy leaves no journal"
 
 
-def _cmd(url: str, dest: str, *extra: str) -> list[str]:
-    return [mpiexec_path(), "-n", str(RANKS), sys.executable, "-m", "azcp_cluster", url, dest, "--no-progress", *extra]
+def _cmd(url: str, dest: str, *extra: str, n: int = RANKS) -> list[str]:
+    return [mpiexec_path(), "-n", str(n), sys.executable, "-m", "azcp_cluster", url, dest, "--no-progress", *extra]
 
 
 # -- the acceptance run: 1 GiB in 4 files, about 10 s, stopped halfway -------------------------
@@ -332,6 +332,71 @@ def test_a_copy_that_fails_verify_is_not_resumed_from_again(
     doc, _, _ = _rerun(emulator, container, base, "--verify")
     assert doc["resumed_files"] == 0 and doc["downloaded_bytes"] == 4 * SMALL_SIZE
     _assert_copies(base, files)
+
+
+def _first_claim(dest: Path) -> tuple[str, int, int]:
+    """A range node ``dest``'s journals claim: (path, offset, length)."""
+    for name in sorted(os.listdir(dest / JOURNAL_DIR)):
+        records, _ = resume.decode((dest / JOURNAL_DIR / name).read_bytes())
+        paths = {r.id: r.path for r in records if isinstance(r, resume.Header)}
+        for record in records:
+            if isinstance(record, resume.Range) and record.id in paths and record.length > 4096:
+                return paths[record.id], record.offset, record.length
+    raise AssertionError(f"{dest}: no range claimed")
+
+
+# Issue 38, case 1: a kept block whose bytes changed on one node's disk between the runs was
+# trusted, sent to the other nodes and "verified" (a resumed file had no in-flight hash, and
+# without a Content-MD5 the copies were only compared with each other). With and without a
+# Content-MD5, on one node and on two; two of the four in CI's slow step.
+@pytest.mark.parametrize(
+    ("md5", "ranks"),
+    [
+        (False, 2),
+        (True, 1),
+        pytest.param(False, 1, marks=pytest.mark.slow),
+        pytest.param(True, 2, marks=pytest.mark.slow),
+    ],
+)
+def test_a_kept_block_changed_on_disk_is_fetched_again_not_spread(
+    emulator: azurite.Emulator, tmp_path: Path, md5: bool, ranks: int
+) -> None:
+    from azure.storage.blob import ContentSettings
+
+    container = "resume" + uuid.uuid4().hex[:12]
+    files = {f"part-{i}.bin": pseudo_random(SMALL_SIZE, f"flip{i}{container}") for i in range(4)}
+    azurite.upload(emulator, container, files)
+    client = azurite.container_client(emulator, container, create=False)
+    if not md5:  # as block uploads leave large checkpoints: no Content-MD5 to check against
+        for name in files:
+            client.get_blob_client(name).set_http_headers(ContentSettings(content_type="application/octet-stream"))
+    assert all(bool(b.content_settings.content_md5) == md5 for b in client.list_blobs())
+    base = tmp_path / "d"
+    dests = [base / str(r) for r in range(ranks)]
+    first = stop_halfway(_cmd(emulator.url(container), str(base / "{rank}"), *SMALL, n=ranks), emulator.key_env(),
+                         dests, 4 * SMALL_SIZE, signal.SIGKILL, share=0.4, ranks=ranks)  # fmt: skip
+    assert first.returncode != 0
+    claimed = sum(journal_bytes(d) for d in dests)
+    name, offset, _ = _first_claim(dests[0])
+    head, _, tail = name.rpartition("/")
+    temp = dests[0] / head / f".{tail}{TEMP_SUFFIX}"
+    with open(temp, "r+b") as fh:  # one byte of a kept block flipped on node 0's disk
+        fh.seek(offset + 100)
+        byte = fh.read(1)
+        fh.seek(offset + 100)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    json_path = tmp_path / "rerun.json"
+    rerun = run_cli([emulator.url(container), str(base / "{rank}"), "--no-progress", "--verify"], n=ranks,
+                    env=emulator.key_env(), json_path=json_path)  # fmt: skip
+    assert rerun.returncode == 0, rerun.output
+    doc = rerun.json
+    assert doc is not None and doc["resumed_files"] >= 1, doc
+    # The changed block was not kept (its bytes fetched again), the others were.
+    assert doc["resumed_bytes"] <= claimed - 4096, (doc["resumed_bytes"], claimed)
+    for rank in range(ranks):
+        copy = tree_of(base / str(rank))
+        for rel, data in files.items():
+            assert _md5(copy[rel]) == _md5(data), f"node {rank}: {rel} differs from its blob"
 
 
 # -- a local SOURCE: its files' identity (localsource.py) ---------------------------------------

@@ -145,7 +145,7 @@ class _FakePart:
                 self.left = list(blocks[n:])
                 break
             self.sink.add_bytes(block.length)
-            self.sink.landed(block)
+            self.sink.landed(block, block.offset)
             self.stats.bytes += block.length
         return self.stats
 
@@ -175,14 +175,20 @@ def test_the_landing_sink_counts_then_journals_then_notices() -> None:
     calls: list[tuple[Any, ...]] = []
     sink = LandingSink(
         progress=lambda n: calls.append(("bytes", n)),
-        journal=lambda file, offset, length: calls.append(("journal", file, offset, length)),
+        journal=lambda file, offset, length, crc: calls.append(("journal", file, offset, length, crc)),
         notice=lambda block: calls.append(("notice", block)),
+        report=lambda block, crc: calls.append(("report", block, crc)),
     )
     sink.add_bytes(10)
-    sink.landed(Block(1, 0, 10))
-    assert calls == [("bytes", 10), ("journal", 1, 0, 10), ("notice", Block(1, 0, 10))]
+    sink.landed(Block(1, 0, 10), 0xABC)
+    assert calls == [
+        ("bytes", 10),
+        ("journal", 1, 0, 10, 0xABC),
+        ("notice", Block(1, 0, 10)),
+        ("report", Block(1, 0, 10), 0xABC),
+    ]
     LandingSink().add_bytes(1)  # nobody to tell: nothing happens
-    LandingSink().landed(Block(0, 0, 1))
+    LandingSink().landed(Block(0, 0, 1), 0)
 
 
 # -- for real ---------------------------------------------------------------------------------

@@ -9,10 +9,15 @@ rest. This module owns the arithmetic and the wire form:
 * **Records.** A journal is a magic string followed by records, each framed as
   ``length (u32) | crc32 (u32) | payload``. A payload is a header (``H``: a file's path,
   listed size, version tag and the identity of the temporary file the ranges are in), a
-  range (``R``: a header's id, an offset and a length) or a drop (``X``: a path whose ranges,
+  range (``R``: a header's id, an offset, a length and the CRC-32C of the bytes written there,
+  taken from the bytes as they arrived) or a drop (``X``: a path whose ranges,
   in every journal, no longer count). A torn or corrupt record ends the reading: what comes
   after it is not believed (a journal can only under-claim).
-* **Ranges.** What a node holds of a file is the union of its recorded ranges, trimmed
+* **Claims.** A recorded range is only a claim: the next run reads its bytes back and keeps it
+  only if their CRC-32C is still the recorded one (journal.load), so a block that a disk, a
+  filesystem or another writer changed after it was written is fetched again, never trusted
+  and sent on to the other nodes.
+* **Ranges.** What a node holds of a file is the union of its checked ranges, trimmed
   inward to :data:`RESUME_ALIGN` (but for the file's end): the missing ranges then start on
   aligned offsets, as the plan's shards do, so O_DIRECT still applies to them.
 * **Segments.** Over all nodes, a file cuts into segments with one set of holders each:
@@ -30,9 +35,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from itertools import pairwise
 from typing import NamedTuple
 
-# Version 2: version 1 journals were written by builds whose fan-out receivers could record
-# a failed root's unfilled slot (zeros) as kept (fanout.Post.intact); they claim nothing.
-MAGIC = b"AZCPJNL2"
+# Version 3: each range carries the CRC-32C of its bytes. Version 2 ranges had none (nothing to
+# check a kept range against) and version 1 journals were written by builds whose fan-out
+# receivers could record a failed root's unfilled slot (zeros) as kept; they claim nothing.
+MAGIC = b"AZCPJNL3"
 # Held ranges start and end on multiples of this (but for a file's end): the alignment of
 # the plan's shard boundaries (plan.SHARD_ALIGN), so a missing range is a shard's range.
 RESUME_ALIGN = 4096
@@ -41,7 +47,7 @@ GEOMETRY = RESUME_ALIGN
 
 _FRAME = struct.Struct("<II")  # payload length, crc32 of the payload
 _HEADER = struct.Struct("<cIQQQQII")  # 'H', id, size, dev, uid, ino, geometry, generation; then tag, path
-_RANGE = struct.Struct("<cIQQ")  # 'R', id, offset, length
+_RANGE = struct.Struct("<cIQQI")  # 'R', id, offset, length, crc32c
 _LIMIT = 1 << 20  # no record is larger: a length above it is garbage
 
 
@@ -60,11 +66,13 @@ class Header(NamedTuple):
 
 
 class Range(NamedTuple):
-    """``length`` bytes at ``offset`` of the file of header ``id`` are durable."""
+    """``length`` bytes at ``offset`` of the file of header ``id`` are durable, and their
+    CRC-32C (as they arrived) is ``crc``."""
 
     id: int
     offset: int
     length: int
+    crc: int
 
 
 class Drop(NamedTuple):
@@ -106,7 +114,7 @@ def encode(records: Iterable[Record]) -> bytes:
     parts: list[bytes] = []
     for record in records:
         if isinstance(record, Range):
-            payload = _RANGE.pack(b"R", record.id, record.offset, record.length)
+            payload = _RANGE.pack(b"R", record.id, record.offset, record.length, record.crc)
         elif isinstance(record, Header):
             identity = record.identity
             fixed = _HEADER.pack(
@@ -158,8 +166,8 @@ def _parse(payload: bytes) -> Record | None:
     kind = payload[:1]
     try:
         if kind == b"R" and len(payload) == _RANGE.size:
-            _, ident, offset, length = _RANGE.unpack(payload)
-            return Range(ident, offset, length)
+            _, ident, offset, length, crc = _RANGE.unpack(payload)
+            return Range(ident, offset, length, crc)
         if kind == b"H" and len(payload) >= _HEADER.size + 2:
             _, ident, size, dev, uid, ino, geometry, generation = _HEADER.unpack_from(payload)
             (tag_length,) = struct.unpack_from("<H", payload, _HEADER.size)
@@ -185,15 +193,38 @@ class Expected(NamedTuple):
     generation: int = 0  # its inode's generation (Header.generation)
 
 
+class Claim(NamedTuple):
+    """A recorded range of one file: ``length`` bytes at ``offset`` whose CRC-32C was ``crc``."""
+
+    offset: int
+    length: int
+    crc: int
+
+
 def held(journals: Iterable[Sequence[Record]], expected: Mapping[str, Expected]) -> dict[str, list[tuple[int, int]]]:
-    """Per path, the ranges the journals prove, merged and trimmed (see the module).
+    """Per path, the ranges the journals claim, merged and trimmed (see the module), their
+    bytes not checked: :func:`claims`, then :func:`spans_of` what was checked."""
+    return {
+        path: kept
+        for path, found in claims(journals, expected).items()
+        if (kept := spans_of(found, expected[path].size))
+    }
+
+
+def spans_of(found: Iterable[Claim], size: int) -> list[tuple[int, int]]:
+    """The disjoint, aligned spans a file's checked claims cover (merged, then trimmed)."""
+    return trim(merge((c.offset, c.offset + c.length) for c in found), size)
+
+
+def claims(journals: Iterable[Sequence[Record]], expected: Mapping[str, Expected]) -> dict[str, list[Claim]]:
+    """Per path, the ranges the journals claim, as recorded (see the module).
 
     A range counts only under a header that matches the file as listed now (size, tag,
     geometry) and the temporary file standing there now (its identity). A path dropped in
     any journal counts nothing.
     """
     dropped: set[str] = set()
-    found: dict[str, list[tuple[int, int]]] = {}
+    found: dict[str, list[Claim]] = {}
     for records in journals:
         headers: dict[int, Header] = {}
         for record in records:
@@ -203,7 +234,7 @@ def held(journals: Iterable[Sequence[Record]], expected: Mapping[str, Expected])
                     continue
                 end = record.offset + record.length
                 if record.length > 0 and end <= header.size:
-                    found.setdefault(header.path, []).append((record.offset, end))
+                    found.setdefault(header.path, []).append(Claim(record.offset, record.length, record.crc))
             elif isinstance(record, Header):
                 want = expected.get(record.path)
                 fits = (
@@ -219,11 +250,7 @@ def held(journals: Iterable[Sequence[Record]], expected: Mapping[str, Expected])
                     headers.pop(record.id, None)  # an id reused for a file that does not fit
             else:
                 dropped.add(record.path)
-    return {
-        path: kept
-        for path, spans in found.items()
-        if path not in dropped and (kept := trim(merge(spans), expected[path].size))
-    }
+    return {path: ranges for path, ranges in found.items() if path not in dropped}
 
 
 def merge(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from types import TracebackType
 
 import numpy as np
+from crc32c import crc32c
 
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.schedule import Extent
@@ -35,8 +36,8 @@ from azcp_cluster.dest.directio import DirectFile
 from azcp_cluster.dest.diskwriter import DiskWriter
 from azcp_cluster.dest.localfs import fs_error, pwritev_all
 
-# (file, offset, length) once written (not yet durable): what the block journal is fed.
-Record = Callable[[int, int, int], None]
+# (file, offset, length, crc32c of the bytes) once written (not yet durable): what the block journal is fed.
+Record = Callable[[int, int, int, int], None]
 # A write's end, on the writer thread: the exception it raised, or None.
 Done = Callable[[BaseException | None], None]
 
@@ -82,10 +83,12 @@ class NodeWriter:
         """Stop the threads once the queued writes are done (idempotent)."""
         self._threads.close()
 
-    def written(self, file: int, offset: int, length: int) -> None:
-        """Record in the journal that ``length`` bytes at ``offset`` of ``file`` were written."""
+    def written(self, extent: Extent, buffer: np.ndarray) -> None:
+        """Record in the journal that ``extent`` was written from ``buffer``, with the CRC-32C of
+        its bytes as they arrived (a rerun reads them back and keeps them only if it still holds)."""
         if self.journal is not None:
-            self.journal(file, offset, length)
+            data = memoryview(buffer[extent.at : extent.at + extent.length])  # type: ignore[arg-type]
+            self.journal(extent.file, extent.offset, extent.length, crc32c(data))
 
     # -- the download: one file open for a block's writes ------------------------------
 
@@ -125,13 +128,13 @@ class NodeWriter:
         for folder, run in self.by_directory(extents):
             if folder is None:
                 self._write_extent(run[0], buffer, None, direct, refused)
-                self.written(run[0].file, run[0].offset, run[0].length)
+                self.written(run[0], buffer)
                 continue
             try:
                 with self.tree.directory(folder) as dfd:
                     for extent in run:
                         self._write_extent(extent, buffer, dfd, direct, refused)
-                        self.written(extent.file, extent.offset, extent.length)
+                        self.written(extent, buffer)
             except OSError as exc:
                 raise fs_error(exc, self.tree.shown("/".join(folder)), "write") from None
 

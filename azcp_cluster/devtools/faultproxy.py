@@ -35,8 +35,10 @@ from urllib.parse import parse_qs, parse_qsl, quote, unquote, urlencode, urlspli
 
 from azcp_cluster.devtools.azurite import ACCOUNT, Emulator
 
-FAULTS = ("503", "500", "reset", "stall", "truncate", "slow", "pass")
-BODY_FAULTS = ("reset", "stall", "truncate", "slow")
+FAULTS = ("503", "500", "reset", "stall", "truncate", "slow", "flip", "shift", "drop-if-match", "no-range", "pass")
+BODY_FAULTS = ("reset", "stall", "truncate", "slow", "flip")
+# Faults made by changing the request on its way to the emulator, which then answers it honestly.
+REQUEST_FAULTS = ("shift", "drop-if-match", "no-range")
 COPY_PIECE = 64 * 1024
 
 _ERROR_BODY = '<?xml version="1.0" encoding="utf-8"?><Error><Code>{code}</Code><Message>{message}</Message></Error>'
@@ -61,6 +63,13 @@ class Rule:
     - ``truncate``: the headers (with the full Content-Length) and ``partial`` bytes, then a clean close;
     - ``slow``: the whole response, its body ``partial`` bytes at a time with ``stall``
       seconds between pieces (a slow but live server), then a clean close;
+    - ``flip``: the whole response with the body's byte at offset ``partial`` (or its last)
+      inverted, then a clean close (a bit flipped on the way, past TCP's checksum);
+    - ``shift``: the Range asked of the emulator moved ``shift`` bytes on: the answer is another
+      range, of the same length, with an honest ``Content-Range`` of it;
+    - ``drop-if-match``: the If-Match header left out (a hop that drops it): a blob replaced
+      since the listing is served in its new version;
+    - ``no-range``: the Range header left out: a 200 with the whole blob;
     - ``pass``: forwarded untouched (with ``before``, a hook that changes the world first).
 
     ``before``, if set, runs on a worker thread before the picked request is handled.
@@ -73,6 +82,7 @@ class Rule:
     partial: int = 64 * 1024
     stall: float = 5.0
     retry_after: int = 1
+    shift: int = 4096
     before: Callable[[], None] | None = None
     seen: int = field(default=0, init=False)
 
@@ -267,7 +277,8 @@ class FaultProxy:
         if rule is not None and rule.before is not None:
             await asyncio.to_thread(rule.before)
         up_reader, up_writer = upstream
-        up_writer.write(request.raw)
+        rewrite = rule is not None and rule.fault in REQUEST_FAULTS
+        up_writer.write(_rewritten(request.raw, rule) if rule is not None and rewrite else request.raw)
         await up_writer.drain()
         head = await up_reader.readuntil(b"\r\n\r\n")
         status, headers = _parse_head(head)
@@ -318,6 +329,14 @@ async def _cut(
     """Send the head and part of the body, then reset, stall or close as ``rule`` says (or all of it, slowly)."""
     client.transport.set_write_buffer_limits(0)  # drain() then means: handed to the kernel
     client.write(head)
+    if rule.fault == "flip":
+        at = min(rule.partial, length - 1)
+        await _copy(up_reader, client, at)
+        byte = await up_reader.readexactly(1)
+        client.write(bytes([byte[0] ^ 0xFF]))
+        await _copy(up_reader, client, length - at - 1)
+        await client.drain()
+        return
     if rule.fault == "slow":
         left = length
         while left > 0:
@@ -337,6 +356,26 @@ async def _cut(
     elif rule.fault == "stall":
         await asyncio.sleep(rule.stall)
     # truncate (and the end of a stall): the caller closes the connection cleanly
+
+
+def _rewritten(raw: bytes, rule: Rule) -> bytes:
+    """A request's head changed as a request fault says (its body, if any, untouched)."""
+    end = raw.index(b"\r\n\r\n")
+    lines = raw[:end].decode("latin-1").split("\r\n")
+    out = [lines[0]]
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        name = name.strip().lower()
+        if name in ("range", "x-ms-range"):
+            if rule.fault == "no-range":
+                continue
+            if rule.fault == "shift":
+                first, _, last = value.strip().removeprefix("bytes=").partition("-")
+                line = f"{name}: bytes={int(first) + rule.shift}-{int(last) + rule.shift}"
+        elif name == "if-match" and rule.fault == "drop-if-match":
+            continue
+        out.append(line)
+    return "\r\n".join(out).encode("latin-1") + raw[end:]
 
 
 async def _read_request(reader: asyncio.StreamReader) -> _Request | None:

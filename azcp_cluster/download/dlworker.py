@@ -2,7 +2,7 @@
 
 It reads its :class:`~azcp_cluster.download.workers.Job` from the socket ``FD``, runs a
 :class:`~azcp_cluster.download.downloader.Downloader` on its blocks, and reports on the same socket:
-``("bytes", n)`` and ``("landed", block)`` as blocks complete, then ``("done", stats)``,
+``("bytes", n)`` and ``("landed", block, crc32c)`` as blocks complete, then ``("done", stats)``,
 ``("error", payload, no_space, stats)`` or ``("stopped", stats)`` (its figures so far, or
 None). From the rank it takes ``("token", (token, expires_on))`` and ``("stop",)``; the
 rank's end (its socket closing) stops it too.
@@ -155,7 +155,9 @@ def run(
             job.cfg,
             peer_failed=stop.is_set,
             # Everything goes to the rank, which tells its own sink (journal, streaming, progress).
-            sink=LandingSink(progress=lambda n: say(("bytes", n)), notice=lambda block: say(("landed", block))),
+            sink=LandingSink(
+                progress=lambda n: say(("bytes", n)), report=lambda block, crc: say(("landed", block, crc))
+            ),
             pacer=pacer,
             pool=WritePool(job.cfg, populate=True, buffers=job.buffers),
             writer=writer,

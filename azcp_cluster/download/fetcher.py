@@ -36,26 +36,32 @@ class LandingSink:
     download and given to the downloader when it is made (never set on it afterwards).
 
     Each block, once all its bytes are written: first its bytes to ``progress`` (the progress
-    bar), then the block to ``journal`` (the block journal: ``(file, offset, length)``), then
-    to ``notice`` (streaming: the fan-out learns that its bytes are on the node; a download
-    worker process: its rank is told). Called on the thread that runs the download.
+    bar), then the block to ``journal`` (the block journal: ``(file, offset, length, crc)``,
+    the CRC-32C of its bytes as they came from the source), then to ``notice`` (streaming: the
+    fan-out learns that its bytes are on the node), or, in a download worker process, the
+    block and its CRC to ``report`` (its rank is told, and tells its own sink). Called on the
+    thread that runs the download.
     """
 
     progress: Callable[[int], None] | None = None
-    journal: Callable[[int, int, int], None] | None = None
+    journal: Callable[[int, int, int, int], None] | None = None
     notice: Callable[[Block], None] | None = None
+    report: Callable[[Block, int], None] | None = None
 
     def add_bytes(self, nbytes: int) -> None:
         """A block's ``nbytes`` body bytes are written."""
         if self.progress is not None:
             self.progress(nbytes)
 
-    def landed(self, block: Block) -> None:
-        """``block`` is whole on the disk (its writes done, not yet durable)."""
+    def landed(self, block: Block, crc: int) -> None:
+        """``block`` is whole on the disk (its writes done, not yet durable); ``crc``: the
+        CRC-32C of its bytes as they arrived."""
         if self.journal is not None:
-            self.journal(block.file, block.offset, block.length)
+            self.journal(block.file, block.offset, block.length, crc)
         if self.notice is not None:
             self.notice(block)
+        if self.report is not None:
+            self.report(block, crc)
 
 
 class Fetcher(Protocol):

@@ -9,6 +9,7 @@ on a new connection.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from urllib.parse import urlsplit
 
 HEAD_LIMIT = 64 * 1024  # status line and headers; Azure's are under 2 KiB
@@ -107,3 +108,38 @@ def request_bytes(url: str, headers: dict[str, str], method: str = "GET", *, abs
     lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}"]
     lines += [f"{name}: {value}" for name, value in headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def content_range(value: str | None) -> tuple[int, int, int | None] | None:
+    """A ``Content-Range`` of bytes parsed: (first, last, total; None for ``*``), or None when
+    absent or malformed (an answer that does not say which bytes it holds)."""
+    if value is None:
+        return None
+    unit, _, rest = value.strip().partition(" ")
+    span, _, total = rest.partition("/")
+    first, _, last = span.partition("-")
+    numbers = (first, last) + (() if total == "*" else (total,))
+    if unit.lower() != "bytes" or not all(n.isascii() and n.isdigit() for n in numbers):
+        return None
+    return int(first), int(last), None if total == "*" else int(total)
+
+
+def same_etag(listed: str, answered: str) -> bool:
+    """Whether an answer's ``ETag`` header names the listed version (the listing gives it without
+    the quotes the header has; a weak tag never equals a strong one)."""
+
+    def bare(tag: str) -> str:
+        tag = tag.strip()
+        return tag[1:-1] if len(tag) >= 2 and tag[0] == tag[-1] == '"' else tag
+
+    return bare(listed) == bare(answered)
+
+
+def http_date(value: str | None) -> float | None:
+    """An HTTP date (``Last-Modified``) as seconds since the epoch, or None when absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None

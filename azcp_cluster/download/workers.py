@@ -352,7 +352,7 @@ class WorkerDownloader:
         elif kind == "bytes":
             self.sink.add_bytes(message[1])
         elif kind == "landed":
-            self.sink.landed(message[1])
+            self.sink.landed(message[1], message[2])
         elif kind == "done":
             self._add(worker, message[1])
             return True
