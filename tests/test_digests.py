@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from azcp_cluster.core.digests import verdict
+from azcp_cluster.core.digests import against_source, verdict
 from azcp_cluster.core.errors import VerifyError
 from azcp_cluster.core.model import FileEntry
 
@@ -35,3 +35,18 @@ def test_only_the_nodes_that_hold_a_file_are_compared() -> None:
     """A subset of receivers: file 1 is on rank 2's node only; file 2 on nobody's."""
     got = verdict(_files("", "", ""), [(0, {0: A}), (2, {0: A, 1: B})])
     assert got == {0: A, 1: B}
+
+
+def test_every_copy_is_checked_against_the_source_crc_where_it_is_known() -> None:
+    files = [FileEntry("a", "a", 10), FileEntry("b", "b", 20), FileEntry("c", "c", 30)]
+    source = {0: 111, 1: 222}  # c: its pieces did not tile it, nothing to check against
+    same = [(0, {0: 111, 1: 222, 2: 5}), (4, {0: 111, 2: 6})]  # rank 4 does not hold b
+    assert against_source(files, same, source) == 2
+    assert against_source(files, [(0, {2: 1})], source) == 0  # only c held: nothing checked
+    for bad in ([(0, {0: 111, 1: 223}), (4, {1: 223})], [(0, {0: 112}), (4, {0: 111})]):
+        with pytest.raises(VerifyError, match="as they came from the source") as caught:
+            against_source(files, bad, source)
+        assert caught.value.path in ("a", "b")
+    with pytest.raises(VerifyError, match=r"rank\(s\) 0, 4 differs"):
+        against_source(files, [(0, {0: 1}), (4, {0: 2})], source)  # every copy the same, all wrong: still found
+

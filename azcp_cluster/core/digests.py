@@ -35,6 +35,34 @@ def verdict(files: Sequence[FileEntry], reports: Sequence[tuple[int, Mapping[int
     return agreed
 
 
+def against_source(
+    files: Sequence[FileEntry], reports: Sequence[tuple[int, Mapping[int, int]]], source: Mapping[int, int]
+) -> int:
+    """Check every copy read back against the CRC-32C of its file's bytes as they came from the
+    source (``source``: file index -> CRC, core.crc.expected); :class:`VerifyError` naming the
+    file and the nodes whose copy differs. ``reports``: each node's leader and the CRC it read
+    back of each file it holds. Returns how many files were checked so.
+
+    The check that needs no Content-MD5 and no other node: a copy that a disk, a filesystem,
+    a hop or a resumed block changed is caught even where every node holds the same wrong bytes.
+    """
+    checked = 0
+    for index, entry in enumerate(files):
+        want = source.get(index)
+        if want is None:
+            continue
+        seen = [(rank, crcs[index]) for rank, crcs in reports if index in crcs]
+        bad = [rank for rank, crc in seen if crc != want]
+        if bad:
+            raise VerifyError(
+                f"the copy on rank(s) {', '.join(map(str, bad))} differs from the bytes as they came from the "
+                "source (CRC-32C)",
+                path=entry.path,
+            )
+        checked += bool(seen)
+    return checked
+
+
 class StreamDigests:
     """The MD5 of files whose bytes arrive in offset order, a piece at a time (``--verify stream``).
 
@@ -56,4 +84,4 @@ class StreamDigests:
             self.digests[file] = base64.b64encode(self._open.pop(file).digest()).decode("ascii")
 
 
-__all__ = ["StreamDigests", "verdict"]
+__all__ = ["StreamDigests", "against_source", "verdict"]

@@ -14,9 +14,10 @@ import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
+from crc32c import crc32c
 
 from azcp_cluster.core.errors import DiffError
 from azcp_cluster.core.model import FileEntry
@@ -26,6 +27,7 @@ from azcp_cluster.dest.directio import DirectReader, Opener, aligned_buffer
 from azcp_cluster.run.interrupts import shield
 
 HASH_CHUNK = 8 * 1024 * 1024
+T = TypeVar("T")
 # A manifest larger than this is not one the tool wrote (about 100 bytes a file).
 MANIFEST_LIMIT = 1 << 30
 
@@ -100,25 +102,34 @@ def md5_of(opener: Opener, direct: bool = False) -> str:
     ``direct``: read with O_DIRECT (where the filesystem allows), so the hash is of what is
     on the disk, not of pages still in the cache, and the read leaves nothing cached.
     """
+    return digests_of(opener, direct, crc=False)[0]
+
+
+def digests_of(opener: Opener, direct: bool = False, crc: bool = True) -> tuple[str, int]:
+    """A file's base64 MD5 and, with ``crc``, its CRC-32C (0 without), in one read (see :func:`md5_of`)."""
     buf: np.ndarray | None = getattr(_buffers, "buf", None)
     if buf is None:
         buf = _buffers.buf = aligned_buffer(HASH_CHUNK)
     digest = hashlib.md5(usedforsecurity=False)
+    value = 0
     reader = DirectReader("", direct=direct, opener=opener)
     try:
         offset = 0
         while True:
             got = reader.read_at(buf, HASH_CHUNK, offset)
-            digest.update(memoryview(buf[:got]))  # type: ignore[arg-type]
+            view = memoryview(buf[:got])  # type: ignore[arg-type]
+            digest.update(view)
+            if crc:
+                value = crc32c(view, value)
             if got < HASH_CHUNK:
                 break
             offset += got
     finally:
         reader.close()
-    return base64.b64encode(digest.digest()).decode("ascii")
+    return base64.b64encode(digest.digest()).decode("ascii"), value
 
 
-def hash_files(digest: Callable[[int], str], indices: list[int], threads: int = 4) -> list[str]:
+def hash_files(digest: Callable[[int], T], indices: list[int], threads: int = 4) -> list[T]:
     """``digest`` of every index, ``threads`` files at once (hashlib and the reads release the GIL).
 
     Interrupted (a signal, an error), it drops the files not started yet instead of hashing

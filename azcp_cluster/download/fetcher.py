@@ -39,14 +39,16 @@ class LandingSink:
     bar), then the block to ``journal`` (the block journal: ``(file, offset, length, crc)``,
     the CRC-32C of its bytes as they came from the source), then to ``notice`` (streaming: the
     fan-out learns that its bytes are on the node), or, in a download worker process, the
-    block and its CRC to ``report`` (its rank is told, and tells its own sink). Called on the
-    thread that runs the download.
+    block and its CRC to ``report`` (its rank is told, and tells its own sink); and with
+    ``--verify``, the block and its CRC to ``hashes`` (the run's source pieces,
+    core.crc.SourcePieces). Called on the thread that runs the download.
     """
 
     progress: Callable[[int], None] | None = None
     journal: Callable[[int, int, int, int], None] | None = None
     notice: Callable[[Block], None] | None = None
     report: Callable[[Block, int], None] | None = None
+    hashes: Callable[[int, int, int, int], None] | None = None
 
     def add_bytes(self, nbytes: int) -> None:
         """A block's ``nbytes`` body bytes are written."""
@@ -62,6 +64,8 @@ class LandingSink:
             self.notice(block)
         if self.report is not None:
             self.report(block, crc)
+        if self.hashes is not None:
+            self.hashes(block.file, block.offset, block.length, crc)
 
 
 class Fetcher(Protocol):

@@ -119,6 +119,7 @@ class Broadcaster:
         have: Sequence[bool] | None = None,
         verify: bool = False,
         source_of: Callable[[int], str | None] | None = None,
+        hashes: Callable[[int, int, int, int], None] | None = None,
         stop_requested: Callable[[], AzcpError | None] = lambda: None,
     ) -> None:
         if pipeline < 1 or writers < 1:
@@ -135,6 +136,8 @@ class Broadcaster:
         # A local SOURCE's reader sends from the source itself, not from a downloaded
         # temporary file, so it writes its own copy of what it sends like a receiver.
         self.source_of = source_of if source_of is not None else (lambda index: None)
+        # --verify, a local SOURCE's reader: each extent read from the SOURCE, with its CRC-32C.
+        self.hashes = hashes
         self._completes: list[int] = []
         # Polled at every turn of the loop (a SIGINT/SIGTERM this rank got): its error fails
         # this rank like a local one, so the next agreement stops every rank together.
@@ -235,6 +238,7 @@ class Broadcaster:
             hint_window=4 * len(self.slots),
             changed=self.changed,
             kept=kept,
+            hashes=self.hashes,
         )
         run = _Run(schedule, machine, hooks, landed, reader, StreamDigests(self.digests))
         try:

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from crc32c import crc32c
 
 from azcp_cluster.core.errors import BroadcastError, SourceError
 from azcp_cluster.core.model import FileEntry
@@ -46,6 +47,7 @@ class ReadAhead:
         hint_window: int,
         changed: set[int],
         kept: Kept | None = None,
+        hashes: Callable[[int, int, int, int], None] | None = None,
     ) -> None:
         self.files = files
         self.tree = tree
@@ -59,6 +61,9 @@ class ReadAhead:
         self.source_bytes = 0  # bytes read from a local SOURCE
         self.kept = kept  # streaming: this rank's download's buffers, still holding what it landed
         self.memory_bytes = 0  # bytes copied from them
+        # --verify: told each extent read whole from a local SOURCE, with the CRC-32C of its bytes
+        # as read (the source's side of the check of every copy: core/crc.py).
+        self.hashes = hashes
         # The file open across its extents: (reader, file index, its stat when opened).
         self._current: tuple[DirectReader, int, os.stat_result] | None = None
 
@@ -116,6 +121,8 @@ class ReadAhead:
                 self.changed.add(extent.file)  # shorter than listed: truncated meanwhile
                 return
             raise BroadcastError(f"short read ({got} of {extent.length} bytes)", path=shown)
+        if outside and self.hashes is not None:
+            self.hashes(extent.file, extent.offset, extent.length, crc32c(memoryview(into)))  # type: ignore[arg-type]
         if extent.last_of_file:
             self.close()  # a small file's descriptor is not kept to the next
 

@@ -103,6 +103,7 @@ class Report:
     plan_loads: list[int] = field(default_factory=list)
     plan_spread: float = 0.0
     verified_files: int = 0
+    verified_against_source: int = 0  # of those, checked against the source's CRC-32C (core/crc.py)
     peak_rss_bytes: int = 0  # the largest peak resident memory of any rank
     stages: dict[str, StageFigures] = field(default_factory=lambda: {s: StageFigures() for s in STAGES})
     # Where the time goes: per stage agreed (in the order run), each rank's start and end of
@@ -346,7 +347,11 @@ def _lines(report: Report) -> list[tuple[str, str]]:
             )
         if report.verified_files:
             lines.append(
-                ("verify", f"[verify] {report.verified_files} files T={st['verify'].seconds:.3f}s: all copies match")
+                (
+                    "verify",
+                    f"[verify] {report.verified_files} files T={st['verify'].seconds:.3f}s: all copies match "
+                    f"({report.verified_against_source} against the source's CRC-32C)",
+                )
             )
         if report.retries:
             causes = ", ".join(f"{k}={v}" for k, v in sorted(report.retry_causes.items()))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from azcp_cluster.core.chain import FanoutChoice
 from azcp_cluster.core.config import Config
+from azcp_cluster.core.crc import SourcePieces
 from azcp_cluster.core.errors import AzcpError, LocalFSError
 from azcp_cluster.core.source import is_url
 from azcp_cluster.dest.desttree import DestTree
@@ -85,6 +86,9 @@ class RunContext:
         self.download_writer: NodeWriter | None = None
         self.fanout_writer: NodeWriter | None = None
         self.journal: Journal | None = None  # ranks that write into the node's files: their block journal
+        # --verify: what this rank brought into the run (downloaded blocks, a local SOURCE's reads)
+        # with the CRC-32C of the bytes as they came; finish.verify checks every copy against them.
+        self.source_pieces = SourcePieces()
         self.heap = collector.Hold()  # the listing, plan and schedule, frozen (collector.py) until the end
         self.node_comm: Any = None  # the leaders' communicator, for the fan-out (setup)
         self.fanout: FanoutChoice | None = None  # leaders: the fan-out's transport, chosen once (allocate)

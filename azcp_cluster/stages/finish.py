@@ -11,7 +11,10 @@ import resource
 from collections.abc import Mapping
 from itertools import compress
 
-from azcp_cluster.core.digests import verdict
+import numpy as np
+
+from azcp_cluster.core.crc import expected
+from azcp_cluster.core.digests import against_source, verdict
 from azcp_cluster.core.errors import VerifyError
 from azcp_cluster.dest import journal, manifest
 from azcp_cluster.run.cluster import StageOutcome, StageResult
@@ -47,6 +50,11 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
     changed after it arrived differs from the bytes hashed in flight, which is checked
     too. ``--verify stream``: only the bytes hashed as they passed through the fan-out
     (files nobody transferred are read back).
+
+    Each copy read back is also checked against the CRC-32C of the file's bytes as they came
+    from the source, composed from the pieces every rank brought into the run (downloaded
+    blocks, a local SOURCE's reads, kept blocks: core/crc.py), where they tile the file: with
+    or without a Content-MD5, on one node as on many.
     """
     cluster = ctx.cluster
     t0 = cluster.clock()
@@ -56,6 +64,10 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
     disk = ctx.cfg.verify == "disk"
     with cluster.stage(outcome):
         digests: dict[int, str] = {}
+        crcs: dict[int, int] = {}
+        pieces = list(ctx.source_pieces.pieces)
+        for i, keep in moved.diff.kept.items():  # leaders: kept blocks, checked against their CRCs
+            pieces.extend((i, c.offset, c.length, c.crc) for c in keep.claims)
         if place.leader:  # one copy per node
             tree = ctx.dest_tree()
             written = set(moved.here)
@@ -68,17 +80,19 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
             held = [i for i in range(len(files)) if i in written or have[i]]
             reread = [i for i in held if disk or i not in streamed]
 
-            def hash_copy(i: int) -> str:
+            def hash_copy(i: int) -> tuple[str, int]:
                 rel = files[i].path
                 try:
                     opener = tree.opener(rel, temp=i in written)
-                    return manifest.md5_of(opener, direct=disk and ctx.cfg.bcast_direct)
+                    return manifest.digests_of(opener, direct=disk and ctx.cfg.bcast_direct)
                 except OSError as exc:
                     where = tree.temp_shown(rel) if i in written else tree.shown(rel)
                     raise VerifyError(f"cannot read the copy back: {exc.strerror or exc}", path=where) from None
 
             with cluster.abandonable():  # local work: a signal stops it at once
-                digests = dict(zip(reread, manifest.hash_files(hash_copy, reread), strict=True))
+                both = dict(zip(reread, manifest.hash_files(hash_copy, reread), strict=True))
+            digests = {i: md5 for i, (md5, _) in both.items()}
+            crcs = {i: crc for i, (_, crc) in both.items()}
             for i, digest in streamed.items():
                 if i not in digests:
                     digests[i] = digest  # --verify stream
@@ -88,14 +102,19 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
                         "arrived: by the disk, the filesystem or another writer)",
                         path=tree.shown(files[i].path),
                     )
-        outcome.stats = {"md5": digests}
+        outcome.stats = {"md5": digests, "crc": crcs, "pieces": np.array(pieces, dtype=np.uint64).reshape(-1, 4)}
     try:
 
         def record(result: StageResult) -> None:  # the time, also when the copies differ
             ctx.report.stages["verify"] = StageFigures(result.seconds, ctx.report.bytes)
 
         result = cluster.conclude(t0, outcome, record, stage="verify")
-        verified = verdict(files, [(rank, result.stats[rank]["md5"]) for rank in place.topo.leaders])
+        sizes = [f.size for f in files]
+        source = expected(sizes, (tuple(p) for s in result.stats for p in s["pieces"].tolist()))
+        leaders = place.topo.leaders
+        read_back = [(rank, result.stats[rank]["crc"]) for rank in leaders]
+        ctx.report.verified_against_source = against_source(files, read_back, source)
+        verified = verdict(files, [(rank, result.stats[rank]["md5"]) for rank in leaders])
     except VerifyError:
         if place.leader:  # a copy that does not match is not resumed from: the rerun moves it all
             journal.remove(ctx.dest_tree())

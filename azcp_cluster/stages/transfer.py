@@ -77,6 +77,7 @@ def move(
         done = fan_out(ctx, place, schedule, prepared.broadcaster)
     moved = Transferred(listed, diff, prepared.here, done.digests)
     if done.changed:
+        ctx.source_pieces.drop(done.changed)  # read again below: what the first read saw does not count
         moved = send_again(ctx, place, moved, schedule, list(done.changed))
     return moved
 
@@ -158,7 +159,8 @@ def downloader(
     files = listed.listing.files
     tree = ctx.dest_tree()
     journal = ctx.journal  # every block, once written, to this rank's journal
-    sink = LandingSink(progress, journal.written if journal is not None else None, notice)
+    hashes = ctx.source_pieces.add if cfg.verify else None  # --verify: each block's CRC as it came
+    sink = LandingSink(progress, journal.written if journal is not None else None, notice, hashes=hashes)
 
     def processes(count: int) -> WorkerDownloader:
         return worker_processes.WorkerDownloader(
