@@ -195,7 +195,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--max-retries", "max_retries", GROUPS[4], "int",
            f"retries per request before giving up, 0 to {MAX_RETRIES_LIMIT} (default 5)", "N"),
     Option("--read-timeout", "read_timeout", GROUPS[4], "seconds",
-           "a request whose response sends nothing for SECONDS is dropped and retried; "
+           "a request whose response sends nothing for SECONDS, or a body under 4 KiB/s over SECONDS, "
+           "is dropped and retried; "
            f"{MIN_TIMEOUT:g} to {MAX_READ_TIMEOUT:.0f} (default 60)", "SECONDS"),
     Option("--peer-timeout", "peer_timeout", GROUPS[4], "seconds",
            "a rank that sends no pulse for SECONDS (stopped, frozen, cut off) is named and the job ended, "

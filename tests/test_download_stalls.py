@@ -117,3 +117,36 @@ def test_a_slow_but_live_body_is_not_taken_for_a_stall(emulator: azurite.Emulato
         assert proxy.injected == 1
     assert stats.retries == 0, dict(stats.retry_causes)
     assert Path(temp_path(str(tmp_path), "slow.bin")).read_bytes() == data
+
+
+def test_a_trickling_body_is_given_up_on_and_asked_again(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    """A body that is never quiet for the read timeout but brings 320 bytes a second (16 every
+    0.05 s) is under the floor (retry.MIN_BODY_RATE) over a read timeout of waiting: dropped and
+    asked again (cause "slow body"), where it used to hold the request for the whole body
+    (some 100 s for these 32 KiB; hours for a 16 MiB block)."""
+    size = 32 * 1024
+    container = "t" + uuid.uuid4().hex[:20]
+    data = pseudo_random(size, container)
+    azurite.upload(emulator, container, {"trickle.bin": data})
+    rules = [Rule("slow", blob="trickle.bin", partial=16, stall=0.05)]
+    started = time.monotonic()
+    with FaultProxy(emulator, rules) as proxy:
+        stats = _download_one(
+            proxy.url(container),
+            emulator.key_env(),
+            tmp_path,
+            "trickle.bin",
+            size,
+            {"block_size": 2 * MiB, "concurrency": 1, "read_timeout": 1.0, "max_retries": 2},
+        )
+        assert proxy.injected == 1
+    assert dict(stats.retry_causes) == {"slow body": 1}
+    assert time.monotonic() - started < 20
+    assert Path(temp_path(str(tmp_path), "trickle.bin")).read_bytes() == data
+
+
+def test_the_pace_floor() -> None:
+    from azcp_cluster.core.retry import MIN_BODY_RATE, too_slow
+
+    assert too_slow(0, 1.0) and too_slow(MIN_BODY_RATE * 60 - 1, 60.0)
+    assert not too_slow(MIN_BODY_RATE * 60, 60.0) and not too_slow(0, 0.0)

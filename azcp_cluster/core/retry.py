@@ -8,6 +8,14 @@ from email.utils import parsedate_to_datetime
 # 408 timeout, 429 throttled, and the 5xx that Azure documents as transient.
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
+# A body that brings fewer bytes than this a second, averaged over a --read-timeout of waiting
+# for them, is a stalled body (retried, cause "slow body"): otherwise a trickle of a byte a
+# second, never quiet for the read timeout, would hold a run for days. 4 KiB/s is far below
+# any working share of a link (64 requests on a 10 Mbit/s link get 20 KB/s each), and a
+# 16 MiB block at that pace would take over an hour. Time spent waiting for the pacer
+# (--max-bandwidth), a buffer or the disk does not count: only time waiting for the server.
+MIN_BODY_RATE = 4096
+
 BASE_DELAY = 0.5
 MAX_DELAY = 30.0
 
@@ -30,6 +38,11 @@ def backoff_delay(
     if retry_after is not None:
         delay = max(delay, min(retry_after, 5 * cap))
     return delay
+
+
+def too_slow(nbytes: int, seconds: float, floor: float = MIN_BODY_RATE) -> bool:
+    """Whether ``nbytes`` received over ``seconds`` of waiting for a body is under the ``floor`` (bytes/s)."""
+    return seconds > 0 and nbytes < floor * seconds
 
 
 def parse_retry_after(value: str | None, now: float) -> float | None:

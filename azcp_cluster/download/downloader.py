@@ -35,7 +35,7 @@ from azcp_cluster.core.blocks import Block, requests_for
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import AzcpError, DownloadError
 from azcp_cluster.core.model import FileEntry
-from azcp_cluster.core.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
+from azcp_cluster.core.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after, too_slow
 from azcp_cluster.core.source import API_VERSION
 from azcp_cluster.core.throttle import Pacer, Slot
 from azcp_cluster.dest.desttree import DestTree
@@ -204,17 +204,27 @@ class Downloader:
                 if not watch.conn.awaiting_body:  # waiting for a buffer or the disk: not a stall
                     watch.seen, watch.idle = received, 0.0
                     continue
+                watch.window += PEER_POLL_SECONDS
+                watch.window_bytes += received - watch.seen
                 if received != watch.seen:
                     watch.seen, watch.idle = received, 0.0
+                else:
+                    # Bytes under the socket's low-water mark are not seen: from the first quiet
+                    # tick on, this body's bytes are taken as they come (a slow server is not a
+                    # stalled one).
+                    watch.conn.trickle()
+                    watch.idle += PEER_POLL_SECONDS
+                if watch.stalled:
                     continue
-                # Bytes under the socket's low-water mark are not seen: from the first quiet
-                # tick on, this body's bytes are taken as they come (a slow server is not a
-                # stalled one).
-                watch.conn.trickle()
-                watch.idle += PEER_POLL_SECONDS
-                if watch.idle >= self.cfg.read_timeout and not watch.stalled:
+                if watch.idle >= self.cfg.read_timeout:
                     watch.stalled = True
                     watch.conn.abort()  # the pending read fails and the block is retried
+                elif watch.window >= self.cfg.read_timeout:
+                    # A trickle is never quiet for the read timeout: its pace is looked at instead.
+                    if too_slow(watch.window_bytes, watch.window):
+                        watch.stalled, watch.cause = True, "slow body"
+                        watch.conn.abort()
+                    watch.window, watch.window_bytes = 0.0, 0
 
     def _grow(self) -> None:
         """Up to --concurrency requests in flight (the probe of auto download workers had fewer)."""
@@ -312,7 +322,7 @@ class Downloader:
                 await self._stream_body(conn, head, blocks, entry, slot, landed)
             except (OSError, ProtocolError, _Retryable):
                 if watch.stalled:
-                    raise _Retryable("timeout") from None
+                    raise _Retryable(watch.cause) from None
                 raise
             finally:
                 self._active.discard(watch)
