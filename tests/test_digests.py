@@ -49,4 +49,3 @@ def test_every_copy_is_checked_against_the_source_crc_where_it_is_known() -> Non
         assert caught.value.path in ("a", "b")
     with pytest.raises(VerifyError, match=r"rank\(s\) 0, 4 differs"):
         against_source(files, [(0, {0: 1}), (4, {0: 2})], source)  # every copy the same, all wrong: still found
-
