@@ -605,6 +605,11 @@ def test_the_nvme_daemonset_runs_the_script_it_ships() -> None:
     host_path = volumes["host-mnt"]["hostPath"]["path"] + env["NVME_MOUNT"][len(host_mnt["mountPath"]) :]
     assert host_path == "/mnt/nvme"
     assert volumes["dev"]["hostPath"]["path"] == mounts["dev"]["mountPath"] == "/dev"
+    # The host's mount table, without hostPID: the host's /proc, read-only, and its init's mountinfo.
+    host_proc = mounts["host-proc"]
+    assert volumes["host-proc"]["hostPath"] == {"path": "/proc", "type": "Directory"} and host_proc["readOnly"]
+    assert env["HOST_MOUNTINFO"] == f"{host_proc['mountPath']}/1/mountinfo"
+    assert "HOST_MOUNTINFO=${HOST_MOUNTINFO:-" in NVME_SCRIPT.read_text()
     done = re.search(r"NVME_DONE_FILE=\$\{NVME_DONE_FILE:-([^}]+)\}", NVME_SCRIPT.read_text())
     assert done and container["readinessProbe"]["exec"]["command"] == ["test", "-e", done.group(1)]
 
@@ -926,8 +931,11 @@ def test_nvme_a_disk_mounted_only_on_the_host_is_in_use(tmp_path: Path) -> None:
     )
     # A partition of the disk mounted on the host, by number: the disk is in use (and partitioned).
     node = tmp_path / "partition"
-    env = _nvme_node(node, {"nvme0n1": {"partitions": ["nvme0n1p1"]}, "nvme1n1": {}},
-                     host_mounts=("40 22 259:101 / /boot/efi rw - vfat /dev/nvme0n1p1 rw",))
+    env = _nvme_node(
+        node,
+        {"nvme0n1": {"partitions": ["nvme0n1p1"]}, "nvme1n1": {}},
+        host_mounts=("40 22 259:101 / /boot/efi rw - vfat /dev/nvme0n1p1 rw",),
+    )
     plan = _nvme(node, env, "plan")
     assert plan.stdout.split() == ["nvme1n1"] and "skip nvme0n1: partitioned" in plan.stderr
 
@@ -942,8 +950,10 @@ def test_nvme_a_disk_in_use_without_a_signature_is_never_blank(tmp_path: Path, c
     if case == "host-mount":
         host_mounts = ("31 22 259:0 / /var/lib/scratch rw - xfs /dev/nvme0n1 rw",)
     elif case == "block-volume":
-        host_mounts = ("32 22 0:5 /nvme0n1 /var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/publish/p/u "
-                       "rw shared:2 - devtmpfs udev rw",)
+        host_mounts = (
+            "32 22 0:5 /nvme0n1 /var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/publish/p/u "
+            "rw shared:2 - devtmpfs udev rw",
+        )
     elif case == "exclusive-opener":  # a signature-less user that the tables do not show: O_EXCL is refused
         busy = ("nvme0n1",)
     elif case == "holders":
@@ -1001,7 +1011,9 @@ def test_nvme_a_dry_run_shows_what_the_real_run_does(tmp_path: Path, case: str) 
     elif case == "single":
         env = _nvme_node(tmp_path, {"nvme0n1": {}})
     elif case == "assembled":
-        env = _nvme_node(tmp_path, members, signatures={f"{tmp_path}/dev/md127": OUR_FS}, arrays={"md127": list(members)})
+        env = _nvme_node(
+            tmp_path, members, signatures={f"{tmp_path}/dev/md127": OUR_FS}, arrays={"md127": list(members)}
+        )
     elif case == "members":  # after a reboot that left the array unassembled: assemble, mount, no mkfs
         signatures = {f"{tmp_path}/dev/nvme{i}n1": RAID_MEMBER for i in range(4)}
         env = _nvme_node(tmp_path, FOUR_LOCAL, signatures={**signatures, array: OUR_FS})
@@ -1060,7 +1072,13 @@ def test_nvme_teardown_unmounts_stops_and_wipes_on_request(tmp_path: Path) -> No
     )
     assert _plan(_nvme(tmp_path, env, "teardown"), tmp_path) == ["umount /mnt/nvme", "mdadm --stop /dev/md127"]
     env["NVME_WIPE"] = "1"
-    assert _plan(_nvme(tmp_path, env, "teardown"), tmp_path)[-1] == "wipefs -a /dev/nvme0n1 /dev/nvme1n1"
+    # The array's own filesystem signature first: a new array of the same layout would show it again.
+    assert _plan(_nvme(tmp_path, env, "teardown"), tmp_path) == [
+        "umount /mnt/nvme",
+        "wipefs -a /dev/md127",
+        "mdadm --stop /dev/md127",
+        "wipefs -a /dev/nvme0n1 /dev/nvme1n1",
+    ]
     usage = _nvme(tmp_path, env, "format")
     assert usage.returncode == 2 and "usage" in usage.stderr
 
