@@ -605,6 +605,11 @@ def test_the_nvme_daemonset_runs_the_script_it_ships() -> None:
     host_path = volumes["host-mnt"]["hostPath"]["path"] + env["NVME_MOUNT"][len(host_mnt["mountPath"]) :]
     assert host_path == "/mnt/nvme"
     assert volumes["dev"]["hostPath"]["path"] == mounts["dev"]["mountPath"] == "/dev"
+    # The host's mount table, without hostPID: the host's /proc, read-only, and its init's mountinfo.
+    host_proc = mounts["host-proc"]
+    assert volumes["host-proc"]["hostPath"] == {"path": "/proc", "type": "Directory"} and host_proc["readOnly"]
+    assert env["HOST_MOUNTINFO"] == f"{host_proc['mountPath']}/1/mountinfo"
+    assert "HOST_MOUNTINFO=${HOST_MOUNTINFO:-" in NVME_SCRIPT.read_text()
     done = re.search(r"NVME_DONE_FILE=\$\{NVME_DONE_FILE:-([^}]+)\}", NVME_SCRIPT.read_text())
     assert done and container["readinessProbe"]["exec"]["command"] == ["test", "-e", done.group(1)]
 
@@ -619,25 +624,33 @@ def _nvme_node(
     mounts: tuple[str, ...] = (),
     signatures: dict[str, str] | None = None,
     arrays: dict[str, list[str]] | None = None,
+    host_mounts: tuple[str, ...] = (),
+    busy: tuple[str, ...] = (),
 ) -> dict[str, str]:
-    """A fake node: /sys/block, /dev (plain files), the mount table, and a blkid that answers from
-    `signatures` (device path -> blkid -p -o export output). Every command that would change
-    anything is a stub that records its call: a dry run must call none of them."""
+    """A fake node: /sys/block, /dev (plain files), the pod's mount table (`mounts`, "source
+    mountpoint"), the host's (`host_mounts`, mountinfo lines), and a blkid that answers from
+    `signatures` (device path -> blkid -p -o export output). Disk i of `disks` has the device number
+    259:i, its partitions 259:100+. The exclusive open (perl) is the real one, plain files open,
+    except for the disk names in `busy`: EBUSY, as for a block device held by another opener. Every
+    command that would change anything is a stub that records its call: a dry run must call none
+    of them."""
     sys_block, dev, bin_dir = tmp_path / "sys" / "block", tmp_path / "dev", tmp_path / "bin"
     for d in (sys_block, dev, bin_dir, tmp_path / "blkid"):
         d.mkdir(parents=True, exist_ok=True)
-    for name, attrs in disks.items():
+    for number, (name, attrs) in enumerate(disks.items()):
         node = sys_block / name
         (node / "device").mkdir(parents=True)
         (node / "holders").mkdir()
         (node / "device" / "model").write_text(attrs.get("model", LOCAL).ljust(40) + "\n")
         (node / "ro").write_text(f"{attrs.get('ro', 0)}\n")
         (node / "size").write_text(f"{attrs.get('size', 7501476528)}\n")
+        (node / "dev").write_text(f"259:{number}\n")
         for holder in attrs.get("holders", []):
             (node / "holders" / holder).touch()
-        for part in attrs.get("partitions", []):
+        for p, part in enumerate(attrs.get("partitions", []), 1):
             (node / part).mkdir()
-            (node / part / "partition").write_text("1\n")
+            (node / part / "partition").write_text(f"{p}\n")
+            (node / part / "dev").write_text(f"259:{100 * (number + 1) + p}\n")
         (dev / name).touch()
     for name, members in (arrays or {}).items():
         (sys_block / name / "md").mkdir(parents=True)
@@ -648,6 +661,13 @@ def _nvme_node(
     for path, export in (signatures or {}).items():
         (tmp_path / "blkid" / path.replace("/", "_")).write_text(export + "\n")
     (tmp_path / "mounts").write_text("".join(f"{m} xfs rw 0 0\n" for m in mounts))
+    (tmp_path / "mountinfo").write_text("".join(f"{m}\n" for m in host_mounts))
+    real_perl = shutil.which("perl")
+    (bin_dir / "perl").write_text(
+        f'#!/bin/bash\nfor dev; do :; done\ncase " {" ".join(f"{dev}/{b}" for b in busy)} " in\n'
+        '    *" $dev "*) echo "Device or resource busy" >&2; exit 1 ;;\nesac\n'
+        + (f'exec {real_perl} "$@"\n' if real_perl else "exit 0\n")
+    )
     blkid = bin_dir / "blkid"
     blkid.write_text(
         '#!/bin/bash\n[ "$1 $2 $3" = "-p -o export" ] || exit 9\n'
@@ -662,6 +682,7 @@ def _nvme_node(
         "SYS_BLOCK": str(sys_block),
         "DEV_DIR": str(dev),
         "PROC_MOUNTS": str(tmp_path / "mounts"),
+        "HOST_MOUNTINFO": str(tmp_path / "mountinfo"),
         "NVME_DONE_FILE": str(tmp_path / "done"),
         "DRY_RUN": "1",
     }
@@ -757,10 +778,9 @@ def test_nvme_setup_is_idempotent(tmp_path: Path) -> None:
     # recreate; a disk that is not a member is left alone.
     node = tmp_path / "members"
     node.mkdir()
+    # The array is not there to look into before mdadm --assemble: no mkfs in the plan (the real
+    # run checks the assembled array before it mounts: test_nvme_a_dry_run_shows_what_the_real_run_does).
     signatures = {f"{node}/dev/nvme{i}n1": RAID_MEMBER for i in range(3)}
-    signatures[f"{node}/dev/md/azcp-nvme"] = OUR_FS
-    (node / "dev" / "md").mkdir(parents=True)
-    (node / "dev" / "md" / "azcp-nvme").touch()  # as mdadm --assemble would leave it
     env = _nvme_node(node, FOUR_LOCAL, signatures=signatures)
     result = _nvme(node, env, "setup")
     assert _plan(result, node) == [
@@ -783,7 +803,7 @@ def test_nvme_setup_is_idempotent(tmp_path: Path) -> None:
         ("foreign-mount", "not a filesystem labelled azcp-nvme"),
         ("foreign-disk", "refusing to overwrite disks that hold data"),
         ("no-disk", "no local NVMe disk"),
-        ("foreign-array", "without the label azcp-nvme"),
+        ("partition-table", "nvme2n1 (gpt partition table)"),
     ],
 )
 def test_nvme_setup_refuses_to_touch_what_is_not_its_own(tmp_path: Path, case: str, words: str) -> None:
@@ -798,15 +818,230 @@ def test_nvme_setup_refuses_to_touch_what_is_not_its_own(tmp_path: Path, case: s
         env = _nvme_node(tmp_path, FOUR_LOCAL, signatures={f"{tmp_path}/dev/nvme2n1": "TYPE=ext4"})
     elif case == "no-disk":
         env = _nvme_node(tmp_path, {"nvme0n1": {"model": "MSFT NVMe Accelerator v1.0"}})
-    else:  # our members assemble into an array that holds another filesystem
-        signatures = {f"{tmp_path}/dev/nvme{i}n1": RAID_MEMBER for i in range(4)}
-        signatures[f"{tmp_path}/dev/md/azcp-nvme"] = "TYPE=ext4\nLABEL=other"
-        (tmp_path / "dev" / "md").mkdir(parents=True)
-        (tmp_path / "dev" / "md" / "azcp-nvme").touch()
+    else:  # a partition table and no partition the kernel lists (or an empty table): blkid says PTTYPE, no TYPE
+        signatures = {f"{tmp_path}/dev/nvme2n1": "PTUUID=5a1e0c1d-0000-4000-8000-000000000000\nPTTYPE=gpt"}
         env = _nvme_node(tmp_path, FOUR_LOCAL, signatures=signatures)
     result = _nvme(tmp_path, env, "setup")
     assert result.returncode == 1 and words in result.stderr, result.stderr
     assert not any(line.startswith(("+ mkfs", "+ mdadm --create", "+ mount")) for line in result.stdout.splitlines())
+
+
+# NVME_MOUNT spelt otherwise than the mount table spells it. `{m}` is the real directory, under
+# tmp_path (resolved by pytest: no symlink on the way); `link` a symlink to it, `up` one to its parent.
+MOUNT_SPELLINGS = ["{m}/", "{m}//", "{t}/host//mnt/nvme", "{t}/host/./mnt/x/../nvme/", "{t}/link", "{t}/up/nvme/"]
+
+
+def _nvme_mount_point(tmp_path: Path, spelling: str) -> tuple[str, str]:
+    real = tmp_path / "host" / "mnt" / "nvme"
+    real.mkdir(parents=True, exist_ok=True)
+    for name, target in (("link", real), ("up", real.parent)):
+        if not (tmp_path / name).is_symlink():
+            (tmp_path / name).symlink_to(target)
+    return str(real), spelling.format(m=real, t=tmp_path)
+
+
+@pytest.mark.parametrize("spelling", MOUNT_SPELLINGS)
+def test_nvme_mount_point_is_compared_in_one_spelling(tmp_path: Path, spelling: str) -> None:
+    # Our filesystem is mounted (a restarted pod): nothing to do, whatever the spelling; the old
+    # string comparison found nothing mounted there, and planned chattr +i and a second mount.
+    node = tmp_path / "ours"
+    node.mkdir()
+    real, env_mount = _nvme_mount_point(node, spelling)
+    members = {f"nvme{i}n1": {"holders": ["md127"]} for i in range(2)}
+    env = _nvme_node(
+        node,
+        members,
+        mounts=(f"{node}/dev/md127 {real}",),
+        signatures={f"{node}/dev/md127": OUR_FS},
+        arrays={"md127": list(members)},
+    )
+    env["NVME_MOUNT"] = env_mount
+    done = _nvme(node, env, "setup")
+    assert _plan(done, node) == [] and "already holds" in done.stderr, done.stdout + done.stderr
+    # Something else mounted there: refused, in any spelling.
+    node = tmp_path / "foreign"
+    node.mkdir()
+    real, env_mount = _nvme_mount_point(node, spelling)
+    env = _nvme_node(
+        node,
+        FOUR_LOCAL,
+        mounts=(f"{node}/dev/nvme0n1 {real}",),
+        signatures={f"{node}/dev/nvme0n1": "TYPE=ext4\nLABEL=data"},
+    )
+    env["NVME_MOUNT"] = env_mount
+    result = _nvme(node, env, "setup")
+    assert result.returncode == 1 and "not a filesystem labelled azcp-nvme" in result.stderr, result.stderr
+    assert result.stdout == ""
+    # Nothing mounted: the plan names the one real path.
+    node = tmp_path / "new"
+    node.mkdir()
+    real, env_mount = _nvme_mount_point(node, spelling)
+    env = _nvme_node(node, {"nvme0n1": {}})
+    env["NVME_MOUNT"] = env_mount
+    assert _plan(_nvme(node, env, "setup"), node)[1:] == [
+        f"mkdir -p {real}".replace(str(node), ""),
+        f"chattr +i {real}".replace(str(node), ""),
+        f"mount -o noatime /dev/nvme0n1 {real}".replace(str(node), ""),
+    ]
+
+
+def test_nvme_mount_point_with_an_escaped_space(tmp_path: Path) -> None:
+    # The mount table writes a space as \040: compared unescaped.
+    real = tmp_path / "host mnt" / "nvme"
+    real.mkdir(parents=True)
+    members = {"nvme0n1": {"holders": ["md127"]}, "nvme1n1": {"holders": ["md127"]}}
+    escaped = str(real).replace(" ", "\\040")
+    env = _nvme_node(
+        tmp_path,
+        members,
+        mounts=(f"{tmp_path}/dev/md127 {escaped}",),
+        signatures={f"{tmp_path}/dev/md127": OUR_FS},
+        arrays={"md127": list(members)},
+    )
+    env["NVME_MOUNT"] = str(real)
+    done = _nvme(tmp_path, env, "setup")
+    assert _plan(done, tmp_path) == [] and "already holds" in done.stderr, done.stdout + done.stderr
+
+
+# The host's mount table (mountinfo): nvme0n1 mounted outside /mnt, by device number, at a path
+# with a space; nvme1n1 a volumeMode: Block volume, its device node bound under /var/lib/kubelet
+# (devtmpfs, root /nvme1n1), no filesystem and no signature; lines for other devices besides.
+HOST_ONLY = (
+    "22 1 254:1 / / rw,relatime shared:1 - ext4 /dev/root rw",
+    "23 22 0:5 / /dev rw,nosuid shared:2 - devtmpfs udev rw,mode=755",
+    "24 22 8:17 / /mnt rw,relatime shared:3 - ext4 /dev/sdb1 rw",
+    "31 22 259:0 / /var/lib/my\\040cache rw,relatime shared:9 - xfs /dev/disk/by-label/cache rw",
+    "32 22 0:5 /nvme1n1 /var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/publish/pvc-1/uid-1 "
+    "rw,nosuid shared:2 - devtmpfs udev rw,mode=755",
+    "33 22 0:5 /nvme10n1 /var/lib/kubelet/other rw shared:2 - devtmpfs udev rw",
+    "34 22 259:20 / /data rw - xfs /dev/nvme9n1 rw",
+)
+
+
+def test_nvme_a_disk_mounted_only_on_the_host_is_in_use(tmp_path: Path) -> None:
+    env = _nvme_node(tmp_path, FOUR_LOCAL, host_mounts=HOST_ONLY)
+    plan = _nvme(tmp_path, env, "plan")
+    assert plan.returncode == 0, plan.stderr
+    assert plan.stdout.split() == ["nvme2n1", "nvme3n1"]
+    assert "skip nvme0n1: mounted on the host at /var/lib/my cache" in plan.stderr, plan.stderr
+    assert "skip nvme1n1: mounted on the host at /var/lib/kubelet/plugins/" in plan.stderr, plan.stderr
+    assert _plan(_nvme(tmp_path, env, "setup"), tmp_path)[0] == (
+        "mdadm --create /dev/md/azcp-nvme --name=azcp-nvme --homehost=any --level=0 --metadata=1.2 "
+        "--raid-devices=2 --run /dev/nvme2n1 /dev/nvme3n1"
+    )
+    # A partition of the disk mounted on the host, by number: the disk is in use (and partitioned).
+    node = tmp_path / "partition"
+    env = _nvme_node(
+        node,
+        {"nvme0n1": {"partitions": ["nvme0n1p1"]}, "nvme1n1": {}},
+        host_mounts=("40 22 259:101 / /boot/efi rw - vfat /dev/nvme0n1p1 rw",),
+    )
+    plan = _nvme(node, env, "plan")
+    assert plan.stdout.split() == ["nvme1n1"] and "skip nvme0n1: partitioned" in plan.stderr
+
+
+@pytest.mark.parametrize("case", ["host-mount", "block-volume", "exclusive-opener", "holders", "partitions"])
+def test_nvme_a_disk_in_use_without_a_signature_is_never_blank(tmp_path: Path, case: str) -> None:
+    # The node's one local disk is in use and carries no signature at all (blkid: nothing): no
+    # array, no mkfs, no chattr, no mount.
+    disk: dict[str, Any] = {}
+    host_mounts: tuple[str, ...] = ()
+    busy: tuple[str, ...] = ()
+    if case == "host-mount":
+        host_mounts = ("31 22 259:0 / /var/lib/scratch rw - xfs /dev/nvme0n1 rw",)
+    elif case == "block-volume":
+        host_mounts = (
+            "32 22 0:5 /nvme0n1 /var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/publish/p/u "
+            "rw shared:2 - devtmpfs udev rw",
+        )
+    elif case == "exclusive-opener":  # a signature-less user that the tables do not show: O_EXCL is refused
+        busy = ("nvme0n1",)
+    elif case == "holders":
+        disk = {"holders": ["dm-3"]}
+    else:
+        disk = {"partitions": ["nvme0n1p1"]}
+    env = _nvme_node(tmp_path, {"nvme0n1": disk}, host_mounts=host_mounts, busy=busy)
+    result = _nvme(tmp_path, env, "setup")
+    assert result.returncode == 1 and "no local NVMe disk" in result.stderr, result.stderr
+    assert result.stdout == ""
+    # Among blank disks: left out of the array, the others used.
+    node = tmp_path / "four"
+    four = {**FOUR_LOCAL, "nvme0n1": disk}
+    env = _nvme_node(node, four, host_mounts=host_mounts, busy=busy)
+    plan = _nvme(node, env, "plan")
+    assert plan.stdout.split() == ["nvme1n1", "nvme2n1", "nvme3n1"], plan.stderr
+    if case == "exclusive-opener":
+        assert "skip nvme0n1: in use, an exclusive open fails (Device or resource busy)" in plan.stderr
+
+
+def _nvme_real(tmp_path: Path, env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """The same node, run for real (DRY_RUN=0): each command that changes anything is a stub that
+    records its call and succeeds; mdadm --create/--assemble leaves the array's device node, whose
+    blkid answer is the test's `signatures` entry for it. Returns the run and the calls, in order."""
+    mkdir, touch = shutil.which("mkdir"), shutil.which("touch")
+    bin_dir = tmp_path / "bin"
+    for tool in ("mdadm", "mkfs.xfs", "mkfs.ext4", "mount", "umount", "wipefs", "chattr", "mkdir"):
+        script = f'#!/bin/bash\necho "{tool} $*" >> {tmp_path}/real\n'
+        if tool == "mdadm":
+            script += f'case $1 in --create | --assemble) {mkdir} -p "$(dirname "$2")"; {touch} "$2" ;; esac\n'
+        (bin_dir / tool).write_text(script + "exit 0\n")
+    result = subprocess.run(
+        ["bash", str(NVME_SCRIPT), *args],
+        env={**env, "DRY_RUN": "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    real = tmp_path / "real"
+    calls = real.read_text().splitlines() if real.exists() else []
+    return result, [call.replace(str(tmp_path), "") for call in calls]
+
+
+@pytest.mark.parametrize("case", ["new", "single", "assembled", "members", "mounted", "foreign-array", "stale-array"])
+def test_nvme_a_dry_run_shows_what_the_real_run_does(tmp_path: Path, case: str) -> None:
+    # One plan for both: the real run makes the dry run's calls, in order, and no other; where it
+    # finds inside an array it just assembled or created what the plan did not expect, it stops
+    # after mdadm (a dry run cannot look into an array that is not there).
+    members = {f"nvme{i}n1": {"holders": ["md127"]} for i in range(2)}
+    array = f"{tmp_path}/dev/md/azcp-nvme"
+    expect_fail = ""
+    if case == "new":
+        env = _nvme_node(tmp_path, FOUR_LOCAL)
+    elif case == "single":
+        env = _nvme_node(tmp_path, {"nvme0n1": {}})
+    elif case == "assembled":
+        env = _nvme_node(
+            tmp_path, members, signatures={f"{tmp_path}/dev/md127": OUR_FS}, arrays={"md127": list(members)}
+        )
+    elif case == "members":  # after a reboot that left the array unassembled: assemble, mount, no mkfs
+        signatures = {f"{tmp_path}/dev/nvme{i}n1": RAID_MEMBER for i in range(4)}
+        env = _nvme_node(tmp_path, FOUR_LOCAL, signatures={**signatures, array: OUR_FS})
+    elif case == "mounted":
+        env = _nvme_node(
+            tmp_path,
+            members,
+            mounts=(f"{tmp_path}/dev/md127 /mnt/nvme",),
+            signatures={f"{tmp_path}/dev/md127": OUR_FS},
+            arrays={"md127": list(members)},
+        )
+        env["NVME_MOUNT"] = "/mnt/nvme/"
+    elif case == "foreign-array":  # our members assemble into an array that holds another filesystem
+        signatures = {f"{tmp_path}/dev/nvme{i}n1": RAID_MEMBER for i in range(4)}
+        env = _nvme_node(tmp_path, FOUR_LOCAL, signatures={**signatures, array: "TYPE=ext4\nLABEL=other"})
+        expect_fail = "holds ext4 without the label azcp-nvme"
+    else:  # blank disks whose new array shows an earlier array's filesystem: never formatted over, nor mounted
+        env = _nvme_node(tmp_path, FOUR_LOCAL, signatures={array: OUR_FS})
+        expect_fail = "from an earlier array on its disks"
+    dry = _plan(_nvme(tmp_path, env, "setup"), tmp_path)
+    result, calls = _nvme_real(tmp_path, env, "setup")
+    if expect_fail:
+        assert result.returncode == 1 and expect_fail in result.stderr, result.stderr
+        assert calls == dry[:1] and calls[0].startswith("mdadm --"), (calls, dry)
+    else:
+        assert result.returncode == 0, result.stderr
+        assert calls == dry, (calls, dry)
+        assert not any(c.startswith("mkfs") for c in calls) or case in ("new", "single")
 
 
 def test_nvme_a_blkid_failure_stops_the_script(tmp_path: Path) -> None:
@@ -819,6 +1054,11 @@ def test_nvme_a_blkid_failure_stops_the_script(tmp_path: Path) -> None:
     (tmp_path / "missing" / "dev" / "nvme1n1").unlink()
     result = _nvme(tmp_path / "missing", env, "setup")
     assert result.returncode == 1 and "does not exist" in result.stderr and result.stdout == ""
+    # Nor is one that the exclusive open cannot check (anything but EBUSY).
+    env = _nvme_node(tmp_path / "unchecked", FOUR_LOCAL)
+    (tmp_path / "unchecked" / "bin" / "perl").write_text("#!/bin/bash\necho 'Permission denied' >&2\nexit 2\n")
+    result = _nvme(tmp_path / "unchecked", env, "setup")
+    assert result.returncode == 1 and "exclusively: Permission denied" in result.stderr and result.stdout == ""
 
 
 def test_nvme_teardown_unmounts_stops_and_wipes_on_request(tmp_path: Path) -> None:
@@ -832,7 +1072,13 @@ def test_nvme_teardown_unmounts_stops_and_wipes_on_request(tmp_path: Path) -> No
     )
     assert _plan(_nvme(tmp_path, env, "teardown"), tmp_path) == ["umount /mnt/nvme", "mdadm --stop /dev/md127"]
     env["NVME_WIPE"] = "1"
-    assert _plan(_nvme(tmp_path, env, "teardown"), tmp_path)[-1] == "wipefs -a /dev/nvme0n1 /dev/nvme1n1"
+    # The array's own filesystem signature first: a new array of the same layout would show it again.
+    assert _plan(_nvme(tmp_path, env, "teardown"), tmp_path) == [
+        "umount /mnt/nvme",
+        "wipefs -a /dev/md127",
+        "mdadm --stop /dev/md127",
+        "wipefs -a /dev/nvme0n1 /dev/nvme1n1",
+    ]
     usage = _nvme(tmp_path, env, "format")
     assert usage.returncode == 2 and "usage" in usage.stderr
 
