@@ -11,7 +11,8 @@ before the interpreter starts) and ``cli.main`` (``python -m azcp_cluster``, a h
 
 Under ``mpiexec`` the ranks' streams are the launcher's pipes, never closed; closing
 ``mpiexec``'s own makes MPICH's hydra (5.0.2) exit 255 before it starts any rank ("fcntl failed
-on 1"), which nothing of the tool can change. So the ``mpiexec`` runs close each rank's stream
+on 1"), which nothing of the tool can change (Open MPI 4.1.4's ``mpirun`` runs the copy: see
+docs/troubleshooting.md, "The container image"). So the ``mpiexec`` runs close each rank's stream
 the way a per-rank wrapper would: ``mpiexec -n 2 sh -c 'exec "$0" "$@" 2>&-' python -m ...``.
 """
 
