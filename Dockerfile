@@ -21,6 +21,8 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY azcp_cluster ./azcp_cluster
+# The azcp-cluster command, a script of the package (pyproject.toml: script-files).
+COPY bin/azcp-cluster ./bin/
 RUN python -m venv /opt/azcp \
     && /opt/azcp/bin/pip install --only-binary=:all: . \
     && /opt/azcp/bin/azcp-cluster --version

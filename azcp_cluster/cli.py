@@ -40,6 +40,7 @@ def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> i
     returns. ``keep_handlers`` leaves the recorder installed (the command does, up to the
     process's exit); otherwise the handlers from before are put back, for a host program.
     """
+    _reopen_closed_streams()
     from azcp_cluster.run.interrupts import Interrupts
 
     interrupts = Interrupts()
@@ -53,6 +54,38 @@ def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> i
         mpi.end()
         if not keep_handlers:
             interrupts.restore()
+
+
+def _reopen_closed_streams() -> None:
+    """Treat a standard stream closed at start-up (fd 0, 1 or 2) as /dev/null.
+
+    cron and daemon wrappers may start a process with one closed (``2>&-``). Python then sets
+    ``sys.stdin`` / ``sys.stdout`` / ``sys.stderr`` to None, and the first write to it (a
+    progress line, an error's line, the final flush) raised AttributeError: an "internal error"
+    over a copy left under temporary names, or exit 1 over a complete one. And the next file
+    the process opened would take the free number: a print, or MPI's own messages on fd 2,
+    would then write into a destination file. So the free numbers are taken at once, by
+    /dev/null, and Python gets a stream on each. ``bin/azcp-cluster`` does the same before the
+    interpreter starts; this covers ``python -m azcp_cluster`` and a host program's :func:`main`.
+    """
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            # The lowest free number: this one, as the lower ones are open by now. Inheritable,
+            # so that the download workers (started with stdout and stderr inherited) get it too.
+            null = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            os.set_inheritable(fd, True)
+    # Kept to the process's end, as Python's own are; closefd=False: the number stays taken.
+    if sys.stdin is None:
+        sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
+    if sys.stdout is None:
+        sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
 
 
 def command() -> int:

@@ -2,7 +2,8 @@
 
 - every shell script in examples/ and scripts/, and every script embedded in a Kubernetes
   manifest, passes shellcheck;
-- the Dockerfiles pass hadolint, and what they COPY exists and is in the build context;
+- the Dockerfiles pass hadolint, what they COPY exists and is in the build context, and the wheel
+  builds (offline) from exactly what their build stage copies;
 - the Kubernetes manifests validate against the Kubernetes schemas (kubernetes-validate,
   strict, offline) and the MPIJob against a kubeflow v2beta1 schema (examples/aks/schemas/),
   its pod templates against the Kubernetes one; broken copies of them are rejected;
@@ -26,6 +27,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -221,6 +223,79 @@ def test_what_the_dockerfiles_copy_is_in_the_build_context(dockerfile: Path) -> 
             assert path.exists(), f"{dockerfile.name}: COPY {source}: not in the repository"
             inside = [path] if path.is_file() else [p for p in path.rglob("*.py")]
             assert inside and not any(_ignored(p.relative_to(REPO).as_posix(), rules) for p in inside), source
+
+
+def _build_stage_copies(dockerfile: Path) -> tuple[str, list[list[str]]]:
+    """The stage that builds the package (its RUN runs pip on ``.``): its WORKDIR and its COPY lines
+    from the build context, each as [source, ..., destination]."""
+    stages: list[list[tuple[str, str]]] = []
+    for word, args in _instructions(dockerfile):
+        if word == "FROM":
+            stages.append([])
+        elif stages:
+            stages[-1].append((word, args))
+    pip_on_context = re.compile(r"\bpip (install|wheel)\b.* \.(\s|$)")  # `pip install ... .`: the COPY'd tree
+    builds = [steps for steps in stages if any(w == "RUN" and pip_on_context.search(a) for w, a in steps)]
+    assert len(builds) == 1, f"{dockerfile.name}: {len(builds)} stages build the package, not one"
+    (steps,) = builds
+    workdirs = [args for word, args in steps if word == "WORKDIR"]
+    copies = [args.split() for word, args in steps if word in ("COPY", "ADD")]
+    local = [[a for a in c if not a.startswith("--")] for c in copies if not any(a.startswith("--from=") for a in c)]
+    return (workdirs[-1] if workdirs else "/"), local
+
+
+def _copy_as_docker_does(sources: list[str], dest: str, into: Path) -> None:
+    """COPY SOURCE... DEST into ``into`` (the image's WORKDIR), with what .dockerignore leaves out left out:
+    a file to DEST (into it, if DEST ends with /), a directory's contents into DEST."""
+    rules = _dockerignore()
+    target = into / dest
+    for source in sources:
+        path = REPO / source
+        assert path.exists(), f"COPY {source}: not in the repository"
+        if path.is_file():
+            if _ignored(source, rules):
+                continue  # not in the build context: the builder would fail, or copy nothing
+            out = target / path.name if dest.endswith("/") or len(sources) > 1 else target
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, out)
+            continue
+        for file in path.rglob("*"):
+            rel = file.relative_to(REPO).as_posix()
+            if file.is_file() and not _ignored(rel, rules):
+                out = target / file.relative_to(path)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(file, out)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_the_wheel_builds_from_what_the_dockerfiles_copy(dockerfile: Path, tmp_path: Path) -> None:
+    # What each COPY of the build stage puts into the image, and nothing else: a file the build
+    # needs and no COPY brings (or .dockerignore keeps out) fails the build here, as in the image.
+    workdir, copies = _build_stage_copies(dockerfile)
+    assert workdir.startswith("/"), workdir
+    src = tmp_path / "image" / workdir.lstrip("/")
+    src.mkdir(parents=True)
+    for *sources, dest in copies:
+        _copy_as_docker_does(sources, dest, src)
+    # Offline, with the environment's build backend (setuptools, from the test extra): no index.
+    wheels = tmp_path / "wheels"
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "--quiet",
+         "--disable-pip-version-check", "--wheel-dir", str(wheels), "."],
+        cwd=src, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, f"{dockerfile.name}: the wheel does not build from its COPY lines\n{result.stderr}"
+    (wheel,) = wheels.glob("azcp_cluster-*.whl")
+    with zipfile.ZipFile(wheel) as whl:
+        names = set(whl.namelist())
+        entry_points = next(whl.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert {"azcp_cluster/__init__.py", "azcp_cluster/cli.py", "azcp_cluster/__main__.py"} <= names
+    # Every module of the package, not only a few.
+    package = {p.relative_to(REPO).as_posix() for p in (REPO / "azcp_cluster").rglob("*.py")}
+    assert package <= names, sorted(package - names)
+    # The command (the shell wrapper) and the tool it starts.
+    assert any(re.fullmatch(r"azcp_cluster-[^/]+\.data/scripts/azcp-cluster", n) for n in names), sorted(names)
+    assert re.search(r"^azcp-cluster-py = azcp_cluster\.cli:command$", entry_points, re.M), entry_points
 
 
 def test_the_build_context_is_small() -> None:
