@@ -389,6 +389,20 @@ def test_dest_inside_source_is_refused_on_every_rank(tmp_path: Path) -> None:
     assert not (tmp_path / "src" / "inner").exists()
 
 
+def test_source_inside_dest_is_refused_on_every_rank(tmp_path: Path) -> None:
+    # Only rank 3's DEST holds SOURCE (one file, which would land as DEST/a.bin: over itself),
+    # and rank 0 reads: still refused, exit 2, before any write.
+    (tmp_path / "d" / "3").mkdir(parents=True)
+    (tmp_path / "d" / "3" / "a.bin").write_bytes(b"the only copy")
+    result = run_cli([str(tmp_path / "d" / "3" / "a.bin"), str(tmp_path / "d" / "{rank}"), "--source-rank", "0"])
+    assert result.returncode == 2, result.output
+    (line,) = _errors(result.stderr)
+    assert "rank 3" in line and "is inside DEST" in line, line
+    assert "Traceback" not in result.output
+    assert [p.name for p in (tmp_path / "d" / "3").iterdir()] == ["a.bin"]
+    assert (tmp_path / "d" / "3" / "a.bin").read_bytes() == b"the only copy"
+
+
 # ---------------------------------------------------------------------------------------
 # a local SOURCE that changes while it is read
 
