@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from azcp_cluster.api import make_config
 from azcp_cluster.core import errors
 from azcp_cluster.core.config import (
     LOCK_MODES,
@@ -431,6 +432,44 @@ def test_cli_refuses_out_of_range_values_in_one_short_line(extra: list[str], wor
     line = info.value.one_line()
     assert words in line, line
     assert len(line) < 300 and "\n" not in line
+
+
+# Every control character (C0 and DEL), first, in the middle and last, in SOURCE (a URL with a
+# SAS, whose parsing would drop a tab or a line break, and a path) and in DEST.
+CONTROLS = [chr(c) for c in range(0x20)] + ["\x7f"]
+URL = "https://acct.blob.core.windows.net/container/p?sv=1&sig=SECRET"
+
+
+@pytest.mark.parametrize("char", CONTROLS, ids=lambda c: f"U+{ord(c):04X}")
+@pytest.mark.parametrize("which", ["SOURCE-url", "SOURCE-path", "DEST"])
+@pytest.mark.parametrize("at", [0, 7, -1], ids=["first", "middle", "last"])
+def test_a_control_character_in_source_or_dest_is_refused_by_its_place(char: str, which: str, at: int) -> None:
+    good = {"SOURCE-url": URL, "SOURCE-path": "/data/ckpt", "DEST": "/mnt/nvme/copy"}[which]
+    index = len(good) if at == -1 else at
+    bad = good[:index] + char + good[index:]
+    source, dest = (bad, "/mnt/nvme/copy") if which != "DEST" else ("/data/ckpt", bad)
+    name = which.split("-")[0]
+    want = (
+        f"{name} has a control character (U+{ord(char):04X}, {char!r}) at character {index + 1} of {len(bad)}; "
+        "remove it (a stray tab or line break in a job script?)"
+    )
+    for make in (lambda: Config(source=source, dest=dest).validate(), lambda: make_config(source, dest, {})):
+        with pytest.raises(UsageError) as info:
+            make()
+        assert info.value.message == want
+        assert info.value.exit_code == 2
+        assert "SECRET" not in info.value.one_line() and "\n" not in info.value.one_line()
+    if "\x00" not in bad:  # argv cannot hold a NUL
+        with pytest.raises(UsageError, match="has a control character"):
+            config_from_args([source, dest])
+
+
+@pytest.mark.parametrize("text", [" ", "ü", "\u00a0", "\x80", "\x85", "\x9f", "\u2028", "~"])
+def test_printable_and_other_characters_in_source_and_dest_are_left_alone(text: str) -> None:
+    # Only C0 and DEL are refused: a space, a non-ASCII name (and the C1 range, which a
+    # Latin-1 file name may hold) stay the user's business.
+    cfg = Config(source=f"/data/a{text}b", dest=f"/mnt/c{text}d").validate()
+    assert (cfg.source, cfg.dest) == (f"/data/a{text}b", f"/mnt/c{text}d")
 
 
 @pytest.mark.parametrize(
