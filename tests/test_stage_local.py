@@ -205,8 +205,10 @@ def test_compare_etag_sees_a_rewrite_that_keeps_size_and_mtime(tmp_path: Path) -
         (["{missing}", "{dest}"], 2, "neither a blob URL nor a path that exists"),
         (["{root}", "{dest}", "--source-rank", "9"], 2, "not a rank of this job"),
         (["{root}", "{root}/inside"], 2, "inside SOURCE"),
+        # A download option with a local SOURCE: it read uncapped, exit 0.
+        (["{root}", "{dest}", "--max-bandwidth", "1Gbps"], 2, "--max-bandwidth is for a blob URL SOURCE only"),
     ],
-    ids=["missing", "source-rank-out-of-range", "dest-inside-source"],
+    ids=["missing", "source-rank-out-of-range", "dest-inside-source", "download-option"],
 )
 def test_bad_local_sources(
     source_tree: tuple[Path, dict[str, bytes]], tmp_path: Path, args: list[str], code: int, words: str
