@@ -103,7 +103,7 @@ class Report:
     plan_loads: list[int] = field(default_factory=list)
     plan_spread: float = 0.0
     verified_files: int = 0
-    peak_rss_bytes: int = 0  # the largest peak resident memory of any rank
+    peak_rss_bytes: int = 0  # the largest peak resident memory of any rank, at the last agreement (Cluster.peak_rss)
     stages: dict[str, StageFigures] = field(default_factory=lambda: {s: StageFigures() for s in STAGES})
     # Where the time goes: per stage agreed (in the order run), each rank's start and end of
     # its own work, in seconds since that rank's run started ({"stage", "start": [per rank],
