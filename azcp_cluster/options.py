@@ -481,7 +481,7 @@ def json_path_of(argv: Sequence[str] | None) -> str | None:
     """The ``--json`` PATH in ``argv`` even when the rest does not parse, or None.
 
     A usage error still gets its JSON report when the path itself is usable, as every
-    other error does; the report then carries only the exit code and the line.
+    other error does; no run started, so every other field of that report is at its empty value.
     """
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--json", dest="json_path")
