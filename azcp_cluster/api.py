@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import UsageError
-from azcp_cluster.options import coerce
+from azcp_cluster.options import check_source_kind, coerce
 from azcp_cluster.run.report import Report, check_json_path
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in ("source", "dest"))
@@ -33,6 +33,7 @@ def make_config(source: str, dest: str, options: dict[str, Any]) -> Config:
         raise UsageError("source and dest must be strings")
     values = {name: coerce(name, value) for name, value in options.items()}  # as the command line reads them
     cfg = Config(source=source, dest=dest, **values).validate()
+    check_source_kind(cfg)  # an option for the other kind of SOURCE, as on the command line
     check_json_path(cfg.json_path)
     return cfg
 

@@ -6,6 +6,7 @@ The entry point (signals, MPI's start and end, errors into exit codes) is :mod:`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import shutil
 import sys
@@ -44,6 +45,7 @@ from azcp_cluster.core.config import (
     shown,
 )
 from azcp_cluster.core.errors import EXIT_CODES, UsageError
+from azcp_cluster.core.source import is_url
 from azcp_cluster.run.report import check_json_path
 
 EXAMPLES = """\
@@ -96,6 +98,9 @@ class Option:
     (``--no-X``: sets it False), ``alias`` (sets the field to ``value``), ``globs``
     (repeatable), ``path``, ``verify`` (an optional MODE). The API's keyword options are the
     fields, read by the same kinds (:func:`coerce`).
+
+    ``source``: the kind of SOURCE the option is for, :data:`BLOB` or :data:`LOCAL` ("": both).
+    Set for the other kind, it would be ignored, so it is refused (:func:`check_source_kind`).
     """
 
     flag: str
@@ -106,6 +111,16 @@ class Option:
     metavar: str | None = None
     choices: tuple[str, ...] = ()
     value: Any = None  # an alias's value
+    source: str = ""  # BLOB or LOCAL: the only kind of SOURCE it applies to ("": both)
+
+
+# The kinds of SOURCE an option may be for alone (Option.source), and what the other kind does instead.
+BLOB = "blob URL"
+LOCAL = "local"
+_INSTEAD = {
+    BLOB: "a local SOURCE is read by its reader ranks, and nothing is downloaded",
+    LOCAL: "a blob URL is downloaded by the downloading ranks (--download-ranks), and no rank reads a path",
+}
 
 
 def _range(lo: int, hi: int) -> str:
@@ -137,9 +152,9 @@ OPTIONS: tuple[Option, ...] = (
            "list, compare and print the plan (files and bytes per rank); write nothing"),
     # download
     Option("--concurrency", "concurrency", GROUPS[1], "int",
-           f"ranged GETs in flight per rank, 1 to {MAX_CONCURRENCY} (default 64)", "N"),
+           f"ranged GETs in flight per rank, 1 to {MAX_CONCURRENCY} (default 64)", "N", source=BLOB),
     Option("--block-size", "block_size", GROUPS[1], "size",
-           f"bytes per ranged GET, {_range(MIN_BLOCK_SIZE, MAX_BLOCK_SIZE)} (default 16MiB)", "SIZE"),
+           f"bytes per ranged GET, {_range(MIN_BLOCK_SIZE, MAX_BLOCK_SIZE)} (default 16MiB)", "SIZE", source=BLOB),
     Option("--shard-size", "shard_size", GROUPS[1], "size",
            f"files larger than SIZE are split into ranges fetched by several ranks (finer, down to "
            f"8MiB, where that shares the download out more evenly); at least {_units(MIN_SHARD_SIZE)} "
@@ -147,13 +162,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("--max-bandwidth", "max_bandwidth", GROUPS[1], "rate",
            "cap the cluster's download, split over the downloading ranks: 25Gbps, 800Mb/s (bits), 3GiB/s "
            "(bytes) or bytes per second; keeps a job under a storage account's egress limit instead of "
-           f"meeting its 503s; {MIN_BANDWIDTH} B/s to 8000Tbps (default: no cap)", "RATE"),
+           f"meeting its 503s; {MIN_BANDWIDTH} B/s to 8000Tbps (default: no cap)", "RATE", source=BLOB),
     Option("--download-ranks", "download_ranks", GROUPS[1], "int",
            "only N ranks download, spread over the nodes (default: every rank); fewer clients for a "
-           "throttled account", "N"),
+           "throttled account", "N", source=BLOB),
     Option("--auth", "auth", GROUPS[1], "choice",
            "force one credential: " + ", ".join(AUTH_METHODS[1:]) + "; default auto (the first that "
-           "applies, or AZCP_AUTH)", "METHOD", AUTH_METHODS),
+           "applies, or AZCP_AUTH)", "METHOD", AUTH_METHODS, source=BLOB),
     # broadcast
     Option("--bcast-chunk", "bcast_chunk", GROUPS[2], "size",
            f"bytes per fan-out slot, {_range(MIN_BCAST_CHUNK, MAX_BCAST_CHUNK)}; sent in MPI calls of at "
@@ -165,10 +180,10 @@ OPTIONS: tuple[Option, ...] = (
            "broadcast faster", "METHOD", FANOUT_METHODS),
     Option("--source-rank", "source_rank", GROUPS[2], "int",
            "local SOURCE: the rank that reads it (default: the lowest that sees it); no other opens it",
-           "RANK"),
+           "RANK", source=LOCAL),
     Option("--source-readers", "source_readers", GROUPS[2], "int",
            "local SOURCE on a shared filesystem (Lustre, NFS with several servers): N ranks on different "
-           "nodes read disjoint, balanced parts of it (default 1)", "N"),
+           "nodes read disjoint, balanced parts of it (default 1)", "N", source=LOCAL),
     # checks and output
     Option("--verify", "verify", GROUPS[3], "verify",
            "MD5 of every file, compared across nodes and with the blob's Content-MD5 (exit 7 on a "
@@ -191,20 +206,21 @@ OPTIONS: tuple[Option, ...] = (
     Option("--download-workers", "download_workers", GROUPS[4], "workers",
            f"processes under each downloading rank making its ranged GETs (1 to {MAX_DOWNLOAD_WORKERS}; 1: "
            "the rank itself); auto (default): the rank measures its rate and the idle CPUs and hands "
-           "its share to workers (at most 8) only where they are predicted to shorten it", "N"),
+           "its share to workers (at most 8) only where they are predicted to shorten it", "N", source=BLOB),
     Option("--max-retries", "max_retries", GROUPS[4], "int",
-           f"retries per request before giving up, 0 to {MAX_RETRIES_LIMIT} (default 5)", "N"),
+           f"retries per request before giving up, 0 to {MAX_RETRIES_LIMIT} (default 5)", "N", source=BLOB),
     Option("--read-timeout", "read_timeout", GROUPS[4], "seconds",
            "a request whose response sends nothing for SECONDS, or a body under 4 KiB/s over SECONDS, "
            "is dropped and retried; "
-           f"{MIN_TIMEOUT:g} to {MAX_READ_TIMEOUT:.0f} (default 60)", "SECONDS"),
+           f"{MIN_TIMEOUT:g} to {MAX_READ_TIMEOUT:.0f} (default 60)", "SECONDS", source=BLOB),
     Option("--peer-timeout", "peer_timeout", GROUPS[4], "seconds",
            "a rank that sends no pulse for SECONDS (stopped, frozen, cut off) is named and the job ended, "
            f"exit 10; 0: never (a rank in a debugger); {MIN_PEER_TIMEOUT:g} to {MAX_READ_TIMEOUT:.0f} "
            "(default 30)", "SECONDS"),
     # The Python API only (no flag): how long a connection to Azure may take to open.
     Option("", "connect_timeout", GROUPS[4], "seconds",
-           f"seconds a connection may take to open; {MIN_TIMEOUT:g} to {MAX_READ_TIMEOUT:.0f} (default 30)"),
+           f"seconds a connection may take to open; {MIN_TIMEOUT:g} to {MAX_READ_TIMEOUT:.0f} (default 30)",
+           source=BLOB),
     Option("--bcast-pipeline", "bcast_pipeline", GROUPS[4], "int",
            f"fan-out slots in flight, 1 to {MAX_BCAST_PIPELINE}; memory per writer is N x chunk "
            "(default 4, so 4 x 16MiB = 64MiB)", "N"),
@@ -217,7 +233,7 @@ OPTIONS: tuple[Option, ...] = (
            "write received slots, and read back the downloads to send, through the page cache instead "
            "of O_DIRECT"),
     Option("--no-overlap", "overlap", GROUPS[4], "negated",
-           "download everything, then fan it out (default: each part goes out as soon as it lands)"),
+           "download everything, then fan it out (default: each part goes out as soon as it lands)", source=BLOB),
     Option("--no-resume", "resume", GROUPS[4], "negated",
            "copy every missing file whole, ignoring (and removing) a stopped run's block journal "
            "(default: keep the blocks it recorded and move only the rest)"),
@@ -291,7 +307,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, built from :data:`OPTIONS` (also used by the docs tests)."""
-    p = _Parser(prog="azcp-cluster", description=DESCRIPTION, epilog=EPILOG, formatter_class=_Formatter)
+    description = f"{DESCRIPTION}\n{source_kinds_text()}\n"
+    p = _Parser(prog="azcp-cluster", description=description, epilog=EPILOG, formatter_class=_Formatter)
     p.add_argument("--version", action="version", version=f"azcp-cluster {__version__}")
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     copy = groups[GROUPS[0]]
@@ -338,8 +355,38 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
             value = tuple(value)
         fields[option.field] = value
     cfg = Config(source=given["source"], dest=given["dest"], **fields).validate()
+    check_source_kind(cfg)
     check_json_path(cfg.json_path)
     return cfg
+
+
+def check_source_kind(cfg: Config) -> None:
+    """Refuse an option set for the other kind of SOURCE than ``cfg``'s (:attr:`Option.source`):
+    a blob URL's download options with a local path, a local path's reader options with a URL.
+
+    Such an option would have no effect at all (``--max-bandwidth`` with a local SOURCE read it
+    uncapped), which a job script's author would take for a setting that holds; nothing caps
+    or tunes a local reader. Set means other than its default, so the command line and the
+    API decide alike (an API caller may pass every option at its default whatever the SOURCE).
+    """
+    other = LOCAL if is_url(cfg.source) else BLOB  # the kind this SOURCE is not
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    named = [o.flag or o.field for o in OPTIONS if o.source == other and getattr(cfg, o.field) != defaults[o.field]]
+    if named:
+        names = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
+        verb, them = ("is", "it") if len(named) == 1 else ("are", "them")
+        raise UsageError(f"{names} {verb} for a {other} SOURCE only: {_INSTEAD[other]}; leave {them} out")
+
+
+def source_kinds_text() -> str:
+    """The help's paragraph on the options for one kind of SOURCE only, from :data:`OPTIONS`."""
+    flags = {kind: ", ".join(o.flag for o in OPTIONS if o.source == kind and o.flag) for kind in (BLOB, LOCAL)}
+    return textwrap.fill(
+        f"For a blob URL only: {flags[BLOB]}. For a local SOURCE only: {flags[LOCAL]}. Set for the "
+        "other kind of SOURCE, they exit 2.",
+        79,
+        break_on_hyphens=False,  # an option's name on one line
+    )
 
 
 def coerce(field: str, value: Any) -> Any:
@@ -435,7 +482,7 @@ def json_path_of(argv: Sequence[str] | None) -> str | None:
     """The ``--json`` PATH in ``argv`` even when the rest does not parse, or None.
 
     A usage error still gets its JSON report when the path itself is usable, as every
-    other error does; the report then carries only the exit code and the line.
+    other error does; no run started, so every other field of that report is at its empty value.
     """
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--json", dest="json_path")

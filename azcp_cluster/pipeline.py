@@ -84,6 +84,8 @@ def run(
             ctx.heap.end()  # what the run froze goes back to the collector
         report.stages["total"].seconds = clock() - started
         report.timeline, report.timeline_origin = cluster.timeline, cluster.origins
+        # Every agreement carried each rank's peak memory, so a failed run reports it too.
+        report.peak_rss_bytes = cluster.peak_rss
     # Once DEST's lock is released and removed: a launcher that dies of a reader gone away
     # (`mpiexec ... | head`) finds nothing of the run left to clean up. The JSON report first,
     # then the lines (on a failure, those of the stages it reached; the CLI prints the error
@@ -97,7 +99,7 @@ def run(
     return report
 
 
-def _report_at_signal(report: Report, path: str, clock: Callable[[], float], started: float) -> Callable[[int], None]:
+def _report_at_signal(report: Report, path: str, cluster: Cluster, started: float) -> Callable[[int], None]:
     """What rank 0 does at its first SIGINT or SIGTERM: write the JSON report as it stands, with the signal's code.
 
     The ranks then agree to stop and rank 0 writes the report again, but a launcher may kill
@@ -114,7 +116,8 @@ def _report_at_signal(report: Report, path: str, clock: Callable[[], float], sta
         error = signal_error(signum, 0)
         doc = report.to_json()
         doc["exit_code"], doc["error"] = error.exit_code, error.one_line()
-        doc["stages"]["total"]["seconds"] = clock() - started
+        doc["stages"]["total"]["seconds"] = cluster.clock() - started
+        doc["peak_rss_bytes"] = cluster.peak_rss  # as of the last agreement
         with contextlib.suppress(OSError):
             write_json_document(doc, path, durable=False)
 
@@ -130,7 +133,7 @@ def execute(ctx: RunContext) -> list[str]:
     place = setup.setup(ctx)
     ctx.lines.through("cluster")
     if ctx.rank == 0 and cfg.json_path:  # its place checked by setup (not inside DEST)
-        ctx.cluster.interrupts.on_first = _report_at_signal(ctx.report, cfg.json_path, ctx.cluster.clock, ctx.started)
+        ctx.cluster.interrupts.on_first = _report_at_signal(ctx.report, cfg.json_path, ctx.cluster, ctx.started)
     # The listing, the plan and the schedule: up to millions of objects kept for the run.
     with collector.paused() as ctx.heap:
         listed = survey.list_source(ctx, place)

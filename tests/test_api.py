@@ -31,7 +31,7 @@ def test_options_are_converted_like_the_command_line() -> None:
         "s", "d", {"bcast_chunk": "2MiB", "shard_size": 3 * MiB, "include": "*.bin", "exclude": ["a", "b"]}
     )
     assert (cfg.bcast_chunk, cfg.shard_size, cfg.include, cfg.exclude) == (2 * MiB, 3 * MiB, ("*.bin",), ("a", "b"))
-    assert make_config("s", "d", {"read_timeout": 5}).read_timeout == 5.0
+    assert make_config("https://a.blob.core.windows.net/c", "d", {"read_timeout": 5}).read_timeout == 5.0
 
 
 @pytest.mark.parametrize(

@@ -129,6 +129,15 @@ CASES: dict[str, Case] = {
     "lock-timeout-a-year": Case(_url(), 2, "at most 604800", args=["--lock-timeout", "31536000"]),
     "verify-bogus": Case(_url(), 2, "argument --verify: invalid choice: 'bogus'", args=["--verify=bogus"]),
     "json-onto-a-directory": Case(_url(), 2, "is a directory", json_dir=True),
+    # A control character in SOURCE or DEST (exit 2, before anything is made). URL parsing drops
+    # a tab or a line break: the tab in the container's name copied from the container without it.
+    "tab-in-the-container": Case(
+        lambda emu, c: emu.url(c[:3] + "\t" + c[3:], "p"), 2, "SOURCE has a control character (U+0009, '\\t') at"
+    ),
+    "line-break-before-the-sas": Case(
+        lambda emu, c: _sas_url(FORGED_SIG)(emu, c).replace("?", "\r\n?"), 2, "(U+000D, '\\r') at character"
+    ),
+    "delete-in-dest": Case(_url(), 2, "DEST has a control character (U+007F, '\\x7f') at", dest="sandbox/{rank}\x7f"),
     # The tool's own names at any level of a path, not only at its end (exit 3):
     "reserved-temp-directory": Case(_url("deep"), 3, "reserved for the tool's temporary files"),
     "reserved-manifest-directory": Case(_url("deep2"), 3, "reserved for the tool's manifest"),

@@ -143,9 +143,7 @@ def _probe(tmp_path: Path, cmd: list[str]) -> tuple[dict[int, str | None], list[
 
 
 @pytest.mark.parametrize("redirection", [*CLOSED.values(), "0<&- 1>&- 2>&-"])
-def test_the_wrapper_starts_the_interpreter_with_closed_streams_on_dev_null(
-    tmp_path: Path, redirection: str
-) -> None:
+def test_the_wrapper_starts_the_interpreter_with_closed_streams_on_dev_null(tmp_path: Path, redirection: str) -> None:
     # The wrapper with a stand-in for the tool beside it, which only looks at what it was given.
     (tmp_path / "azcp-cluster").write_bytes((REPO / "bin" / "azcp-cluster").read_bytes())
     (tmp_path / "azcp-cluster-py").write_text(f"#!{sys.executable}\n" + PROBE.format(prepare=""))

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from azcp_cluster.api import make_config
 from azcp_cluster.core import errors
 from azcp_cluster.core.config import (
     LOCK_MODES,
@@ -52,7 +53,7 @@ from azcp_cluster.core.errors import (
     UsageError,
     exit_code_for,
 )
-from azcp_cluster.options import config_from_args, normalise_verify
+from azcp_cluster.options import BLOB, LOCAL, OPTIONS, config_from_args, normalise_verify
 from azcp_cluster.run.report import Report
 
 # ---------------------------------------------------------------------------------------
@@ -431,6 +432,98 @@ def test_cli_refuses_out_of_range_values_in_one_short_line(extra: list[str], wor
     line = info.value.one_line()
     assert words in line, line
     assert len(line) < 300 and "\n" not in line
+
+
+# Every control character (C0 and DEL), first, in the middle and last, in SOURCE (a URL with a
+# SAS, whose parsing would drop a tab or a line break, and a path) and in DEST.
+CONTROLS = [chr(c) for c in range(0x20)] + ["\x7f"]
+URL = "https://acct.blob.core.windows.net/container/p?sv=1&sig=SECRET"
+
+
+@pytest.mark.parametrize("char", CONTROLS, ids=lambda c: f"U+{ord(c):04X}")
+@pytest.mark.parametrize("which", ["SOURCE-url", "SOURCE-path", "DEST"])
+@pytest.mark.parametrize("at", [0, 7, -1], ids=["first", "middle", "last"])
+def test_a_control_character_in_source_or_dest_is_refused_by_its_place(char: str, which: str, at: int) -> None:
+    good = {"SOURCE-url": URL, "SOURCE-path": "/data/ckpt", "DEST": "/mnt/nvme/copy"}[which]
+    index = len(good) if at == -1 else at
+    bad = good[:index] + char + good[index:]
+    source, dest = (bad, "/mnt/nvme/copy") if which != "DEST" else ("/data/ckpt", bad)
+    name = which.split("-")[0]
+    want = (
+        f"{name} has a control character (U+{ord(char):04X}, {char!r}) at character {index + 1} of {len(bad)}; "
+        "remove it (a stray tab or line break in a job script?)"
+    )
+    for make in (lambda: Config(source=source, dest=dest).validate(), lambda: make_config(source, dest, {})):
+        with pytest.raises(UsageError) as info:
+            make()
+        assert info.value.message == want
+        assert info.value.exit_code == 2
+        assert "SECRET" not in info.value.one_line() and "\n" not in info.value.one_line()
+    if "\x00" not in bad:  # argv cannot hold a NUL
+        with pytest.raises(UsageError, match="has a control character"):
+            config_from_args([source, dest])
+
+
+@pytest.mark.parametrize("text", [" ", "ü", "\u00a0", "\x80", "\x85", "\x9f", "\u2028", "~"])
+def test_printable_and_other_characters_in_source_and_dest_are_left_alone(text: str) -> None:
+    # Only C0 and DEL are refused: a space, a non-ASCII name (and the C1 range, which a
+    # Latin-1 file name may hold) stay the user's business.
+    cfg = Config(source=f"/data/a{text}b", dest=f"/mnt/c{text}d").validate()
+    assert (cfg.source, cfg.dest) == (f"/data/a{text}b", f"/mnt/c{text}d")
+
+
+# Each option for one kind of SOURCE only, with a value other than its default: on the
+# command line (None: the API's only) and as the API's keyword.
+FOR_ONE_KIND: dict[str, tuple[str, list[str] | None, Any]] = {
+    "concurrency": (BLOB, ["--concurrency", "8"], 8),
+    "block_size": (BLOB, ["--block-size", "1MiB"], "1MiB"),
+    "max_bandwidth": (BLOB, ["--max-bandwidth", "1Gbps"], "1Gbps"),
+    "download_ranks": (BLOB, ["--download-ranks", "1"], 1),
+    "auth": (BLOB, ["--auth", "key"], "key"),
+    "download_workers": (BLOB, ["--download-workers", "2"], 2),
+    "max_retries": (BLOB, ["--max-retries", "0"], 0),
+    "read_timeout": (BLOB, ["--read-timeout", "5"], 5),
+    "connect_timeout": (BLOB, None, 5),
+    "overlap": (BLOB, ["--no-overlap"], False),
+    "source_rank": (LOCAL, ["--source-rank", "0"], 0),
+    "source_readers": (LOCAL, ["--source-readers", "2"], 2),
+}
+KIND_SOURCE = {BLOB: "https://acct.blob.core.windows.net/c/p", LOCAL: "/lustre/ckpt"}
+
+
+def test_the_option_table_names_the_options_for_one_kind_of_source() -> None:
+    assert {o.field: o.source for o in OPTIONS if o.source} == {f: kind for f, (kind, _, _) in FOR_ONE_KIND.items()}
+
+
+@pytest.mark.parametrize("field", list(FOR_ONE_KIND))
+def test_an_option_for_the_other_kind_of_source_is_refused_naming_it(field: str) -> None:
+    kind, argv, value = FOR_ONE_KIND[field]
+    other = LOCAL if kind == BLOB else BLOB
+    flag = argv[0] if argv else field
+    want = f"{flag} is for a {kind} SOURCE only: "
+    builders = [lambda source: make_config(source, "/mnt/nvme/d", {field: value})]
+    if argv:
+        builders.append(lambda source: config_from_args([source, "/mnt/nvme/d", *argv]))
+    for build in builders:
+        with pytest.raises(UsageError) as info:
+            build(KIND_SOURCE[other])
+        assert info.value.message.startswith(want) and info.value.message.endswith("; leave it out")
+        assert exit_code_for(info.value) == 2
+        assert getattr(build(KIND_SOURCE[kind]), field) != getattr(Config(source="s", dest="d"), field)
+
+
+def test_every_option_for_the_other_kind_is_named_in_one_line_and_defaults_pass() -> None:
+    with pytest.raises(UsageError) as info:
+        config_from_args(["/lustre/ckpt", "/d", "--max-bandwidth", "1Gbps", "--no-overlap", "--concurrency", "4"])
+    assert info.value.message == (
+        "--concurrency, --max-bandwidth and --no-overlap are for a blob URL SOURCE only: a local SOURCE is read "
+        "by its reader ranks, and nothing is downloaded; leave them out"
+    )
+    with pytest.raises(UsageError, match=r"^--source-rank is for a local SOURCE only: a blob URL is downloaded by"):
+        config_from_args([KIND_SOURCE[BLOB], "/d", "--source-rank", "0"])
+    # Set to its default, an option changes nothing, whatever the SOURCE (an API caller may pass all).
+    assert config_from_args(["/lustre/ckpt", "/d", "--concurrency", "64", "--source-readers", "1"]).concurrency == 64
+    assert make_config(KIND_SOURCE[BLOB], "/d", {"source_rank": None, "source_readers": 1}).source_readers == 1
 
 
 @pytest.mark.parametrize(

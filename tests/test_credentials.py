@@ -405,10 +405,11 @@ def test_auth_option_everywhere() -> None:
     from azcp_cluster.core.config import AUTH_METHODS, Config
     from azcp_cluster.options import config_from_args
 
-    assert config_from_args(["https://a.blob.core.windows.net/c", "d"]).auth == "auto"
+    url = "https://a.blob.core.windows.net/c"
+    assert config_from_args([url, "d"]).auth == "auto"
     for method in AUTH_METHODS:
-        assert config_from_args(["s", "d", "--auth", method]).auth == method
-        assert make_config("s", "d", {"auth": method}).auth == method
+        assert config_from_args([url, "d", "--auth", method]).auth == method
+        assert make_config(url, "d", {"auth": method}).auth == method
     with pytest.raises(UsageError, match="argument --auth: invalid choice: 'msi'"):
         config_from_args(["s", "d", "--auth", "msi"])
     with pytest.raises(UsageError, match="--auth must be one of auto, sas, connection-string, key"):

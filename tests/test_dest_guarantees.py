@@ -389,6 +389,20 @@ def test_dest_inside_source_is_refused_on_every_rank(tmp_path: Path) -> None:
     assert not (tmp_path / "src" / "inner").exists()
 
 
+def test_source_inside_dest_is_refused_on_every_rank(tmp_path: Path) -> None:
+    # Only rank 3's DEST holds SOURCE (one file, which would land as DEST/a.bin: over itself),
+    # and rank 0 reads: still refused, exit 2, before any write.
+    (tmp_path / "d" / "3").mkdir(parents=True)
+    (tmp_path / "d" / "3" / "a.bin").write_bytes(b"the only copy")
+    result = run_cli([str(tmp_path / "d" / "3" / "a.bin"), str(tmp_path / "d" / "{rank}"), "--source-rank", "0"])
+    assert result.returncode == 2, result.output
+    (line,) = _errors(result.stderr)
+    assert "rank 3" in line and "is inside DEST" in line, line
+    assert "Traceback" not in result.output
+    assert [p.name for p in (tmp_path / "d" / "3").iterdir()] == ["a.bin"]
+    assert (tmp_path / "d" / "3" / "a.bin").read_bytes() == b"the only copy"
+
+
 # ---------------------------------------------------------------------------------------
 # a local SOURCE that changes while it is read
 
@@ -531,13 +545,14 @@ def test_a_failed_listing_leaves_no_dest_behind(source: str, tmp_path: Path) -> 
     empty.mkdir()
     src = "http://127.0.0.1:1/acct/container/p" if source == "unreachable" else str(empty)
     code = 3
-    made = run_cli([src, str(tmp_path / "jobs" / "run1" / "{rank}"), "--max-retries", "0"], n=2)
+    fast = ["--max-retries", "0"] if source == "unreachable" else []  # a download option: a blob URL's only
+    made = run_cli([src, str(tmp_path / "jobs" / "run1" / "{rank}"), *fast], n=2)
     assert made.returncode == code, made.output
     assert len(_errors(made.stderr)) == 1, made.stderr
     assert not (tmp_path / "jobs").exists(), list((tmp_path / "jobs").rglob("*"))
     (tmp_path / "there" / "1").mkdir(parents=True)
     (tmp_path / "there" / "1" / "old.bin").write_bytes(b"kept")
-    kept = run_cli([src, str(tmp_path / "there" / "{rank}"), "--max-retries", "0"], n=2)
+    kept = run_cli([src, str(tmp_path / "there" / "{rank}"), *fast], n=2)
     assert kept.returncode == code, kept.output
     assert (tmp_path / "there" / "1" / "old.bin").read_bytes() == b"kept"
     assert sorted(p.name for p in (tmp_path / "there").iterdir()) == ["1"]  # 0 made and removed, 1 kept

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from azcp_cluster.core.errors import EXIT_CODES
 from azcp_cluster.options import build_parser
+from azcp_cluster.run.report import Report
+from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -91,3 +93,18 @@ def test_one_option_table_gives_the_parser_its_placeholders_and_the_api_its_fiel
     assert {o.field for o in OPTIONS} == fields == set(API_OPTIONS)  # every field set by the table, nothing else
     parsed = {s for action in build_parser()._actions for s in action.option_strings if s.startswith("--")}
     assert parsed - {"--help", "--version"} == {o.flag for o in OPTIONS if o.flag}
+
+
+def test_an_options_error_writes_every_field_at_its_empty_value_as_usage_md_says(tmp_path: Path) -> None:
+    """The JSON report of an error in the options: what the code writes, and what usage.md says of it
+    (it said "with those two fields only", while every field is there)."""
+    result = run_cli(["/src", str(tmp_path / "d"), "--concurrency", "0"], n=0, json_path=tmp_path / "r.json")
+    assert result.returncode == 2, result.output
+    (line,) = result.stderr.splitlines()
+    assert result.json == {**Report().to_json(), "exit_code": 2, "error": line}
+    usage = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
+    paragraph = " ".join(usage.split("### JSON report", 1)[1].split("| field |", 1)[0].split())
+    assert "For an error in the options" in paragraph and "two fields only" not in paragraph
+    assert "it has every field too, each at its empty value" in paragraph
+    table = usage.split("### JSON report", 1)[1].split("## Exit codes", 1)[0]
+    assert [key for key in result.json if f"`{key}`" not in table] == []  # each field is documented

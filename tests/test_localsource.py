@@ -248,11 +248,21 @@ def test_device_source_is_refused() -> None:
 
 @pytest.mark.parametrize(
     ("source", "dest", "refused"),
-    [("/data", "/data", True), ("/data", "/data/copy", True), ("/data", "/data-copy", False), ("/", "/x", True)],
+    [
+        ("/data", "/data", "DEST /data is inside SOURCE /data"),
+        ("/data", "/data/copy", "DEST /data/copy is inside SOURCE /data"),
+        ("/", "/x", "DEST /x is inside SOURCE /"),
+        ("/data/copy", "/data", "SOURCE /data/copy is inside DEST /data"),
+        ("/data/a/b.bin", "/data", "SOURCE /data/a/b.bin is inside DEST /data"),
+        ("/x", "/", "SOURCE /x is inside DEST /"),
+        ("/data", "/data-copy", None),
+        ("/data-copy", "/data", None),
+        ("/data", "/other", None),
+    ],
 )
-def test_dest_inside_source_is_refused(source: str, dest: str, refused: bool) -> None:
+def test_dest_and_source_inside_each_other_are_refused(source: str, dest: str, refused: str | None) -> None:
     if refused:
-        with pytest.raises(UsageError, match="inside SOURCE"):
+        with pytest.raises(UsageError, match=f"^{refused};"):
             check_overlap(source, dest)
     else:
         check_overlap(source, dest)

@@ -4,8 +4,15 @@ one-node run says, and each section printed once, as soon as its stage ends."""
 from __future__ import annotations
 
 import io
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
 
 from azcp_cluster.core.config import MiB
+from azcp_cluster.core.errors import ListError
+from azcp_cluster.run.cluster import Cluster, StageOutcome, error_payload, peak_rss
 from azcp_cluster.run.report import Report, ReportPrinter, StageFigures, gbps, report_lines
 
 
@@ -76,3 +83,49 @@ def test_a_failed_run_prints_the_rest_it_reached_and_other_ranks_print_nothing()
     other.through("diff")
     other.rest(failed=False)
     assert silent.getvalue() == ""
+
+
+class _ThreeRanks:
+    """Rank 0 of three, over a fake communicator: the others' parts of each allgather are given."""
+
+    def __init__(self, others: list[tuple[Any, ...]]) -> None:
+        self.others = others
+
+    def Get_rank(self) -> int:  # mpi4py's names
+        return 0
+
+    def Get_size(self) -> int:
+        return 3
+
+    def Dup(self) -> _ThreeRanks:
+        return self
+
+    def Free(self) -> None:
+        pass
+
+    def Ibarrier(self) -> Any:
+        return SimpleNamespace(Test=lambda: True)
+
+    def allgather(self, mine: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        return [mine, *self.others]
+
+
+def test_every_agreement_carries_the_peak_memory_of_every_rank_a_failed_one_too() -> None:
+    # Rank 1 failed the stage and holds 5 GiB at its peak: the agreement raises its error and
+    # the cluster still knows that peak (pipeline.run puts it in the report of the failed run).
+    small = (0.1, None, {}, False, [], 0.0, 1024)
+    failed = (0.1, error_payload(ListError("cannot list", rank=1)), {}, False, [], 0.0, 5 << 30)
+    comm = _ThreeRanks([failed, small])
+    cluster = Cluster(comm, time.monotonic)
+    with pytest.raises(ListError, match="cannot list"):
+        cluster.conclude(time.monotonic(), StageOutcome())
+    assert cluster.peak_rss == 5 << 30
+    comm.others = [small, small]  # the largest of the run so far, not of the last agreement alone
+    cluster.conclude(time.monotonic(), StageOutcome())
+    assert cluster.peak_rss == 5 << 30
+    cluster.close()
+    # This rank's own peak counts: here the largest.
+    alone = Cluster(_ThreeRanks([small, small]), time.monotonic)
+    alone.conclude(time.monotonic(), StageOutcome())
+    assert alone.peak_rss == peak_rss() > 16 << 20
+    alone.close()

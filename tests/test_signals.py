@@ -284,6 +284,7 @@ def test_sigterm_during_the_download_stops_every_rank_and_the_rerun_finishes(
     doc = json.loads(report.read_text())
     assert doc["downloaded_bytes"] < sum(map(len, files.values())), "stopped in the download"
     assert doc["stages"]["download"]["seconds"] > 0, "the figures reached so far"
+    assert doc["peak_rss_bytes"] > 16 * MiB, "every rank's peak memory, a stopped run's too"
     _assert_nothing_partial(tmp_path / "d", files)
 
     rerun = run_cli([emulator.url(container), dest, "--no-progress"], env=emulator.key_env())

@@ -205,8 +205,10 @@ def test_compare_etag_sees_a_rewrite_that_keeps_size_and_mtime(tmp_path: Path) -
         (["{missing}", "{dest}"], 2, "neither a blob URL nor a path that exists"),
         (["{root}", "{dest}", "--source-rank", "9"], 2, "not a rank of this job"),
         (["{root}", "{root}/inside"], 2, "inside SOURCE"),
+        # A download option with a local SOURCE: it read uncapped, exit 0.
+        (["{root}", "{dest}", "--max-bandwidth", "1Gbps"], 2, "--max-bandwidth is for a blob URL SOURCE only"),
     ],
-    ids=["missing", "source-rank-out-of-range", "dest-inside-source"],
+    ids=["missing", "source-rank-out-of-range", "dest-inside-source", "download-option"],
 )
 def test_bad_local_sources(
     source_tree: tuple[Path, dict[str, bytes]], tmp_path: Path, args: list[str], code: int, words: str
@@ -221,3 +223,24 @@ def test_bad_local_sources(
     assert len(errors) == 1 and words in errors[0], result.stderr
     assert "Traceback" not in result.output
     assert not (root / "inside").exists()
+
+
+@pytest.mark.parametrize(
+    ("case", "code"),
+    [("dest-inside-source", 2), ("empty-source", 3), ("dry-run", 0), ("copy", 0)],
+)
+def test_the_json_report_holds_the_peak_memory_of_a_failed_run_too(
+    source_tree: tuple[Path, dict[str, bytes]], tmp_path: Path, case: str, code: int
+) -> None:
+    """``peak_rss_bytes``: every rank's peak memory, as the last agreement carried it, whether
+    the run failed in setup (exit 2) or in the listing (exit 3), was a dry run, or copied."""
+    root, _ = source_tree
+    (tmp_path / "empty").mkdir()
+    source = {"empty-source": tmp_path / "empty"}.get(case, root)
+    dest = root / "inside" if case == "dest-inside-source" else tmp_path / "d" / "{rank}"
+    extra = ["--dry-run"] if case == "dry-run" else []
+    result = run_cli([str(source), str(dest), "--no-progress", *extra], n=2, json_path=tmp_path / "r.json")
+    assert result.returncode == code, result.output
+    assert result.json is not None and result.json["exit_code"] == code
+    # An interpreter with mpi4py and numpy: tens of MiB; far from a leak's gigabytes.
+    assert 16 * MiB < result.json["peak_rss_bytes"] < 2048 * MiB, result.json["peak_rss_bytes"]

@@ -21,7 +21,8 @@ from tests.conftest import run_cli
 
 RANKS = 4
 FILES = {"big.bin": pseudo_random(6 * MiB + 5, "t-big"), "small.txt": b"hello", "empty": b""}
-OPTIONS = ["--block-size", "1MiB", "--bcast-chunk", "1MiB", "--no-progress"]
+OPTIONS = ["--bcast-chunk", "1MiB", "--no-progress"]
+BLOB_OPTIONS = ["--block-size", "1MiB", *OPTIONS]  # --block-size: a blob URL's only
 
 
 def check_spans(doc: dict[str, Any], expected: list[str]) -> dict[str, dict[str, Any]]:
@@ -59,7 +60,7 @@ def test_a_blob_copy_shows_the_download(emulator: azurite.Emulator, tmp_path: Pa
     azurite.upload(emulator, container, {f"d/{name}": data for name, data in FILES.items()})
     mode = [] if overlap else ["--no-overlap"]
     result = run_cli(
-        [emulator.url(container, "d"), str(tmp_path / "d" / "{rank}"), *OPTIONS, *mode],
+        [emulator.url(container, "d"), str(tmp_path / "d" / "{rank}"), *BLOB_OPTIONS, *mode],
         env=emulator.key_env(),
         json_path=tmp_path / "r.json",
     )

@@ -343,6 +343,8 @@ class Config:
             raise UsageError("SOURCE is empty")
         if not self.dest:
             raise UsageError("DEST is empty")
+        _check_no_control("SOURCE", self.source)
+        _check_no_control("DEST", self.dest)
         return self
 
     @property
@@ -364,6 +366,24 @@ class Config:
                 f"download buffers need {format_bytes(need)} per rank, but only {format_bytes(available)} "
                 "of memory is available; lower --bcast-chunk, --bcast-pipeline or --concurrency"
             )
+
+
+def _check_no_control(name: str, text: str) -> None:
+    """Refuse a control character in SOURCE or DEST, naming it and its place (counted from 1).
+
+    URL parsing drops a tab or a line break without a word (``urlsplit`` strips them), so a
+    SOURCE with one pasted in was parsed, and its error worded, as a container nobody typed; a
+    DEST would make a directory whose name no one can type. A stray character in a job script
+    is the usual cause, a name someone meant hardly ever. The text itself is not shown: a URL
+    may hold a SAS.
+    """
+    for index, char in enumerate(text):
+        if char >= " " and char != "\x7f":  # C0 (U+0000 to U+001F) and DEL are control characters
+            continue
+        raise UsageError(
+            f"{name} has a control character (U+{ord(char):04X}, {char!r}) at character {index + 1} of "
+            f"{len(text)}; remove it (a stray tab or line break in a job script?)"
+        )
 
 
 def _check_peer_timeout(seconds: object) -> None:

@@ -267,6 +267,13 @@ def source_file(root: str, name: str, single: bool) -> str:
 
 
 def check_overlap(source_real: str, dest_real: str) -> None:
-    """Refuse a DEST that is the SOURCE directory or lies inside it (the copy would list itself)."""
+    """Refuse a DEST that is the SOURCE directory or lies inside it (the copy would list itself),
+    and a SOURCE that lies inside DEST: the copy would land around what it reads (a file
+    SOURCE ``DEST/f`` lands as ``DEST/f``, over itself; from a directory ``DEST/sub``, a listed
+    ``sub/x`` is written over the listed ``x``), and whatever later clears DEST takes SOURCE
+    with it. Both are one rank's real paths (resolved as far as they exist); each rank checks
+    its own DEST, as DESTs differ by node."""
     if dest_real == source_real or dest_real.startswith(source_real.rstrip("/") + "/"):
         raise UsageError(f"DEST {dest_real} is inside SOURCE {source_real}; choose a directory outside it")
+    if source_real.startswith(dest_real.rstrip("/") + "/"):
+        raise UsageError(f"SOURCE {source_real} is inside DEST {dest_real}; choose a DEST outside it")

@@ -15,6 +15,7 @@ its stage work and at every agreement, and counts as a failure for :meth:`Cluste
 from __future__ import annotations
 
 import re
+import resource
 import signal
 import time
 import traceback
@@ -86,6 +87,11 @@ def redact(text: str) -> str:
     return _QUERY.sub("?<redacted>", text)
 
 
+def peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes (``ru_maxrss`` is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class Cluster:
     """The ranks of one run, over an mpi4py communicator (passed in, never created here)."""
 
@@ -117,6 +123,9 @@ class Cluster:
         self._spans: list[tuple[str, float, float]] = []
         self.timeline: list[dict[str, Any]] = []
         self.origins: list[float] = []  # every rank's wall_origin, once an agreement has carried them
+        # The largest peak resident memory of any rank, as of the last agreement (each carries
+        # every rank's): known at the end of a failed run too, whatever stage it failed in.
+        self.peak_rss = 0
 
     def close(self, agreed: bool = True) -> None:
         """Release the communicators duplicated for the pulse and the signals; ``agreed`` (every
@@ -187,10 +196,14 @@ class Cluster:
         interrupted_while_waiting()  # up to the last moment: the signal sent is drained below
         payload = error_payload(outcome.error) if outcome.error is not None else None
         spans, self._spans = self._spans, []
-        gathered = self.comm.allgather((elapsed, payload, outcome.stats, outcome.notified, spans, self.wall_origin))
+        rss = peak_rss()
+        gathered = self.comm.allgather(
+            (elapsed, payload, outcome.stats, outcome.notified, spans, self.wall_origin, rss)
+        )
         self._drain_signals([g[3] for g in gathered])
         self._gather_timeline([g[4] for g in gathered])
         self.origins = [g[5] for g in gathered]
+        self.peak_rss = max(self.peak_rss, *(g[6] for g in gathered))
         result = StageResult(seconds=max(g[0] for g in gathered), stats=[g[2] for g in gathered])
         if record is not None:
             record(result)

@@ -104,7 +104,7 @@ class Report:
     plan_spread: float = 0.0
     verified_files: int = 0
     verified_against_source: int = 0  # of those, checked against the source's CRC-32C (core/crc.py)
-    peak_rss_bytes: int = 0  # the largest peak resident memory of any rank
+    peak_rss_bytes: int = 0  # the largest peak resident memory of any rank, at the last agreement (Cluster.peak_rss)
     stages: dict[str, StageFigures] = field(default_factory=lambda: {s: StageFigures() for s in STAGES})
     # Where the time goes: per stage agreed (in the order run), each rank's start and end of
     # its own work, in seconds since that rank's run started ({"stage", "start": [per rank],

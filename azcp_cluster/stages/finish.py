@@ -7,7 +7,6 @@ agreement of all ranks; no final name appears before every rank's bytes are dura
 
 from __future__ import annotations
 
-import resource
 from collections.abc import Mapping
 from itertools import compress
 
@@ -135,12 +134,9 @@ def rename(ctx: RunContext, place: Placement, moved: Transferred) -> None:
             paths = [files[i].path for i in moved.here]
             tree.rename_all(paths)  # each directory walked once, 8 directories at a time
             tree.sync_dirs(paths)
-        # ru_maxrss is in KiB on Linux: the rank's peak resident memory of the whole run.
-        outcome.stats = {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     ctx.explain_space(outcome)
     result = cluster.conclude(t0, outcome, stage="rename")
     ctx.report.stages["bcast"].seconds += result.seconds
-    ctx.report.peak_rss_bytes = max(int(st.get("rss", 0)) for st in result.stats)
 
 
 def record(ctx: RunContext, place: Placement, moved: Transferred, verified: Mapping[int, str]) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from azcp_cluster.azure.proxies import Proxy, proxy_for
 from azcp_cluster.core.config import json_inside_dest
-from azcp_cluster.core.errors import LocalFSError, LockError, ReportPathError, TopologyError, UsageError
+from azcp_cluster.core.errors import LocalFSError, LockError, ReportPathError, TopologyError
 from azcp_cluster.core.source import parse_blob_url
 from azcp_cluster.core.topology import Place, Topology, check_nesting, choose_reader, choose_readers, group_ranks
 from azcp_cluster.dest.destlock import DestLock, lock_backoff
@@ -137,8 +137,6 @@ def _check_arguments(ctx: RunContext) -> tuple[Authorizer | None, Proxy | None, 
         if not cfg.dry_run:
             cfg.check_memory(available_memory(), 0)
         return None, None, sees
-    if cfg.source_readers > 1:
-        raise UsageError("--source-readers is for a local SOURCE; a blob URL is read by the downloaders")
     # Imported here: a local SOURCE never pays for the Azure and HTTP libraries.
     from azcp_cluster.azure.credentials import Authorizer, resolve_credential
     from azcp_cluster.core.blocks import pool_bytes
