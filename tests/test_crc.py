@@ -10,7 +10,7 @@ from crc32c import crc32c
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.core.crc import combine, compose
+from azcp_cluster.core.crc import combine, compose, disagree, expected
 
 
 @given(st.binary(max_size=300), st.binary(max_size=300))
@@ -47,3 +47,18 @@ def test_compose_without_a_run_end_to_end_or_with_disagreeing_pieces() -> None:
     assert compose(10_000, [*whole, wrong]) is None  # two versions of the same bytes
     assert compose(0, []) == 0 == crc32c(b"")
     assert compose(10, [(5, 10, 0), (-1, 2, 0)]) is None  # outside the file: ignored
+
+
+def test_pieces_that_disagree_are_told_apart_from_pieces_that_do_not_tile() -> None:
+    data = os.urandom(8192)
+    good = [(0, 4096, crc32c(data[:4096])), (4096, 4096, crc32c(data[4096:]))]
+    flipped = (0, 4096, crc32c(b"x" + data[1:4096]))
+    assert not disagree(8192, good) and not disagree(8192, good[:1])  # a gap is no disagreement
+    assert disagree(8192, [*good, flipped])  # the same range twice, two CRCs
+    whole = (0, 8192, crc32c(data))
+    assert not disagree(8192, [*good, whole])
+    assert disagree(8192, [good[0], (4096, 4096, crc32c(data[4096:]) ^ 1), whole])  # two runs meet differently
+    sizes = [8192, 8192, 5]
+    pieces = [(0, *p) for p in good] + [(1, *good[0]), (1, *flipped), (2, 0, 5, crc32c(b"hello"))]
+    crcs, conflicting = expected(sizes, pieces)
+    assert crcs == {0: crc32c(data), 2: crc32c(b"hello")} and conflicting == {1}

@@ -49,3 +49,11 @@ def test_every_copy_is_checked_against_the_source_crc_where_it_is_known() -> Non
         assert caught.value.path in ("a", "b")
     with pytest.raises(VerifyError, match=r"rank\(s\) 0, 4 differs"):
         against_source(files, [(0, {0: 1}), (4, {0: 2})], source)  # every copy the same, all wrong: still found
+
+
+def test_a_file_whose_source_pieces_disagree_fails_where_a_node_holds_it() -> None:
+    files = [FileEntry("a", "a", 10), FileEntry("b", "b", 20)]
+    assert against_source(files, [(0, {1: 5})], {}, conflicting={0}) == 0  # nobody holds a: nothing to say
+    with pytest.raises(VerifyError, match="disagree") as caught:
+        against_source(files, [(0, {0: 1, 1: 5})], {1: 5}, conflicting={0})
+    assert caught.value.path == "a"

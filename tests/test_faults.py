@@ -119,11 +119,14 @@ def test_copy_survives_the_fault_and_counts_the_retries(faulted: Faulted, kind: 
     # of the stall case, a slow but healthy response on a loaded machine may time out too).
     causes = doc["retry_causes"]
     if kind == "stall":
-        assert set(causes) == {"timeout"} and doc["retries"] == causes["timeout"] >= out.injected
+        # (A healthy body that a loaded machine slows under 4 KiB/s for the 2 s is a "slow body".)
+        assert set(causes) <= {"timeout", "slow body"} and causes["timeout"] >= out.injected, causes
+        assert doc["retries"] == sum(causes.values())
     else:
         assert doc["retries"] == out.injected
         assert causes == {CAUSES[kind]: out.injected}
-    assert f"[cluster] retries: {doc['retries']} ({CAUSES[kind]}={doc['retries']}) by rank" in out.result.stdout
+    said = ", ".join(f"{k}={v}" for k, v in sorted(causes.items()))
+    assert f"[cluster] retries: {doc['retries']} ({said}) by rank" in out.result.stdout
     assert len(doc["retries_by_rank"]) == 4 and sum(doc["retries_by_rank"]) == doc["retries"]
     # Every faulted range was asked for again, and the listing went through untouched.
     for seen in out.log:

@@ -118,6 +118,29 @@ def test_a_claim_past_the_bytes_there_or_with_another_crc_is_not_kept(dest: Dest
     assert journal.load(_reopen(dest), FILES, [1], ORIGIN) == {}
 
 
+def test_verify_keeps_only_what_came_from_the_source_on_this_node(dest: DestTree) -> None:
+    """A range another node sent carries the CRC of the bytes as they arrived here, which no
+    source vouched for (the sender may have read them off a disk that had changed them): kept
+    for a plain rerun, not under --verify (received=False), where it is fetched again from a
+    node that has it from the source, or downloaded. The flag survives begin()'s rewrite."""
+    run = _running(dest)
+    _write(dest, "a.bin", 0, os.urandom(2 * MiB))
+    written(run, 0, 0, MiB)  # downloaded here
+    head, _, base = FILES[0].path.rpartition("/")
+    with open(Path(run.tree.real) / head / temp_name(base), "rb") as fh:
+        fh.seek(MiB)
+        run.written(0, MiB, MiB, crc32c(fh.read(MiB)), source=False)  # received from another node
+    run.close()
+    later = _reopen(dest)
+    kept = journal.load(later, FILES, [0], ORIGIN)
+    assert kept[0].spans == ((0, 2 * MiB),) and [c.source for c in kept[0].claims] == [True, False]
+    assert journal.load(later, FILES, [0], ORIGIN, received=False)[0].spans == ((0, MiB),)
+    fd = journal.begin(later, FILES, kept, ORIGIN)
+    assert fd is not None
+    os.close(fd)
+    assert journal.load(_reopen(dest), FILES, [0], ORIGIN, received=False)[0].spans == ((0, MiB),)
+
+
 def test_nothing_is_claimed_before_the_append(dest: DestTree) -> None:
     run = _running(dest)
     written(run, 0, 0, MiB)

@@ -174,10 +174,16 @@ def test_every_extent_and_block_written_is_recorded_in_the_journal(tree: DestTre
     with NodeWriter(FILES, tree, 1, journal=lambda *r: recorded.append(r)) as writer:
         writer.write_extents(extents, buffer, True, ends.finished, ends.refused.append)
         assert ends.wait() is None
-        writer.written(Extent(0, 0, BIG, 0, True), buffer)  # a range recorded directly
+        writer.written(Extent(0, 0, BIG, 0, True), buffer, True)  # a range recorded directly, from the source
     # Each with the CRC-32C of the bytes it was written from (what a rerun checks it by).
     crcs = [crc32c(bytes(buffer[at : at + n])) for at, n in ((0, 100), (100, 200), (300, 300), (0, BIG))]
-    assert recorded == [(1, 0, 100, crcs[0]), (2, 0, 200, crcs[1]), (3, 0, 300, crcs[2]), (0, 0, BIG, crcs[3])]
+    # Received (write_extents' default), but for the one recorded as read from the source.
+    assert recorded == [
+        (1, 0, 100, crcs[0], False),
+        (2, 0, 200, crcs[1], False),
+        (3, 0, 300, crcs[2], False),
+        (0, 0, BIG, crcs[3], True),
+    ]
     assert len(set(crcs)) == 4
 
 

@@ -31,7 +31,7 @@ def test_records_round_trip() -> None:
     records = [
         Header(0, "dir/ä.bin", 10 * MiB, '"0x8D"|http://h/c|dir/ä.bin', (7 << 96) | (0 << 64) | 123456),
         Range(0, 0, 4 * MiB, 0xFFFFFFFF),
-        Range(0, 4 * MiB, 6 * MiB, 0x1234ABCD),
+        Range(0, 4 * MiB, 6 * MiB, 0x1234ABCD, False),
         Drop("dir/ä.bin"),
         Header(1, "b", 5, "t", (1 << 96) | (1000 << 64) | 9, geometry=8192, generation=0xDEADBEEF),
     ]

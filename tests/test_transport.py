@@ -175,7 +175,7 @@ def fan_out(
             trees[rank],
             2,
             on_arrival={i for i in range(len(w.files)) if _deferred(w, rank, i)},  # what prepare() deferred
-            journal=lambda file, offset, length, crc, rank=rank: written[rank].append((file, offset, length)),  # type: ignore[misc]
+            journal=lambda file, offset, length, crc, source, rank=rank: written[rank].append((file, offset, length)),  # type: ignore[misc]
         )
         for rank in range(w.ranks)
     ]

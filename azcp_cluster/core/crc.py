@@ -65,11 +65,28 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
 def compose(size: int, pieces: Iterable[tuple[int, int, int]]) -> int | None:
     """The CRC-32C of a file of ``size`` bytes from ``pieces`` (offset, length, CRC of those
     bytes), which may overlap and be cut anywhere: the CRC along pieces that run end to end
-    from 0 to ``size``. None when no such run exists, or when two runs reach the same offset
-    with different CRCs (pieces that disagree: no CRC of "the source's bytes" can be told).
+    from 0 to ``size``. None when no such run exists, or when pieces disagree (no CRC of "the
+    source's bytes" can be told; :func:`disagree` says so).
     """
+    return _walk(size, list(pieces))[0]
+
+
+def disagree(size: int, pieces: Iterable[tuple[int, int, int]]) -> bool:
+    """Whether ``pieces`` of a file of ``size`` bytes give two CRCs for the same bytes: two
+    pieces of one range, or two runs from the file's start that meet with different CRCs."""
+    pieces = list(pieces)
+    seen: dict[tuple[int, int], int] = {}
+    if any(seen.setdefault((offset, length), crc) != crc for offset, length, crc in pieces):
+        return True
+    return _walk(size, pieces)[1]
+
+
+def _walk(size: int, pieces: list[tuple[int, int, int]]) -> tuple[int | None, bool]:
+    """(compose's answer, whether two runs from 0 met with different CRCs)."""
     if size == 0:
-        return 0
+        return 0, False
+    if len(pieces) == 1 and pieces[0][:2] == (0, size):  # a small file, one piece: most of a big listing
+        return pieces[0][2], False
     starting: dict[int, list[tuple[int, int]]] = {}
     for offset, length, crc in pieces:
         if length > 0 and offset >= 0 and offset + length <= size:
@@ -81,10 +98,9 @@ def compose(size: int, pieces: Iterable[tuple[int, int, int]]) -> int | None:
             continue
         for end, crc in starting[offset]:
             got = combine(before, crc, end - offset)
-            known = reached.setdefault(end, got)
-            if known != got:
-                return None
-    return reached.get(size)
+            if reached.setdefault(end, got) != got:
+                return None, True
+    return reached.get(size), False
 
 
 class SourcePieces:
@@ -105,19 +121,24 @@ class SourcePieces:
         self.pieces = [p for p in self.pieces if p[0] not in gone]
 
 
-def expected(sizes: Sequence[int], pieces: Iterable[tuple[int, int, int, int]]) -> dict[int, int]:
+def expected(sizes: Sequence[int], pieces: Iterable[tuple[int, int, int, int]]) -> tuple[dict[int, int], set[int]]:
     """Per file index, the CRC-32C of its bytes as they came from the source, where the pieces
-    (file, offset, length, crc) of every rank tell it (:func:`compose`)."""
+    (file, offset, length, crc) of every rank tell it (:func:`compose`); and the files whose
+    pieces disagree (two pieces of the same bytes with CRCs that do not fit: the bytes came
+    from the source twice, differently)."""
     by_file: dict[int, list[tuple[int, int, int]]] = {}
     for file, offset, length, crc in pieces:
         by_file.setdefault(file, []).append((offset, length, crc))
-    out = {}
+    out: dict[int, int] = {}
+    conflicting: set[int] = set()
     for file, found in by_file.items():
         if 0 <= file < len(sizes):
-            composed = compose(sizes[file], found)
-            if composed is not None:
+            composed, clash = _walk(sizes[file], found)
+            if clash or (len(found) > 1 and disagree(sizes[file], found)):
+                conflicting.add(file)
+            elif composed is not None:
                 out[file] = composed
-    return out
+    return out, conflicting
 
 
-__all__ = ["SourcePieces", "combine", "compose", "expected"]
+__all__ = ["SourcePieces", "combine", "compose", "disagree", "expected"]

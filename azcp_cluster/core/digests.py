@@ -6,7 +6,9 @@ from __future__ import annotations
 import base64
 import hashlib
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+
+from crc32c import crc32c
 
 from azcp_cluster.core.errors import VerifyError
 from azcp_cluster.core.model import FileEntry
@@ -36,7 +38,10 @@ def verdict(files: Sequence[FileEntry], reports: Sequence[tuple[int, Mapping[int
 
 
 def against_source(
-    files: Sequence[FileEntry], reports: Sequence[tuple[int, Mapping[int, int]]], source: Mapping[int, int]
+    files: Sequence[FileEntry],
+    reports: Sequence[tuple[int, Mapping[int, int]]],
+    source: Mapping[int, int],
+    conflicting: Collection[int] = (),
 ) -> int:
     """Check every copy read back against the CRC-32C of its file's bytes as they came from the
     source (``source``: file index -> CRC, core.crc.expected); :class:`VerifyError` naming the
@@ -45,7 +50,15 @@ def against_source(
 
     The check that needs no Content-MD5 and no other node: a copy that a disk, a filesystem,
     a hop or a resumed block changed is caught even where every node holds the same wrong bytes.
+    A file in ``conflicting`` (its bytes came from the source twice, with other CRCs) fails.
     """
+    for index in sorted(conflicting):
+        if any(index in crcs for _, crcs in reports):
+            raise VerifyError(
+                "the bytes of it that came into the run disagree with each other (CRC-32C): a block changed "
+                "on a disk or on the way",
+                path=files[index].path,
+            )
     checked = 0
     for index, entry in enumerate(files):
         want = source.get(index)
@@ -67,21 +80,29 @@ class StreamDigests:
     """The MD5 of files whose bytes arrive in offset order, a piece at a time (``--verify stream``).
 
     ``add`` each file's pieces in order, the last one with ``last``; ``digests`` then holds
-    its MD5 (base64, as Content-MD5 has it). Files may interleave; one caller at a time.
+    its MD5 (base64, as Content-MD5 has it), and ``crcs``, if given, its CRC-32C (what
+    ``--verify stream`` checks against the source's, as ``disk`` checks the read-back's).
+    Files may interleave; one caller at a time.
     """
 
-    def __init__(self, digests: dict[int, str] | None = None) -> None:
+    def __init__(self, digests: dict[int, str] | None = None, crcs: dict[int, int] | None = None) -> None:
         self.digests = digests if digests is not None else {}  # file index -> base64 MD5
-        self._open: dict[int, hashlib._Hash] = {}
+        self.crcs = crcs
+        self._open: dict[int, tuple[hashlib._Hash, int]] = {}
 
     def add(self, file: int, data: bytes | memoryview, last: bool) -> None:
         """Hash ``data``, the next bytes of ``file``; ``last``: its last ones."""
-        md5 = self._open.get(file)
-        if md5 is None:
-            md5 = self._open[file] = hashlib.md5(usedforsecurity=False)
+        md5, crc = self._open.get(file) or (hashlib.md5(usedforsecurity=False), 0)
         md5.update(data)
+        if self.crcs is not None:
+            crc = crc32c(data, crc)
         if last:
-            self.digests[file] = base64.b64encode(self._open.pop(file).digest()).decode("ascii")
+            self._open.pop(file, None)
+            self.digests[file] = base64.b64encode(md5.digest()).decode("ascii")
+            if self.crcs is not None:
+                self.crcs[file] = crc
+        else:
+            self._open[file] = (md5, crc)
 
 
 __all__ = ["StreamDigests", "against_source", "verdict"]

@@ -9,9 +9,10 @@ rest. This module owns the arithmetic and the wire form:
 * **Records.** A journal is a magic string followed by records, each framed as
   ``length (u32) | crc32 (u32) | payload``. A payload is a header (``H``: a file's path,
   listed size, version tag and the identity of the temporary file the ranges are in), a
-  range (``R``: a header's id, an offset, a length and the CRC-32C of the bytes written there,
-  taken from the bytes as they arrived) or a drop (``X``: a path whose ranges,
-  in every journal, no longer count). A torn or corrupt record ends the reading: what comes
+  range (``R``: a header's id, an offset, a length, the CRC-32C of the bytes written there,
+  taken from the bytes as they arrived, and whether they came from the source itself, a
+  downloaded block or a local SOURCE's read, or from another node over the fabric) or a drop
+  (``X``: a path whose ranges, in every journal, no longer count). A torn or corrupt record ends the reading: what comes
   after it is not believed (a journal can only under-claim).
 * **Claims.** A recorded range is only a claim: the next run reads its bytes back and keeps it
   only if their CRC-32C is still the recorded one (journal.load), so a block that a disk, a
@@ -47,7 +48,7 @@ GEOMETRY = RESUME_ALIGN
 
 _FRAME = struct.Struct("<II")  # payload length, crc32 of the payload
 _HEADER = struct.Struct("<cIQQQQII")  # 'H', id, size, dev, uid, ino, geometry, generation; then tag, path
-_RANGE = struct.Struct("<cIQQI")  # 'R', id, offset, length, crc32c
+_RANGE = struct.Struct("<cIQQI?")  # 'R', id, offset, length, crc32c, from the source
 _LIMIT = 1 << 20  # no record is larger: a length above it is garbage
 
 
@@ -67,12 +68,14 @@ class Header(NamedTuple):
 
 class Range(NamedTuple):
     """``length`` bytes at ``offset`` of the file of header ``id`` are durable, and their
-    CRC-32C (as they arrived) is ``crc``."""
+    CRC-32C (as they arrived) is ``crc``; ``source``: they came from the source itself (a
+    downloaded block, a local SOURCE's read), not from another node over the fabric."""
 
     id: int
     offset: int
     length: int
     crc: int
+    source: bool = True
 
 
 class Drop(NamedTuple):
@@ -114,7 +117,7 @@ def encode(records: Iterable[Record]) -> bytes:
     parts: list[bytes] = []
     for record in records:
         if isinstance(record, Range):
-            payload = _RANGE.pack(b"R", record.id, record.offset, record.length, record.crc)
+            payload = _RANGE.pack(b"R", record.id, record.offset, record.length, record.crc, record.source)
         elif isinstance(record, Header):
             identity = record.identity
             fixed = _HEADER.pack(
@@ -166,8 +169,8 @@ def _parse(payload: bytes) -> Record | None:
     kind = payload[:1]
     try:
         if kind == b"R" and len(payload) == _RANGE.size:
-            _, ident, offset, length, crc = _RANGE.unpack(payload)
-            return Range(ident, offset, length, crc)
+            _, ident, offset, length, crc, source = _RANGE.unpack(payload)
+            return Range(ident, offset, length, crc, source)
         if kind == b"H" and len(payload) >= _HEADER.size + 2:
             _, ident, size, dev, uid, ino, geometry, generation = _HEADER.unpack_from(payload)
             (tag_length,) = struct.unpack_from("<H", payload, _HEADER.size)
@@ -194,11 +197,13 @@ class Expected(NamedTuple):
 
 
 class Claim(NamedTuple):
-    """A recorded range of one file: ``length`` bytes at ``offset`` whose CRC-32C was ``crc``."""
+    """A recorded range of one file: ``length`` bytes at ``offset`` whose CRC-32C was ``crc``;
+    ``source``: as they came from the source (else as another node sent them: Range.source)."""
 
     offset: int
     length: int
     crc: int
+    source: bool = True
 
 
 def held(journals: Iterable[Sequence[Record]], expected: Mapping[str, Expected]) -> dict[str, list[tuple[int, int]]]:
@@ -234,7 +239,8 @@ def claims(journals: Iterable[Sequence[Record]], expected: Mapping[str, Expected
                     continue
                 end = record.offset + record.length
                 if record.length > 0 and end <= header.size:
-                    found.setdefault(header.path, []).append(Claim(record.offset, record.length, record.crc))
+                    claim = Claim(record.offset, record.length, record.crc, record.source)
+                    found.setdefault(header.path, []).append(claim)
             elif isinstance(record, Header):
                 want = expected.get(record.path)
                 fits = (

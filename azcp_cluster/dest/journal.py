@@ -28,19 +28,15 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-
-import numpy as np
-from crc32c import crc32c
 
 from azcp_cluster.core import resume
 from azcp_cluster.core.errors import AzcpError, LocalFSError
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.naming import JOURNAL_DIR
+from azcp_cluster.dest import rehash
 from azcp_cluster.dest.destroot import identity
 from azcp_cluster.dest.desttree import DestTree
-from azcp_cluster.dest.directio import DirectReader, aligned_buffer
 from azcp_cluster.dest.localfs import fs_error, temp_name
 from azcp_cluster.run.interrupts import shield
 from azcp_cluster.run.report import say
@@ -50,11 +46,6 @@ from azcp_cluster.run.report import say
 INTERVAL = resume.TURN_MAX
 # A journal larger than this is not read (a million small files journal some 60 MB).
 READ_LIMIT = 1 << 30
-# A kept range is read back in pieces of this size to check its CRC, CHECK_THREADS files at
-# once (the reads and crc32c release the GIL).
-CHECK_CHUNK = 8 * 1024 * 1024
-CHECK_THREADS = 4
-_buffers = threading.local()
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -180,12 +171,18 @@ def _generation_of(tree: DestTree, rel: str, ident: int) -> int | None:
         os.close(fd)
 
 
-def load(tree: DestTree, files: Sequence[FileEntry], candidates: Sequence[int], origin: str) -> dict[int, Kept]:
+def load(
+    tree: DestTree, files: Sequence[FileEntry], candidates: Sequence[int], origin: str, received: bool = True
+) -> dict[int, Kept]:
     """Leaders: what this node keeps of each of ``candidates`` (files it lacks), by the journals.
 
     A file counts only if its temporary file stands there now as a regular file of this
     user's, with one link, at the listed size, and is the file the journal names (inode
-    and generation).
+    and generation); a range only if its bytes, read back now, still have the CRC-32C it
+    was recorded with (rehash.py). ``received``: keep ranges another node sent too (their
+    CRC is of the bytes as they arrived here, which no source vouched for: ``--verify``
+    keeps only those that came from the source itself, downloaded or read on this node,
+    and the others are sent again from a node that has them so, or downloaded again).
     """
     journals = _read_all(tree)
     named = {r.path for records in journals for r in records if isinstance(r, resume.Header)}
@@ -216,19 +213,11 @@ def load(tree: DestTree, files: Sequence[FileEntry], candidates: Sequence[int], 
             ident = gen = 0  # gone, or replaced since the lstat: nothing of it is kept
         expected[entry.path] = resume.Expected(entry.size, tag(entry, origin), ident, gen)
     claimed = resume.claims(journals, expected)
+    if not received:  # (--verify) only what came from the source itself, never another node's bytes
+        claimed = {path: [c for c in found if c.source] for path, found in claimed.items()}
     todo = [i for i in candidates if claimed.get(files[i].path)]
-    pool = ThreadPoolExecutor(max_workers=CHECK_THREADS, thread_name_prefix="azcp-rehash", initializer=shield)
-    try:
-        checked = list(
-            pool.map(
-                lambda i: _checked(tree, files[i].path, expected[files[i].path].identity, claimed[files[i].path]), todo
-            )
-        )
-    except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    finally:
-        pool.shutdown(wait=True)
+    jobs = [(files[i].path, expected[files[i].path].identity, claimed[files[i].path]) for i in todo]
+    checked = rehash.check_all(tree, jobs)
     kept = {}
     for i, good in zip(todo, checked, strict=True):
         spans = resume.spans_of(good, files[i].size)
@@ -236,47 +225,6 @@ def load(tree: DestTree, files: Sequence[FileEntry], candidates: Sequence[int], 
             want = expected[files[i].path]
             kept[i] = Kept(want.identity, want.generation, tuple(spans), tuple(good))
     return kept
-
-
-def _checked(tree: DestTree, rel: str, ident: int, found: Sequence[resume.Claim]) -> list[resume.Claim]:
-    """The claims on ``rel``'s temporary file (the one of identity ``ident``) whose bytes, read
-    back now (O_DIRECT where the filesystem allows: what is on the disk), still have the
-    recorded CRC-32C. One that does not (a flipped bit on the disk, another writer, a range
-    claimed in error) is not kept: its bytes are fetched again. None is kept if the file
-    cannot be read or is not that file any more."""
-    head, _, base = rel.rpartition("/")
-
-    def opener(flags: int) -> int:
-        with tree.directory(head.split("/") if head else []) as dfd:
-            return os.open(temp_name(base), flags | _FILE_FLAGS, dir_fd=dfd)
-
-    buf: np.ndarray | None = getattr(_buffers, "buf", None)
-    if buf is None:
-        buf = _buffers.buf = aligned_buffer(CHECK_CHUNK)
-    try:
-        reader = DirectReader("", direct=True, opener=opener)
-    except (OSError, LocalFSError):
-        return []
-    good = []
-    try:
-        if identity(os.fstat(reader.fd)) != ident:
-            return []
-        for claim in sorted(set(found)):
-            crc, offset, end = 0, claim.offset, claim.offset + claim.length
-            while offset < end:
-                want = min(CHECK_CHUNK, end - offset)
-                got = reader.read_at(buf, want, offset)
-                crc = crc32c(memoryview(buf[:got]), crc)  # type: ignore[arg-type]
-                if got < want:
-                    break  # shorter than claimed: cannot match
-                offset += got
-            if offset >= end and crc == claim.crc:
-                good.append(claim)
-    except OSError:
-        return []  # unreadable: nothing of it is believed (the copy makes it anew)
-    finally:
-        reader.close()
-    return good
 
 
 def _dir(tree: DestTree, create: bool) -> int:
@@ -327,7 +275,7 @@ def begin(tree: DestTree, files: Sequence[FileEntry], kept: Mapping[int, Kept], 
         )
         # The checked claims as they were recorded (their CRCs hold for those bytes), not the
         # trimmed spans: a claim's edges cut off by the trim are written again with the same bytes.
-        records.extend(resume.Range(ident, c.offset, c.length, c.crc) for c in keep.claims)
+        records.extend(resume.Range(ident, c.offset, c.length, c.crc, c.source) for c in keep.claims)
     try:
         dfd = _dir(tree, create=True)
     except OSError:
@@ -420,7 +368,7 @@ class Journal:
         self._pending_bytes = 0  # written since the last turn took the pending ranges
         self._ids: dict[int, int] = {}  # file index -> its header's id in this journal
         self._next_id = first_id
-        self._pending: list[tuple[int, int, int, int]] = []
+        self._pending: list[tuple[int, int, int, int, bool]] = []
         self._lock = threading.Lock()  # the pending list
         self._append = threading.Lock()  # one append at a time (the thread, drop, close)
         self._broken = False  # an append failed: nothing more is claimed
@@ -431,12 +379,13 @@ class Journal:
         self._thread = threading.Thread(target=self._loop, name="azcp-journal", daemon=True)
         self._thread.start()
 
-    def written(self, file: int, offset: int, length: int, crc: int) -> None:
+    def written(self, file: int, offset: int, length: int, crc: int, source: bool = True) -> None:
         """``length`` bytes at ``offset`` of file ``file``, of CRC-32C ``crc`` as they arrived,
-        were written (not yet durable)."""
+        were written (not yet durable); ``source``: they came from the source itself (a
+        download, a local SOURCE's read), not from another node."""
         if length > 0:
             with self._lock:
-                self._pending.append((file, offset, length, crc))
+                self._pending.append((file, offset, length, crc, source))
                 self._pending_bytes += length
 
     def _loop(self) -> None:
@@ -473,15 +422,15 @@ class Journal:
                 self._broken = True
                 self.error = self.error or fs_error(exc, self.tree.shown(JOURNAL_DIR), "write the block journal")
 
-    def _record(self, batch: list[tuple[int, int, int, int]]) -> None:
+    def _record(self, batch: list[tuple[int, int, int, int, bool]]) -> None:
         files = self.files
         made = self.tree.made
-        rels = sorted({files[f].path for f, _, _, _ in batch if files[f].path in made})
+        rels = sorted({files[f].path for f, *_ in batch if files[f].path in made})
         if not rels:
             return
         self.tree.sync_all(rels)  # durable first: only then claimed
         records: list[resume.Record] = []
-        for f, offset, length, crc in batch:
+        for f, offset, length, crc, source in batch:
             entry = files[f]
             ident = made.get(entry.path)
             if ident is None:
@@ -496,7 +445,7 @@ class Journal:
                 records.append(
                     resume.Header(key, entry.path, entry.size, tag(entry, self.origin), ident, generation=gen)
                 )
-            records.append(resume.Range(key, offset, length, crc))
+            records.append(resume.Range(key, offset, length, crc, source))
         _write_all(self.fd, resume.encode(records))
         os.fdatasync(self.fd)
 

@@ -37,7 +37,7 @@ from azcp_cluster.dest.diskwriter import DiskWriter
 from azcp_cluster.dest.localfs import fs_error, pwritev_all
 
 # (file, offset, length, crc32c of the bytes) once written (not yet durable): what the block journal is fed.
-Record = Callable[[int, int, int, int], None]
+Record = Callable[[int, int, int, int, bool], None]
 # A write's end, on the writer thread: the exception it raised, or None.
 Done = Callable[[BaseException | None], None]
 
@@ -83,12 +83,13 @@ class NodeWriter:
         """Stop the threads once the queued writes are done (idempotent)."""
         self._threads.close()
 
-    def written(self, extent: Extent, buffer: np.ndarray) -> None:
+    def written(self, extent: Extent, buffer: np.ndarray, source: bool) -> None:
         """Record in the journal that ``extent`` was written from ``buffer``, with the CRC-32C of
-        its bytes as they arrived (a rerun reads them back and keeps them only if it still holds)."""
+        its bytes as they arrived (a rerun reads them back and keeps them only if it still holds);
+        ``source``: read from the source itself (a local SOURCE's reader), not received."""
         if self.journal is not None:
             data = memoryview(buffer[extent.at : extent.at + extent.length])  # type: ignore[arg-type]
-            self.journal(extent.file, extent.offset, extent.length, crc32c(data))
+            self.journal(extent.file, extent.offset, extent.length, crc32c(data), source)
 
     # -- the download: one file open for a block's writes ------------------------------
 
@@ -113,28 +114,35 @@ class NodeWriter:
     # -- the fan-out: a slot's extents ---------------------------------------------------
 
     def write_extents(
-        self, extents: Sequence[Extent], buffer: np.ndarray, direct: bool, done: Done, refused: Callable[[str], None]
+        self,
+        extents: Sequence[Extent],
+        buffer: np.ndarray,
+        direct: bool,
+        done: Done,
+        refused: Callable[[str], None],
+        source: bool = False,
     ) -> None:
         """Queue the writes of ``extents``, each from ``buffer[extent.at:]``; ``done(error)`` after
         the last (an error names the file). O_DIRECT where ``direct`` and the extent allow it;
-        ``refused(path)`` when a filesystem refuses it."""
-        self._threads.submit(lambda: self._write_extents(extents, buffer, direct, refused), done)
+        ``refused(path)`` when a filesystem refuses it. ``source``: the buffer was read from the
+        source itself (a local SOURCE's reader writing its own copy), not received (the journal)."""
+        self._threads.submit(lambda: self._write_extents(extents, buffer, direct, refused, source), done)
 
     def _write_extents(
-        self, extents: Sequence[Extent], buffer: np.ndarray, direct: bool, refused: Callable[[str], None]
+        self, extents: Sequence[Extent], buffer: np.ndarray, direct: bool, refused: Callable[[str], None], source: bool
     ) -> None:
         # Small files packed in one slot lie mostly in a few directories: each run of
         # extents in one directory walks to it once (a large extent walks on its own).
         for folder, run in self.by_directory(extents):
             if folder is None:
                 self._write_extent(run[0], buffer, None, direct, refused)
-                self.written(run[0], buffer)
+                self.written(run[0], buffer, source)
                 continue
             try:
                 with self.tree.directory(folder) as dfd:
                     for extent in run:
                         self._write_extent(extent, buffer, dfd, direct, refused)
-                        self.written(extent, buffer)
+                        self.written(extent, buffer, source)
             except OSError as exc:
                 raise fs_error(exc, self.tree.shown("/".join(folder)), "write") from None
 

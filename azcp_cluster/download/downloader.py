@@ -20,7 +20,6 @@ import contextlib
 import random
 import ssl
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
@@ -29,21 +28,22 @@ from crc32c import crc32c
 
 from azcp_cluster.azure.credentials import Authorizer
 from azcp_cluster.azure.netfailure import network_cause
-from azcp_cluster.azure.proxies import Proxy, proxy_refused, refusal_message
+from azcp_cluster.azure.proxies import Proxy
 from azcp_cluster.azure.tls import ssl_context
 from azcp_cluster.core.blocks import Block, requests_for
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import AzcpError, DownloadError
 from azcp_cluster.core.model import FileEntry
-from azcp_cluster.core.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after, too_slow
+from azcp_cluster.core.retry import RETRYABLE_STATUS, backoff_delay, too_slow
 from azcp_cluster.core.source import API_VERSION
 from azcp_cluster.core.throttle import Pacer, Slot
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import fs_error
 from azcp_cluster.dest.nodewriter import NodeWriter
+from azcp_cluster.download.answers import RANGE_MD5_LIMIT, BodyCheck, Retryable, check_answer, error_for
 from azcp_cluster.download.fetcher import DownloadStats, LandingSink
 from azcp_cluster.download.http1 import BodyWatch, ConnectFailed, Connection, Link, TunnelRefused
-from azcp_cluster.download.httpwire import Head, ProtocolError, content_range, http_date, request_bytes, same_etag
+from azcp_cluster.download.httpwire import Head, ProtocolError, request_bytes
 from azcp_cluster.download.writepool import WRITER_THREADS, BlockWrites, Both, UnitWrites, WritePool
 from azcp_cluster.run import collector
 
@@ -52,20 +52,6 @@ PEER_POLL_SECONDS = 0.1
 # Requests in flight while auto download workers are judged (Downloader's ``handover``): few,
 # so that most of the rank's blocks are still there to hand over; ample for one process's rate.
 PROBE_REQUESTS = 8
-# What a ranged GET of a blob that is no longer there fails with.
-BLOB_DELETED = "the blob was deleted during the copy; rerun to copy what is there now"
-# What a ranged GET answered by another version of the blob fails with (a 412 to If-Match, or an
-# answer whose ETag or Last-Modified is not the listed one: a hop that dropped the If-Match).
-BLOB_CHANGED = (
-    "the blob changed during the copy (its ETag no longer matches the listing); rerun to copy the new version"
-)
-
-
-class _Retryable(Exception):
-    def __init__(self, cause: str, retry_after: float | None = None) -> None:
-        super().__init__(cause)
-        self.cause = cause
-        self.retry_after = retry_after
 
 
 class Downloader:
@@ -260,7 +246,7 @@ class Downloader:
             try:
                 await self._get_once(link, request, entry, slot, landed)
                 return
-            except _Retryable as exc:
+            except Retryable as exc:
                 cause, retry_after, detail = exc.cause, exc.retry_after, ""
             except asyncio.TimeoutError:  # before OSError: it is one on Python 3.11+
                 cause, retry_after, detail = "timeout", None, ""
@@ -302,6 +288,11 @@ class Downloader:
         }
         if entry.etag:
             headers["If-Match"] = entry.etag
+        # Over plain HTTP nothing vouches for a body's bytes: where the service can, it sends the
+        # range's MD5 (answers.RANGE_MD5_LIMIT), and the body is checked before a block lands.
+        md5_asked = self._tls is None and end - start <= RANGE_MD5_LIMIT
+        if md5_asked:
+            headers["x-ms-range-get-content-md5"] = "true"
         headers.update(self.auth.headers())
         url = self.auth.blob_url(entry.name)
         request = self._request(url, headers)
@@ -315,14 +306,15 @@ class Downloader:
             head = await asyncio.wait_for(conn.request(request), self.cfg.read_timeout)
             if head.status not in (200, 206):
                 await self._raise_for_status(head, entry)
-            _check_answer(head, start, end, entry)
+            check_answer(head, start, end, entry)
+            body = BodyCheck.of(head, md5_asked)
             watch = BodyWatch(conn)
             self._active.add(watch)
             try:
-                await self._stream_body(conn, head, blocks, entry, slot, landed)
-            except (OSError, ProtocolError, _Retryable):
+                await self._stream_body(conn, head, blocks, entry, slot, landed, body)
+            except (OSError, ProtocolError, Retryable):
                 if watch.stalled:
-                    raise _Retryable(watch.cause) from None
+                    raise Retryable(watch.cause) from None
                 raise
             finally:
                 self._active.discard(watch)
@@ -350,28 +342,11 @@ class Downloader:
             raise ConnectFailed(TimeoutError(f"no connection within {timeout:g} s"), what.rstrip(":")) from None
 
     async def _raise_for_status(self, head: Head, entry: FileEntry) -> None:
-        status = head.status
-        code = head.headers.get("x-ms-error-code", head.reason)
-        if status in RETRYABLE_STATUS:
-            retry_after = parse_retry_after(head.headers.get("retry-after"), time.time())
-            raise _Retryable(str(status), retry_after)
-        if status == 412:
-            # If-Match failed: the blob was replaced, or deleted (Azure and Azurite may answer
-            # a deleted blob's conditional GET with 412, not 404). Ask which.
-            if await self._blob_exists(entry) is False:
-                raise DownloadError(BLOB_DELETED, path=entry.name)
-            raise DownloadError(BLOB_CHANGED, path=entry.name)
-        if status == 404:
-            raise DownloadError(
-                f"the blob was deleted during the copy (HTTP 404, {code}); rerun to copy what is there now",
-                path=entry.name,
-            )
-        if self.proxy is not None and proxy_refused(self.proxy, status, head.headers):
-            # Through a proxy, an answer without the service's x-ms-request-id is the proxy's.
-            raise DownloadError(refusal_message(self.proxy, "the request", status, head.reason), path=entry.name)
-        if status in (401, 403):
-            raise DownloadError(f"access denied (HTTP {status}, {code}); check the credentials", path=entry.name)
-        raise DownloadError(f"unexpected HTTP {status} ({code})", path=entry.name)
+        """An error answer as its error (answers.error_for); a 412 asks whether the blob is still there."""
+        # If-Match failed: the blob was replaced, or deleted (Azure and Azurite may answer a
+        # deleted blob's conditional GET with 412, not 404). Ask which.
+        deleted = head.status == 412 and await self._blob_exists(entry) is False
+        raise error_for(head, entry, self.proxy, deleted)
 
     async def _blob_exists(self, entry: FileEntry) -> bool | None:
         """Whether blob ``entry`` still exists: a HEAD without If-Match on a new connection (None: no answer).
@@ -401,13 +376,13 @@ class Downloader:
         entry: FileEntry,
         slot: Slot | None,
         landed: list[Block],
+        body: BodyCheck | None = None,
     ) -> None:
         """Receive the body of ``request`` into the pool's buffers and hand each to the writers;
         each of its blocks lands (:meth:`_land`, into ``landed``) as soon as its own bytes are
-        written, in order, while the body goes on."""
-        start, length = request[0].offset, sum(block.length for block in request)
-        if head.content_length != length:
-            raise _Retryable("wrong length")
+        written, in order, while the body goes on (with ``body``: once the whole body's MD5 matched)."""
+        if head.content_length != sum(block.length for block in request):
+            raise Retryable("wrong length")
         path = self.tree.temp_shown(entry.path)
         writes, writer = self._writes, self._writer
         target = writer.open(request[0].file)
@@ -416,43 +391,29 @@ class Downloader:
         # Python), and each full buffer goes to the writer threads, which write it with
         # O_DIRECT and put it back in the pool. A buffer never spans two blocks.
         tracker = BlockWrites(loop, target)  # every write of the request: closes the file
-        pacer = self.pacer if slot is not None else None
-        # Under a cap, a buffer is read a piece (the pacer's burst) at a time, each once due.
-        piece = pacer.piece if pacer is not None else writes.size
-        buf: np.ndarray | None = None
         landing: asyncio.Future[None] | None = None  # the last block's landing: each waits for the one before
         lands: list[asyncio.Future[None]] = []
+        gate = body.gate if body is not None else None
         try:
             for block in request:
                 unit = UnitWrites(loop)
-                left, offset = block.length, block.offset
                 crc = 0  # the block's CRC-32C as it arrives (journal: a rerun checks kept blocks by it)
+                left, offset = block.length, block.offset
                 while left:
-                    buf = await writes.take()
-                    view = memoryview(buf)  # type: ignore[arg-type]
                     want = min(writes.size, left)
-                    got = 0
-                    while got < want:
-                        end = min(want, got + piece)
-                        if pacer is not None:
-                            assert slot is not None
-                            await _pace(pacer.delay(slot, offset - start + end))
-                        try:
-                            got += await conn.read_into(view[got:end])
-                        except OSError:
-                            raise _Retryable("truncated body") from None
-                    crc = crc32c(view[:want], crc)  # 0.04 s of a core per GiB; the GIL released
-                    full, buf = buf, None  # the writer gives it back (also when submit raises)
+                    full, crc = await self._receive(conn, want, offset - request[0].offset, slot, crc, body)
                     writes.submit(writer, target, full, want, offset, Both(tracker, unit), block.file)
                     self.received += want
                     offset += want
                     left -= want
                 unit.submitted()
-                landing = asyncio.ensure_future(self._land(block, crc, unit, landing, landed, path))
+                landing = asyncio.ensure_future(self._land(block, crc, unit, landing, landed, path, gate))
                 lands.append(landing)
+            if body is not None:
+                body.finish()
         except BaseException:
-            if buf is not None:
-                writes.give_back(buf)
+            if body is not None:
+                body.abandon()
             if isinstance(sys.exc_info()[1], asyncio.CancelledError):
                 for task in lands:
                     task.cancel()
@@ -476,6 +437,34 @@ class Downloader:
             if isinstance(outcome, BaseException):
                 raise outcome
 
+    async def _receive(
+        self, conn: Connection, want: int, at: int, slot: Slot | None, crc: int, body: BodyCheck | None
+    ) -> tuple[np.ndarray, int]:
+        """The next ``want`` body bytes (``at`` bytes into the request's body) received into a pool
+        buffer, which is returned (the writer gives it back) with ``crc`` carried on over them.
+        Under a cap, read a piece (the pacer's burst) at a time, each once due."""
+        writes, pacer = self._writes, self.pacer if slot is not None else None
+        piece = pacer.piece if pacer is not None else writes.size
+        buf = await writes.take()
+        try:
+            view = memoryview(buf)  # type: ignore[arg-type]
+            got = 0
+            while got < want:
+                end = min(want, got + piece)
+                if pacer is not None:
+                    assert slot is not None
+                    await _pace(pacer.delay(slot, at + end))
+                try:
+                    got += await conn.read_into(view[got:end])
+                except OSError:
+                    raise Retryable("truncated body") from None
+            if body is not None:
+                body.md5.update(view[:want])
+            return buf, crc32c(view[:want], crc)  # 0.04 s of a core per GiB; the GIL released
+        except BaseException:
+            writes.give_back(buf)
+            raise
+
     async def _land(
         self,
         block: Block,
@@ -484,11 +473,14 @@ class Downloader:
         before: asyncio.Future[None] | None,
         landed: list[Block],
         path: str,
+        gate: asyncio.Future[None] | None = None,
     ) -> None:
         """``block`` (its bytes' CRC-32C ``crc``) lands once its writes are done and the block
         before it (``before``) has landed: progress, journal, streaming notice (the landing sink)."""
         if before is not None:
             await before
+        if gate is not None:  # the body's MD5 (answers.BodyCheck): none of it lands before it matched
+            await gate
         await unit.done
         if isinstance(unit.error, OSError):
             raise fs_error(unit.error, path, "write")
@@ -498,31 +490,6 @@ class Downloader:
         self.stats.bytes += block.length
         self.sink.add_bytes(block.length)
         self.sink.landed(block, crc)
-
-
-def _check_answer(head: Head, start: int, end: int, entry: FileEntry) -> None:
-    """A success answer to the ranged GET of bytes ``start`` to ``end - 1`` of ``entry``, checked
-    against what was asked and listed before a byte of its body is written.
-
-    A ``200`` (the Range dropped by a hop) or a ``Content-Range`` other than the one asked
-    (another range, another total size, none) is never written as the range: retried, as a
-    transient fault of a hop. An ``ETag`` or ``Last-Modified`` other than the listed one is
-    another version of the blob (a hop that dropped the If-Match): the same error as a 412.
-    """
-    if head.status != 206:
-        raise _Retryable(f"HTTP {head.status} for a ranged GET")
-    if content_range(head.headers.get("content-range")) != (start, end - 1, entry.size):
-        raise _Retryable("wrong Content-Range")
-    if entry.etag:
-        answered = head.headers.get("etag")
-        if answered is None:
-            raise _Retryable("no ETag")  # the version cannot be told: never written
-        if not same_etag(entry.etag, answered):
-            raise DownloadError(BLOB_CHANGED, path=entry.name)
-    modified = http_date(head.headers.get("last-modified"))
-    # Last-Modified has whole seconds; the listing may have the same or finer.
-    if entry.last_modified and modified is not None and abs(modified - int(entry.last_modified)) >= 1:
-        raise DownloadError(BLOB_CHANGED, path=entry.name)
 
 
 async def _pace(seconds: float) -> None:

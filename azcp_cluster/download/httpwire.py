@@ -9,6 +9,7 @@ on a new connection.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timezone
 from email.utils import parsedate_to_datetime
 from urllib.parse import urlsplit
 
@@ -140,6 +141,9 @@ def http_date(value: str | None) -> float | None:
     if not value:
         return None
     try:
-        return parsedate_to_datetime(value).timestamp()
+        when = parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
+    # "-0000" (RFC 5322: no zone information) parses as naive, which .timestamp() would take as
+    # local time; an HTTP date is always GMT.
+    return (when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)).timestamp()

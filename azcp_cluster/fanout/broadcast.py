@@ -1,25 +1,21 @@
 """Fan every byte out to the nodes that need it: the driver of :mod:`azcp_cluster.core.fanout`.
 
 The schedule (:mod:`azcp_cluster.core.schedule`) is a list of transfers; the state machine
-(:class:`azcp_cluster.core.fanout.FanOut`) decides when each slot is read, posted, written and
-released. This module owns what the machine does not: ``pipeline`` slots of the largest
-transfer's size, page-aligned and allocated once; a read-ahead thread that fills a slot
-(:class:`azcp_cluster.fanout.readahead.ReadAhead`: from the source, the node's download or a
-complete copy); the node's writer (:class:`azcp_cluster.dest.nodewriter.NodeWriter`), which
-writes the extents of a completed slot (O_DIRECT where the extent allows it, see
-``schedule.Extent.direct``), spread over ``writers`` jobs; a hasher thread
-(``--verify stream``, :class:`azcp_cluster.core.digests.StreamDigests`); and the calls to the
-other ranks, made on this (the main) thread only, through a
-:class:`azcp_cluster.fanout.transport.Transport` (MPI's between the node leaders; threads of
-one process in tests).
+(:class:`azcp_cluster.core.fanout.FanOut`) decides when each slot is read, posted, written and released. This module
+owns what the machine does not: ``pipeline`` slots of the largest transfer's size, page-aligned and allocated once; a
+read-ahead thread that fills a slot (:class:`azcp_cluster.fanout.readahead.ReadAhead`: from the source, the node's
+download or a complete copy); the node's writer (:class:`azcp_cluster.dest.nodewriter.NodeWriter`), which writes the
+extents of a completed slot (O_DIRECT where the extent allows it, see ``schedule.Extent.direct``), spread over
+``writers`` jobs; a hasher thread (``--verify stream``, :class:`azcp_cluster.core.digests.StreamDigests`); and the
+calls to the other ranks, made on this (the main) thread only, through a
+:class:`azcp_cluster.fanout.transport.Transport` (MPI's between the node leaders; threads of one process in tests).
 
-The driver is a dispatcher: what happens (a read or write done, a transfer complete, an
-agreement's answer, bytes landed, a failure) becomes a typed event, one call of the machine.
+The driver is a dispatcher: what happens (a read or write done, a transfer complete, an agreement's answer, bytes
+landed, a failure) becomes a typed event, one call of the machine.
 
-Errors never leave a rank behind in a collective: a rank that fails keeps taking part
-(without touching the disk) until the next agreement, where all ranks stop together; an
-instruction that cannot be carried out fails the rank the same way, its calls to the other
-ranks still made. Streaming (the download still running) adds one input: which transfers'
+Errors never leave a rank behind in a collective: a rank that fails keeps taking part (without touching the disk) until
+the next agreement, where all ranks stop together; an instruction that cannot be carried out fails the rank the same
+way, its calls to the other ranks still made. Streaming (the download still running) adds one input: which transfers'
 bytes have landed on this node (see :class:`Landed`).
 """
 
@@ -119,7 +115,8 @@ class Broadcaster:
         have: Sequence[bool] | None = None,
         verify: bool = False,
         source_of: Callable[[int], str | None] | None = None,
-        hashes: Callable[[int, int, int, int], None] | None = None,
+        source_pieces: Callable[[int, int, int, int], None] | None = None,
+        stream_crcs: dict[int, int] | None = None,
         stop_requested: Callable[[], AzcpError | None] = lambda: None,
     ) -> None:
         if pipeline < 1 or writers < 1:
@@ -136,8 +133,8 @@ class Broadcaster:
         # A local SOURCE's reader sends from the source itself, not from a downloaded
         # temporary file, so it writes its own copy of what it sends like a receiver.
         self.source_of = source_of if source_of is not None else (lambda index: None)
-        # --verify, a local SOURCE's reader: each extent read from the SOURCE, with its CRC-32C.
-        self.hashes = hashes
+        self.source_pieces = source_pieces  # --verify: told each extent read from a local SOURCE, with its CRC
+        self.stream_crcs = stream_crcs  # --verify: each file's CRC-32C hashed in flight (with its MD5)
         self._completes: list[int] = []
         # Polled at every turn of the loop (a SIGINT/SIGTERM this rank got): its error fails
         # this rank like a local one, so the next agreement stops every rank together.
@@ -238,9 +235,9 @@ class Broadcaster:
             hint_window=4 * len(self.slots),
             changed=self.changed,
             kept=kept,
-            hashes=self.hashes,
+            source_pieces=self.source_pieces,
         )
-        run = _Run(schedule, machine, hooks, landed, reader, StreamDigests(self.digests))
+        run = _Run(schedule, machine, hooks, landed, reader, StreamDigests(self.digests, self.stream_crcs))
         try:
             self._start_threads(run, hashed=bool(hashed))
         except Exception as exc:  # no thread (a process limit): fail here, but never leave the others
@@ -334,9 +331,9 @@ class Broadcaster:
             run.reads.put(step)
         elif isinstance(step, Post):
             self._send(run, step)
-        elif isinstance(step, Write):
-            done = self._reported(step.seq, "writer")
-            self.writer.write_extents(step.extents, self.slots[step.slot].buffer, self.direct, done, self._refused)
+        elif isinstance(step, Write):  # own: this rank roots the transfer (read from a local SOURCE)
+            done, own = self._reported(step.seq, "writer"), run.schedule[step.seq].root == self.rank
+            self.writer.write_extents(step.extents, self.slots[step.slot].buffer, self.direct, done, self._refused, own)
             self.stats.received_bytes += sum(e.length for e in step.extents)
         elif isinstance(step, Hash):
             run.hashes.put(step)

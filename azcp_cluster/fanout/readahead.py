@@ -47,7 +47,7 @@ class ReadAhead:
         hint_window: int,
         changed: set[int],
         kept: Kept | None = None,
-        hashes: Callable[[int, int, int, int], None] | None = None,
+        source_pieces: Callable[[int, int, int, int], None] | None = None,
     ) -> None:
         self.files = files
         self.tree = tree
@@ -63,7 +63,7 @@ class ReadAhead:
         self.memory_bytes = 0  # bytes copied from them
         # --verify: told each extent read whole from a local SOURCE, with the CRC-32C of its bytes
         # as read (the source's side of the check of every copy: core/crc.py).
-        self.hashes = hashes
+        self.source_pieces = source_pieces
         # The file open across its extents: (reader, file index, its stat when opened).
         self._current: tuple[DirectReader, int, os.stat_result] | None = None
 
@@ -121,8 +121,8 @@ class ReadAhead:
                 self.changed.add(extent.file)  # shorter than listed: truncated meanwhile
                 return
             raise BroadcastError(f"short read ({got} of {extent.length} bytes)", path=shown)
-        if outside and self.hashes is not None:
-            self.hashes(extent.file, extent.offset, extent.length, crc32c(memoryview(into)))  # type: ignore[arg-type]
+        if outside and self.source_pieces is not None:
+            self.source_pieces(extent.file, extent.offset, extent.length, crc32c(memoryview(into)))  # type: ignore[arg-type]
         if extent.last_of_file:
             self.close()  # a small file's descriptor is not kept to the next
 

@@ -397,7 +397,8 @@ def make_broadcaster(
         have=list(diff.have),
         verify=bool(cfg.verify),
         source_of=read_from_source(ctx, listed, diff) if reads else None,
-        hashes=ctx.source_pieces.add if cfg.verify and reads else None,
+        source_pieces=ctx.source_pieces.add if cfg.verify and reads else None,
+        stream_crcs=ctx.stream_crcs if cfg.verify else None,
         stop_requested=ctx.cluster.interrupted,
     )
 

@@ -87,8 +87,10 @@ class RunContext:
         self.fanout_writer: NodeWriter | None = None
         self.journal: Journal | None = None  # ranks that write into the node's files: their block journal
         # --verify: what this rank brought into the run (downloaded blocks, a local SOURCE's reads)
-        # with the CRC-32C of the bytes as they came; finish.verify checks every copy against them.
+        # with the CRC-32C of the bytes as they came, and the CRC-32C of each file its fan-out
+        # hashed in flight; finish.verify checks every copy against the first (core/crc.py).
         self.source_pieces = SourcePieces()
+        self.stream_crcs: dict[int, int] = {}
         self.heap = collector.Hold()  # the listing, plan and schedule, frozen (collector.py) until the end
         self.node_comm: Any = None  # the leaders' communicator, for the fan-out (setup)
         self.fanout: FanoutChoice | None = None  # leaders: the fan-out's transport, chosen once (allocate)

@@ -7,7 +7,7 @@ agreement of all ranks; no final name appears before every rank's bytes are dura
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from itertools import compress
 
 import numpy as np
@@ -15,6 +15,7 @@ import numpy as np
 from azcp_cluster.core.crc import expected
 from azcp_cluster.core.digests import against_source, verdict
 from azcp_cluster.core.errors import VerifyError
+from azcp_cluster.core.model import FileEntry
 from azcp_cluster.dest import journal, manifest
 from azcp_cluster.run.cluster import StageOutcome, StageResult
 from azcp_cluster.run.report import StageFigures
@@ -50,10 +51,8 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
     too. ``--verify stream``: only the bytes hashed as they passed through the fan-out
     (files nobody transferred are read back).
 
-    Each copy read back is also checked against the CRC-32C of the file's bytes as they came
-    from the source, composed from the pieces every rank brought into the run (downloaded
-    blocks, a local SOURCE's reads, kept blocks: core/crc.py), where they tile the file: with
-    or without a Content-MD5, on one node as on many.
+    Each copy is also checked against the CRC-32C of the file's bytes as they came from the
+    source (:func:`_against_source`): with or without a Content-MD5, on one node as on many.
     """
     cluster = ctx.cluster
     t0 = cluster.clock()
@@ -64,9 +63,6 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
     with cluster.stage(outcome):
         digests: dict[int, str] = {}
         crcs: dict[int, int] = {}
-        pieces = list(ctx.source_pieces.pieces)
-        for i, keep in moved.diff.kept.items():  # leaders: kept blocks, checked against their CRCs
-            pieces.extend((i, c.offset, c.length, c.crc) for c in keep.claims)
         if place.leader:  # one copy per node
             tree = ctx.dest_tree()
             written = set(moved.here)
@@ -91,7 +87,9 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
             with cluster.abandonable():  # local work: a signal stops it at once
                 both = dict(zip(reread, manifest.hash_files(hash_copy, reread), strict=True))
             digests = {i: md5 for i, (md5, _) in both.items()}
-            crcs = {i: crc for i, (_, crc) in both.items()}
+            # What was read back, else (--verify stream) what was hashed in flight.
+            crcs = {i: c for i, c in ctx.stream_crcs.items() if i in streamed}
+            crcs.update((i, c) for i, (_, c) in both.items())
             for i, digest in streamed.items():
                 if i not in digests:
                     digests[i] = digest  # --verify stream
@@ -101,25 +99,42 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
                         "arrived: by the disk, the filesystem or another writer)",
                         path=tree.shown(files[i].path),
                     )
-        outcome.stats = {"md5": digests, "crc": crcs, "pieces": np.array(pieces, dtype=np.uint64).reshape(-1, 4)}
+        outcome.stats = {"md5": digests, "crc": crcs, "pieces": _pieces(ctx, moved)}
     try:
 
         def record(result: StageResult) -> None:  # the time, also when the copies differ
             ctx.report.stages["verify"] = StageFigures(result.seconds, ctx.report.bytes)
 
         result = cluster.conclude(t0, outcome, record, stage="verify")
-        sizes = [f.size for f in files]
-        source = expected(sizes, (tuple(p) for s in result.stats for p in s["pieces"].tolist()))
-        leaders = place.topo.leaders
-        read_back = [(rank, result.stats[rank]["crc"]) for rank in leaders]
-        ctx.report.verified_against_source = against_source(files, read_back, source)
-        verified = verdict(files, [(rank, result.stats[rank]["md5"]) for rank in leaders])
+        ctx.report.verified_against_source = _against_source(files, result, place.topo.leaders)
+        verified = verdict(files, [(rank, result.stats[rank]["md5"]) for rank in place.topo.leaders])
     except VerifyError:
         if place.leader:  # a copy that does not match is not resumed from: the rerun moves it all
             journal.remove(ctx.dest_tree())
         raise
     ctx.report.verified_files = len(verified)
     return verified
+
+
+def _pieces(ctx: RunContext, moved: Transferred) -> np.ndarray:
+    """What this rank brought into the run, each piece with the CRC-32C of its bytes as they came
+    from the source (file, offset, length, crc): its downloaded blocks and local SOURCE reads,
+    and a leader's kept blocks that were downloaded or read on its node (checked when the run
+    began; --verify keeps no block another node sent: journal.load)."""
+    pieces = list(ctx.source_pieces.pieces)
+    for i, keep in moved.diff.kept.items():
+        pieces.extend((i, c.offset, c.length, c.crc) for c in keep.claims if c.source)
+    return np.array(pieces, dtype=np.uint64).reshape(-1, 4)
+
+
+def _against_source(files: Sequence[FileEntry], result: StageResult, leaders: Sequence[int]) -> int:
+    """Every copy read back (or hashed in flight) against the CRC-32C of its file's bytes as they
+    came from the source, composed from every rank's pieces (core/crc.py) where they tile the
+    file; VerifyError naming the file and nodes. Returns how many files were checked so."""
+    pieces = (tuple(p) for stats in result.stats for p in stats["pieces"].tolist())
+    source, conflicting = expected([f.size for f in files], pieces)
+    read_back = [(rank, result.stats[rank]["crc"]) for rank in leaders]
+    return against_source(files, read_back, source, conflicting)
 
 
 def rename(ctx: RunContext, place: Placement, moved: Transferred) -> None:

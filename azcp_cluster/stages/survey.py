@@ -277,7 +277,10 @@ def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
                 bits = np.array(manifest.present(tree, files, ctx.cfg.compare), dtype=bool)
             present = np.packbits(bits).tobytes()
             if ctx.cfg.resume and tree.exists:
-                kept = journal.load(tree, files, np.flatnonzero(~bits).tolist(), ctx.origin)
+                lacking = np.flatnonzero(~bits).tolist()
+                with cluster.abandonable():  # the kept blocks read back: a signal stops it at once
+                    # --verify keeps only blocks that came from the source on this node (journal.load).
+                    kept = journal.load(tree, files, lacking, ctx.origin, received=not ctx.cfg.verify)
         spans = {i: k.spans for i, k in kept.items()}
         outcome.stats = {"present": present, "list_seconds": listed.seconds, "kept": spans}
     result = cluster.conclude(t0, outcome, stage="diff")

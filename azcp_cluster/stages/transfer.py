@@ -132,13 +132,13 @@ def downloader(
     notice: Callable[[Block], None] | None = None,
     cfg: Config | None = None,
 ) -> Fetcher:
-    """This rank's downloader for its share of ``plan`` (paced by its share of --max-bandwidth):
-    in the rank itself, on ``--download-workers`` processes, or, auto, in the rank until it finds
-    that processes would shorten the copy (workers.py).
+    """This rank's downloader for its share of ``plan`` (paced by its share of --max-bandwidth): in the rank
+    itself, on ``--download-workers`` processes, or, auto, in the rank until it finds that processes would
+    shorten the copy (workers.py).
 
-    Its landing sink, composed here once for every part of it: each block's bytes to
-    ``progress``, the block to this rank's journal (if any), then to ``notice`` (streaming).
-    It stops once ``peer_failed()``. ``cfg``: the run's, with a streamed copy's block size and
+    Its landing sink, composed here once for every part of it: each block's bytes to ``progress``, the block to
+    this rank's journal (if any), then to ``notice`` (streaming), and with ``--verify`` its CRC to the run's
+    source pieces. It stops once ``peer_failed()``. ``cfg``: the run's, with a streamed copy's block size and
     requests in flight (allocate.stream_sizes_for); None: the run's own.
     """
     from azcp_cluster.core.throttle import Pacer, share
@@ -158,8 +158,7 @@ def downloader(
     workers = allocate.download_workers(ctx, place, plan)
     files = listed.listing.files
     tree = ctx.dest_tree()
-    journal = ctx.journal  # every block, once written, to this rank's journal
-    hashes = ctx.source_pieces.add if cfg.verify else None  # --verify: each block's CRC as it came
+    journal, hashes = ctx.journal, ctx.source_pieces.add if cfg.verify else None
     sink = LandingSink(progress, journal.written if journal is not None else None, notice, hashes=hashes)
 
     def processes(count: int) -> WorkerDownloader:
