@@ -152,3 +152,23 @@ def test_verify_disk_catches_a_block_corrupted_before_the_fanout(emulator: azuri
     assert result.returncode == 7, result.output
     assert "as they came from the source" in result.stderr, result.stderr
     assert not _wrong_finals(tmp_path, 2, files)
+
+
+# -- smaller: the answer checks -------------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="review i38 #6: a '-0000' HTTP date is read as local time")
+def test_a_last_modified_in_minus_0000_is_read_as_utc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RFC 5322 dates with ``-0000`` (which email.utils gives as a naive datetime) are read in the
+    machine's time zone: off UTC, _check_answer takes the listed blob for "changed" (exit 5)."""
+    import time
+
+    from azcp_cluster.download.httpwire import http_date
+
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        assert http_date("Mon, 01 Jan 2024 00:00:00 -0000") == http_date("Mon, 01 Jan 2024 00:00:00 GMT")
+    finally:
+        monkeypatch.undo()
+        time.tzset()
