@@ -1,10 +1,10 @@
 """Hostile review of issue 38 ("no longer any way to get exit 0 with wrong bytes in a final file").
 
-Each test states a way the change under review still ends a job with exit 0 and wrong bytes
-under a final name. They are the reviewer's reproductions: marked ``xfail(strict=True)`` where
-they fail on the reviewed tree (3ca6623), so that the suite stays green and a fix that closes the
-hole turns them into XPASS (strict: a failure of the suite), at which point the marker goes.
-Real runs: Azurite, ``mpiexec``, the fault proxy; two DESTs as two nodes.
+Each test is a way the reviewed change (3ca6623) still ended a job with exit 0 and wrong bytes
+under a final name, as the reviewer reproduced it; each failed there and passes since the fixes
+that followed the review (a body's range MD5 over plain HTTP, a receiver's claims never source
+pieces nor kept under --verify, --verify stream's CRCs, a '-0000' date read as GMT). Real runs:
+Azurite, ``mpiexec``, the fault proxy; two DESTs as two nodes.
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ def _wrong_finals(base: Path, ranks: int, files: dict[str, bytes]) -> list[str]:
 # -- 1. a hop flips a body byte, the blob has no Content-MD5 --------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review i38 #1: the CRC pieces are taken of the bytes as received")
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_byte_flipped_on_the_way_without_content_md5_fails_verify(
     emulator: azurite.Emulator, tmp_path: Path, ranks: int
@@ -83,7 +82,6 @@ def test_a_byte_flipped_on_the_way_without_content_md5_fails_verify(
 # -- 2. a receiver's journalled claim is taken for the source's bytes -----------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review i38 #2: a fan-out receiver's claim counts as a source piece")
 def test_a_block_corrupted_before_the_fanout_and_resumed_from_a_receiver_fails_verify(
     emulator: azurite.Emulator, tmp_path: Path
 ) -> None:
@@ -123,7 +121,6 @@ def test_a_block_corrupted_before_the_fanout_and_resumed_from_a_receiver_fails_v
 # -- 3. --verify stream never checks against the source -------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review i38 #3: --verify stream skips the source CRC of streamed files")
 def test_verify_stream_checks_the_streamed_bytes_against_the_source(emulator: azurite.Emulator, tmp_path: Path) -> None:
     """One run, --no-overlap --verify stream, no Content-MD5: a byte of a downloaded block flips on
     its node's disk before the fan-out reads it. The downloader's CRC of that block (right) is in
@@ -157,7 +154,6 @@ def test_verify_disk_catches_a_block_corrupted_before_the_fanout(emulator: azuri
 # -- smaller: the answer checks -------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="review i38 #6: a '-0000' HTTP date is read as local time")
 def test_a_last_modified_in_minus_0000_is_read_as_utc(monkeypatch: pytest.MonkeyPatch) -> None:
     """RFC 5322 dates with ``-0000`` (which email.utils gives as a naive datetime) are read in the
     machine's time zone: off UTC, _check_answer takes the listed blob for "changed" (exit 5)."""
