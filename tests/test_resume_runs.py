@@ -144,6 +144,14 @@ def test_a_run_stopped_halfway_moves_only_what_is_missing(
           f"{moved[0]:.3f} and broadcast {moved[1]:.3f} of the bytes")  # fmt: skip
     assert moved[0] <= 0.6 and moved[1] <= 0.6, moved
     assert doc["resumed_files"] >= 1 and doc["resumed_bytes"] >= 0.9 * sum(held), doc
+    # Every kept block is read back and checked against its CRC (the diff stage) before it is
+    # trusted: that must cost less than downloading what it keeps, at the rerun's own rate.
+    stages = doc["stages"]
+    rate = doc["downloaded_bytes"] / stages["download"]["seconds"]
+    kept_per_node = doc["resumed_bytes"] / RANKS  # the nodes read theirs back at once
+    print(f"the kept blocks checked in {stages['diff']['seconds']:.3f} s (the diff stage); downloading "
+          f"them at the rerun's {rate / 2**20:.0f} MiB/s would take {kept_per_node / rate:.3f} s")  # fmt: skip
+    assert stages["diff"]["seconds"] < kept_per_node / rate, stages
     (diff,) = [line for line in rerun.stdout.splitlines() if line.startswith("[diff]")]
     assert f"{doc['resumed_files']} resumed ({doc['resumed_bytes']} bytes kept)" in diff, diff
     _assert_copies(tmp_path / "d", files)

@@ -208,7 +208,9 @@ class Downloader:
                 elif watch.window >= self.cfg.read_timeout:
                     # A trickle is never quiet for the read timeout: its pace is looked at instead.
                     if too_slow(watch.window_bytes, watch.window):
-                        watch.stalled, watch.cause = True, "slow body"
+                        # Quiet for most of it: a stall after a few bytes, not a trickle.
+                        watch.cause = "timeout" if watch.idle >= watch.window / 2 else "slow body"
+                        watch.stalled = True
                         watch.conn.abort()
                     watch.window, watch.window_bytes = 0.0, 0
 
