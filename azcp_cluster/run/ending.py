@@ -12,11 +12,15 @@ neither.
 
 So the deadline is armed before the abort, in C: a POSIX timer whose expiry runs the C
 library's ``_exit`` with the documented code on a thread of its own (``timer_create`` with
-``SIGEV_THREAD``), needing neither the interpreter's lock nor anything MPI holds. A process
-that leaves without ``MPI_Finalize`` is what the launchers end a job on: hydra's ``mpiexec``
-kills every other rank with SIGKILL (the stopped one too), Open MPI's ``mpirun`` likewise.
-Where such a timer cannot be made (no ``timer_create`` in the C library), a daemon thread
-calls :func:`os._exit` instead, which needs the lock to be free at some point.
+``SIGEV_THREAD``), needing neither the interpreter's lock nor anything MPI holds. Where such
+a timer cannot be made (no ``timer_create`` in the C library), a daemon thread calls
+:func:`os._exit` instead, which needs the lock to be free at some point.
+
+What a rank's own exit ends (cluster box, measured): Open MPI's ``mpirun`` ends the whole job
+when a rank leaves with a non-zero code without ``MPI_Finalize`` (a stopped rank too, in about
+1 s, exit 10); MPICH's hydra does so among the ranks of one host only: across hosts the other
+ranks ran on, so there the rank after it names it (its pulse has stopped) and ends the job
+with an abort of the world, which hydra does carry to every host (``--peer-timeout`` later).
 """
 
 from __future__ import annotations
