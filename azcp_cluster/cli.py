@@ -169,9 +169,12 @@ def _main(argv: Sequence[str] | None, interrupts: Interrupts, mpi: MpiRuntime) -
 
 
 def _unexpected(exc: BaseException, comm: Any, interrupts: Interrupts) -> int:
-    """What no stage agreed on: a signal outside any stage, or a bug. Ends the whole job."""
+    """What no stage agreed on: a signal outside any stage, or a bug. Ends the whole job
+    (:func:`azcp_cluster.run.ending.end_job`: ``MPI_Abort``, then this process's own exit if
+    the abort has not ended it), or returns the exit code where no other rank waits."""
     from azcp_cluster.core.errors import InternalError, Interrupted, exit_code_for
     from azcp_cluster.run.cluster import redact
+    from azcp_cluster.run.ending import end_job
     from azcp_cluster.run.interrupts import signal_error
     from azcp_cluster.run.mpi import launcher_rank
 
@@ -181,19 +184,17 @@ def _unexpected(exc: BaseException, comm: Any, interrupts: Interrupts) -> int:
         # Nothing to agree before MPI is up or alone; otherwise the others may be waiting in
         # a collective, so end the job, with the signal's code.
         stop = exc if isinstance(exc, Interrupted) else interrupts.error(rank) or signal_error(signal.SIGINT, rank)
+        if comm is not None and comm.Get_size() > 1:
+            end_job(comm.Abort, stop.exit_code, stop.one_line())
         if comm is not None or launcher_rank() == 0:
             _say(stop.one_line())
-        if comm is not None and comm.Get_size() > 1:
-            comm.Abort(stop.exit_code)
         return stop.exit_code
     if comm is None:
         raise exc  # a bug before MPI is up: no other rank waits on this one
     # Not agreed (a bug): the others may be waiting in a collective, so end the whole
-    # job rather than hang.
+    # job rather than hang (alone too: the rank's one line and exit code, at once).
     error = InternalError(f"unexpected {type(exc).__name__}: {redact(str(exc))}", rank=rank)
-    _say(error.one_line())
-    comm.Abort(exit_code_for(error))
-    return exit_code_for(error)
+    end_job(comm.Abort, exit_code_for(error), error.one_line())
 
 
 def _say(line: str) -> None:

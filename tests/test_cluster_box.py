@@ -7,22 +7,29 @@ counted on its link, are the dataset's and a little protocol, whatever the numbe
 and a local SOURCE is read by one rank; either way every host ends with the same bytes, and
 the bytes between hosts go over the fabric (counted on its NICs), not shared memory or the
 frontend. Afterwards nothing of the box is left: no process, namespace, link or directory.
-Run under MPICH and Open MPI (scripts/test-openmpi). Needs root (CI has it).
+A rank stopped in the middle of the chain, or its host cut off the fabric, ends the whole job
+(in CI's slow step and the Open MPI step). Run under MPICH and Open MPI (scripts/test-openmpi).
+Needs root (CI has it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from azcp_cluster.core.config import MiB
+from azcp_cluster.core.errors import PeerStoppedError
+from azcp_cluster.core.naming import JOURNAL_DIR, LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX
 from azcp_cluster.devtools import azurite, box
-from azcp_cluster.devtools.box import Box, Link
+from azcp_cluster.devtools.box import Box, Host, Link
 from azcp_cluster.devtools.datasets import pseudo_random
 from tests.conftest import MPI_TIMEOUT, REPO, clean_env, mpi_flavour, mpiexec_path, tree_of
 
@@ -102,6 +109,125 @@ def test_copy_from_a_local_source_goes_over_the_fabric(tmp_path: Path) -> None:
         assert between_hosts >= (HOSTS - 1) * SIZE, (between_hosts, SIZE)
         assert frontend < 1 * MiB, frontend
         assert_every_host_has_it(bx)
+        assert bx.processes() == []
+    assert_nothing_left(bx, tag)
+
+
+PEER_TIMEOUT = 3  # seconds (--peer-timeout) where a rank is stopped or cut off
+ENDED_WITHIN = PEER_TIMEOUT + 10  # seconds from the stop to the launcher's exit (issue 38's bound)
+
+
+def ranks_in_box(bx: Box) -> dict[int, tuple[int, Host]]:
+    """The tool's ranks running in ``bx``: rank -> (pid, host), by the launcher's rank variable."""
+    found: dict[int, tuple[int, Host]] = {}
+    for host in bx.hosts:
+        pids = subprocess.run(["ip", "netns", "pids", host.name], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                if b"azcp_cluster" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    continue
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for var in (b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK="):
+                found.update({int(e[len(var) :]): (int(pid), host) for e in environ if e.startswith(var)})
+    return found
+
+
+def _peer_lines(stderr: str) -> list[str]:
+    # Stripped: Open MPI's launcher may print a rank's line into its own banner, indented.
+    return [line.strip() for line in stderr.splitlines() if line.strip().startswith("azcp-cluster: error [peer]")]
+
+
+@pytest.mark.slow
+@pytest.mark.openmpi
+@pytest.mark.parametrize("how", ["stopped", "cut-off"])
+def test_a_rank_stopped_or_cut_off_in_the_chain_ends_the_job_and_the_rerun_completes(tmp_path: Path, how: str) -> None:
+    # The third host's writer is stopped (SIGSTOP: nothing tells the launcher) or its host's
+    # fabric NIC goes down, while the chain carries a large file through it. Its watcher names
+    # it after --peer-timeout and ends the job: exit 10 within ENDED_WITHIN, every rank gone
+    # on every host, nothing under a final name that is not complete; the rerun completes.
+    files = {**FILES, "big.bin": pseudo_random(96 * MiB, "big")}
+    source = tmp_path / "src"
+    for name, data in files.items():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_bytes(data)
+    flavour = mpi_flavour()
+    with Box(HOSTS, front=FRONT, fabric=FABRIC) as bx:
+        tag = bx.tag
+        argv = [sys.executable, "-m", "azcp_cluster", str(source), bx.dest_template, "--no-progress",
+                "--fanout", "chain", "--bcast-chunk", "1MiB", "--peer-timeout", str(PEER_TIMEOUT)]  # fmt: skip
+        cmd = bx.mpiexec(mpiexec_path(), flavour, argv, per_host=PER_HOST)
+        victim_host = bx.hosts[2]
+        link = f"{bx.tag}b2"  # the third host's fabric veth, bridge side
+        proc = subprocess.Popen(cmd, env=clean_env(bx.env(flavour)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=REPO)  # fmt: skip
+        try:
+            # The broadcast starts right after the third host's temporary file for big.bin is made.
+            marker = bx.dest_of(victim_host) / f".big.bin{TEMP_SUFFIX}"
+            deadline = time.monotonic() + 60
+            ranks: dict[int, tuple[int, Host]] = {}
+            while proc.poll() is None and time.monotonic() < deadline:
+                ranks = ranks_in_box(bx)
+                if len(ranks) == HOSTS * PER_HOST and marker.exists():
+                    break
+                time.sleep(0.01)
+            time.sleep(0.3)  # into the chain: 96 MiB take about 2 s at 400 Mbit/s
+            assert proc.poll() is None, "the run ended before the chain could be hit"
+            on_victim = sorted(rank for rank, (_, host) in ranks.items() if host == victim_host)
+            victim = on_victim[0]  # the host's writer: its leader, in the chain
+            if how == "stopped":
+                os.kill(ranks[victim][0], signal.SIGSTOP)
+            else:
+                subprocess.run(["ip", "link", "set", link, "down"], check=True, timeout=30)
+            hit = time.monotonic()
+            # A cut-off host's ranks hear of the end from nobody: each ends itself once its own
+            # watcher has named the rank before and the abort has had its grace.
+            left: list[int] | None = None
+            ended_after = gone_after = float("inf")
+            while time.monotonic() - hit < ENDED_WITHIN and (proc.poll() is None or left != []):
+                left = [pid for pid, _ in ranks_in_box(bx).values()]
+                now = time.monotonic() - hit
+                gone_after = now if not left and gone_after == float("inf") else gone_after
+                ended_after = now if proc.poll() is not None and ended_after == float("inf") else ended_after
+                time.sleep(0.05)
+            waiting = proc.poll() is None  # the launcher, past the bound
+            subprocess.run(["ip", "link", "set", link, "up"], check=False, timeout=30)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=60)
+            relinked_after = time.monotonic() - hit
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            subprocess.run(["ip", "link", "set", link, "up"], check=False, timeout=30)
+        err = proc.communicate(timeout=60)[1]
+        launcher = f"{relinked_after:.1f} s (once the link was back up)" if waiting else f"{ended_after:.1f} s"
+        print(f"{flavour} {how}: ranks gone after {gone_after:.1f} s, launcher exit {proc.returncode} after {launcher}")
+        assert left == [], f"ranks left running {gone_after:.1f} s after: {left}\n{err[-3000:]}"
+        assert proc.returncode == PeerStoppedError.exit_code, err[-3000:]
+        if flavour == "openmpi" and how == "cut-off":
+            # Open MPI's launcher waits for the cut-off host's daemon (its TCP connection never
+            # says the host is gone); every rank has ended, and it exits once the link is back.
+            assert relinked_after <= ENDED_WITHIN + 30, relinked_after
+        else:
+            assert not waiting and ended_after <= ENDED_WITHIN, f"{ended_after:.1f} s\n{err[-3000:]}"
+        named = _peer_lines(err)
+        if how == "stopped":
+            assert len(named) == 1 and f"rank {victim}: sent nothing" in named[0], err
+        else:  # the cut-off host's own lines cannot leave it; another host's watcher names one of its ranks
+            assert any(f"rank {rank}: sent nothing" in line for line in named for rank in on_victim), err
+        for host in bx.hosts:  # what stands under a final name is complete
+            for path in bx.dest_of(host).rglob("*"):
+                rel = path.relative_to(bx.dest_of(host))
+                own = rel.name in (MANIFEST_NAME, LOCK_NAME) or rel.name.endswith(TEMP_SUFFIX)
+                own = own or JOURNAL_DIR in rel.parts  # the tool's, not a copy
+                if path.is_file() and not own:
+                    assert path.read_bytes() == files[rel.as_posix()], f"{host.name}: {rel} is under its final name"
+        rerun = subprocess.run(cmd, env=clean_env(bx.env(flavour)), capture_output=True, text=True,
+                               timeout=MPI_TIMEOUT, cwd=REPO)  # fmt: skip
+        assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+        for host in bx.hosts:
+            assert tree_of(bx.dest_of(host)) == files, host.name
         assert bx.processes() == []
     assert_nothing_left(bx, tag)
 

@@ -8,9 +8,13 @@ calls release the interpreter's lock, so the pulse never waits on the work. A pr
 stops (SIGSTOP, a debugger, a frozen node) stops its pulse thread too: that is what is seen.
 
 When the rank before has been silent for the timeout, the watcher prints one line naming it and
-calls ``MPI_Abort`` with exit code 10 (:class:`azcp_cluster.core.errors.PeerStoppedError`): the
-launcher then ends every rank, the stopped one too (SIGKILL ends a stopped process). Nothing
-has been renamed before every rank agreed on every byte, so a rerun finishes the copy.
+ends the job with exit code 10 (:class:`azcp_cluster.core.errors.PeerStoppedError`) through
+:func:`azcp_cluster.run.ending.end_job`: ``MPI_Abort`` on the run's communicator (not the pulse's
+duplicate: MPICH aborts another communicator than the world by sending to each of its ranks and
+waiting, for ever with one stopped), and this process's own exit if that has not ended it
+within :data:`~azcp_cluster.run.ending.ABORT_GRACE`. The launcher then ends every rank, the
+stopped one too (SIGKILL ends a stopped process). Nothing has been renamed before every rank
+agreed on every byte, so a rerun finishes the copy.
 
 Only under an MPI started with ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it; a host program of
 the Python API may not have): otherwise there is no pulse, as with a timeout of 0.
@@ -19,7 +23,6 @@ the Python API may not have): otherwise there is no pulse, as with a timeout of 
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +32,7 @@ import numpy as np
 
 from azcp_cluster.core.errors import PeerStoppedError
 from azcp_cluster.core.pulse import Pulse
+from azcp_cluster.run.ending import end_job
 from azcp_cluster.run.mpi import threads_allowed
 
 _PULSE_TAG = 7072
@@ -38,17 +42,16 @@ END_TICK = 0.005  # seconds between looks once this rank has ended (the run wait
 
 
 def abort_job(comm: Any, error: PeerStoppedError) -> None:
-    """Say ``error``'s one line and end every rank of ``comm`` with its exit code."""
-    sys.stderr.write(error.one_line() + "\n")
-    sys.stderr.flush()
-    comm.Abort(error.exit_code)
+    """Say ``error``'s one line and end every rank of ``comm`` with its exit code (never returns)."""
+    end_job(comm.Abort, error.exit_code, error.one_line())
 
 
 class Liveness:
     """This rank's pulse to the next rank and its watch over the one before (a daemon thread).
 
     Collective: every rank of ``comm`` creates it at the same point (it duplicates ``comm``),
-    and every rank calls :meth:`stop` at the end of its run.
+    and every rank calls :meth:`stop` at the end of its run. ``on_stopped`` gets ``comm`` itself
+    (the one to abort) and the error naming the silent rank.
     """
 
     def __init__(
@@ -59,7 +62,8 @@ class Liveness:
         clock: Callable[[], float] = time.monotonic,
         on_stopped: Callable[[Any, PeerStoppedError], None] = abort_job,
     ) -> None:
-        self.comm = comm.Dup()
+        self.job = comm  # what a stop ends
+        self.comm = comm.Dup()  # the pulses' own
         self.rank: int = self.comm.Get_rank()
         size: int = self.comm.Get_size()
         self.after = (self.rank + 1) % size
@@ -123,7 +127,7 @@ class Liveness:
                 if not pulse.heard_end:  # nothing is left posted (where on_stopped does not end the process)
                     receive.Cancel()
                     receive.Wait()
-                self.on_stopped(comm, PeerStoppedError(why, rank=self.before))
+                self.on_stopped(self.job, PeerStoppedError(why, rank=self.before))
                 return
             if self._ending.is_set():  # ending: the others end at about the same time
                 time.sleep(min(pulse.tick, END_TICK))

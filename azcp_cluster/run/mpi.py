@@ -61,7 +61,8 @@ class MpiRuntime:
         The process must then leave through the C library's ``exit`` (Python's normal exit
         does): MPICH tells its ``mpiexec`` that a rank is done from an ``atexit`` hook, and
         ``mpiexec`` kills every other rank with SIGKILL when one leaves without it
-        (``os._exit``), whatever its exit code.
+        (``os._exit``), whatever its exit code (the ranks of that host: across hosts, hydra
+        ends the job on an abort or a rank killed by a signal, not on such an exit).
         """
         if not self.started:
             return
