@@ -285,13 +285,17 @@ def test_a_weak_etag_ties_no_block_to_its_file(dest: DestTree) -> None:
     assert journal.load(_reopen(dest), weak, [0], ORIGIN) == {}
 
 
-def test_a_journal_of_the_second_version_claims_nothing(dest: DestTree, capsys: pytest.CaptureFixture[str]) -> None:
-    """Version 2 ranges had no CRC: nothing to check a kept range against, so nothing is kept."""
+@pytest.mark.parametrize("version", [b"AZCPJNL2", b"AZCPJNL3"])
+def test_a_journal_of_an_earlier_version_claims_nothing(
+    dest: DestTree, capsys: pytest.CaptureFixture[str], version: bytes
+) -> None:
+    """Version 2 ranges had no CRC (nothing to check a kept range against), version 3 no source
+    flag and a shorter record: nothing of either is kept, with one warning."""
     run = _running(dest)
     written(run, 0, 0, MiB)
     run.close()
     journal_file = Path(dest.real) / JOURNAL_DIR / "rank-0"
-    journal_file.write_bytes(b"AZCPJNL2" + journal_file.read_bytes()[len(resume.MAGIC) :])
+    journal_file.write_bytes(version + journal_file.read_bytes()[len(resume.MAGIC) :])
     assert journal.load(_reopen(dest), FILES, [0], ORIGIN) == {}
     assert "another version of the tool" in capsys.readouterr().err
 

@@ -75,10 +75,13 @@ def disagree(size: int, pieces: Iterable[tuple[int, int, int]]) -> bool:
     """Whether ``pieces`` of a file of ``size`` bytes give two CRCs for the same bytes: two
     pieces of one range, or two runs from the file's start that meet with different CRCs."""
     pieces = list(pieces)
+    return _twice(pieces) or _walk(size, pieces)[1]
+
+
+def _twice(pieces: Sequence[tuple[int, int, int]]) -> bool:
+    """Whether two pieces of one range have different CRCs."""
     seen: dict[tuple[int, int], int] = {}
-    if any(seen.setdefault((offset, length), crc) != crc for offset, length, crc in pieces):
-        return True
-    return _walk(size, pieces)[1]
+    return any(seen.setdefault((offset, length), crc) != crc for offset, length, crc in pieces)
 
 
 def _walk(size: int, pieces: list[tuple[int, int, int]]) -> tuple[int | None, bool]:
@@ -134,7 +137,7 @@ def expected(sizes: Sequence[int], pieces: Iterable[tuple[int, int, int, int]]) 
     for file, found in by_file.items():
         if 0 <= file < len(sizes):
             composed, clash = _walk(sizes[file], found)
-            if clash or (len(found) > 1 and disagree(sizes[file], found)):
+            if clash or (len(found) > 1 and _twice(found)):
                 conflicting.add(file)
             elif composed is not None:
                 out[file] = composed

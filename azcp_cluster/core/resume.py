@@ -36,10 +36,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from itertools import pairwise
 from typing import NamedTuple
 
-# Version 3: each range carries the CRC-32C of its bytes. Version 2 ranges had none (nothing to
-# check a kept range against) and version 1 journals were written by builds whose fan-out
-# receivers could record a failed root's unfilled slot (zeros) as kept; they claim nothing.
-MAGIC = b"AZCPJNL3"
+# Version 4: each range carries the CRC-32C of its bytes and whether they came from the source
+# on that node. Version 3 ranges (builds during issue 38's work) had the CRC alone, version 2
+# none (nothing to check a kept range against), and version 1 journals were written by builds
+# whose fan-out receivers could record a failed root's unfilled slot (zeros) as kept; all claim
+# nothing (journal.py warns once: another version of the tool).
+MAGIC = b"AZCPJNL4"
 # Held ranges start and end on multiples of this (but for a file's end): the alignment of
 # the plan's shard boundaries (plan.SHARD_ALIGN), so a missing range is a shard's range.
 RESUME_ALIGN = 4096

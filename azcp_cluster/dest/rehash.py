@@ -38,19 +38,23 @@ def check_all(tree: DestTree, jobs: Sequence[tuple[str, int, Sequence[Claim]]]) 
     whose bytes still match (:func:`checked`), CHECK_THREADS files at once; interrupted (a
     signal, an error), the files not started yet are dropped."""
     pool = ThreadPoolExecutor(max_workers=CHECK_THREADS, thread_name_prefix="azcp-rehash", initializer=shield)
+    stop = threading.Event()  # the files being read stop at their next piece
     try:
-        return list(pool.map(lambda job: checked(tree, *job), jobs))
+        return list(pool.map(lambda job: checked(tree, job[0], job[1], job[2], stop), jobs))
     except BaseException:
+        stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     finally:
         pool.shutdown(wait=True)
 
 
-def checked(tree: DestTree, rel: str, ident: int, found: Sequence[Claim]) -> list[Claim]:
+def checked(
+    tree: DestTree, rel: str, ident: int, found: Sequence[Claim], stop: threading.Event | None = None
+) -> list[Claim]:
     """The claims on ``rel``'s temporary file (the one of identity ``ident``) whose bytes, read
     back now, still have the recorded CRC-32C, in offset order. None is kept if the file cannot
-    be read or is not that file any more."""
+    be read or is not that file any more, or once ``stop`` is set (a signal: nothing is kept)."""
     head, _, base = rel.rpartition("/")
 
     def opener(flags: int) -> int:
@@ -71,6 +75,8 @@ def checked(tree: DestTree, rel: str, ident: int, found: Sequence[Claim]) -> lis
         for claim in sorted(set(found)):
             crc, offset, end = 0, claim.offset, claim.offset + claim.length
             while offset < end:
+                if stop is not None and stop.is_set():
+                    return []
                 want = min(CHECK_CHUNK, end - offset)
                 got = reader.read_at(buf, want, offset)
                 crc = crc32c(memoryview(buf[:got]), crc)  # type: ignore[arg-type]

@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import numpy as np
-from crc32c import crc32c
 
 from azcp_cluster.azure.credentials import Authorizer
 from azcp_cluster.azure.netfailure import network_cause
@@ -291,8 +290,10 @@ class Downloader:
         if entry.etag:
             headers["If-Match"] = entry.etag
         # Over plain HTTP nothing vouches for a body's bytes: where the service can, it sends the
-        # range's MD5 (answers.RANGE_MD5_LIMIT), and the body is checked before a block lands.
-        md5_asked = self._tls is None and end - start <= RANGE_MD5_LIMIT
+        # range's MD5 (answers.RANGE_MD5_LIMIT), and the body is checked before a block lands. Not
+        # for a whole blob: the service then gives the blob's stored Content-MD5 property, which
+        # may be stale (Put Page, Append Block) and is --verify's to check, not the download's.
+        md5_asked = self._tls is None and end - start <= RANGE_MD5_LIMIT and (start, end) != (0, entry.size)
         if md5_asked:
             headers["x-ms-range-get-content-md5"] = "true"
         headers.update(self.auth.headers())
@@ -457,12 +458,13 @@ class Downloader:
                     assert slot is not None
                     await _pace(pacer.delay(slot, at + end))
                 try:
-                    got += await conn.read_into(view[got:end])
+                    n, crc = await conn.read_into_crc(view[got:end], crc)  # hashed as each read lands
                 except OSError:
                     raise Retryable("truncated body") from None
+                got += n
             if body is not None:
                 body.md5.update(view[:want])
-            return buf, crc32c(view[:want], crc)  # 0.04 s of a core per GiB; the GIL released
+            return buf, crc
         except BaseException:
             writes.give_back(buf)
             raise
@@ -481,13 +483,13 @@ class Downloader:
         before it (``before``) has landed: progress, journal, streaming notice (the landing sink)."""
         if before is not None:
             await before
-        if gate is not None:  # the body's MD5 (answers.BodyCheck): none of it lands before it matched
-            await gate
         await unit.done
-        if isinstance(unit.error, OSError):
+        if isinstance(unit.error, OSError):  # a failed write first: never hidden behind a retry
             raise fs_error(unit.error, path, "write")
         if unit.error is not None:
             raise unit.error
+        if gate is not None:  # the body's MD5 (answers.BodyCheck): none of it lands before it matched
+            await gate
         landed.append(block)
         self.stats.bytes += block.length
         self.sink.add_bytes(block.length)

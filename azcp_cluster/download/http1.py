@@ -26,6 +26,8 @@ from collections import deque
 from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
+from crc32c import crc32c
+
 from azcp_cluster.azure.netfailure import network_cause
 from azcp_cluster.download.httpwire import HEAD_END, HEAD_LIMIT, Head, ProtocolError, connect_bytes, parse_head
 
@@ -92,6 +94,10 @@ class Connection(asyncio.BufferedProtocol):
         self._stage: bytearray | None = None  # the chunk get_buffer handed out for staging
         self._sink: memoryview | None = None  # the caller's buffer, while read_into waits
         self._filled = 0
+        # read_into_crc: the CRC-32C of the bytes handed over, taken as each socket read lands
+        # in the caller's buffer, while it is still in the CPU's cache (hashed later from
+        # memory, a 2 MiB buffer cost about twice as much: 0.08 to 0.1 s of a core per GiB here).
+        self._crc: int | None = None
         self._remaining = -1  # body bytes still to come from the socket; -1 until the head is parsed
         self._waiter: asyncio.Future[None] | None = None
         self._reusable = False
@@ -208,6 +214,8 @@ class Connection(asyncio.BufferedProtocol):
             chunk = self._staged[0]
             take = min(len(chunk), len(buf) - filled)
             buf[filled : filled + take] = chunk[:take]
+            if self._crc is not None:
+                self._crc = crc32c(chunk[:take], self._crc)
             filled += take
             self._staged_bytes -= take
             if take == len(chunk):
@@ -225,6 +233,15 @@ class Connection(asyncio.BufferedProtocol):
         finally:
             self._sink = None
             self._finish_if_done()
+
+    async def read_into_crc(self, buf: memoryview, crc: int) -> tuple[int, int]:
+        """:meth:`read_into`, and ``crc`` carried on over the bytes it handed over (CRC-32C)."""
+        self._crc = crc
+        try:
+            got = await self.read_into(buf)
+            return got, self._crc
+        finally:
+            self._crc = None
 
     def trickle(self) -> None:
         """Hand over the body's bytes as they come, however few (a slow body; see RECV_LOW_WATER).
@@ -274,6 +291,9 @@ class Connection(asyncio.BufferedProtocol):
         if self._state == self.BODY:
             stage, self._stage = self._stage, None
             if stage is None:  # into the caller's buffer
+                if self._crc is not None:
+                    assert self._sink is not None
+                    self._crc = crc32c(self._sink[self._filled : self._filled + nbytes], self._crc)
                 self._filled += nbytes
                 self._remaining -= nbytes
                 self.received += nbytes
