@@ -197,3 +197,33 @@ def test_a_tls_terminating_hop_that_flips_a_byte_fails_verify(emulator: azurite.
     assert hop.flipped == 1, result.output
     wrong = tree_of(tmp_path / "0").get("a.bin") != files["a.bin"]
     assert not (result.returncode == 0 and wrong), f"exit 0 with wrong bytes\n{result.output}"
+
+
+def test_a_verified_rerun_at_another_block_size_from_two_nodes_source_claims(
+    emulator: azurite.Emulator, tmp_path: Path
+) -> None:
+    """Sound today (control for core.crc.disagree's false positives): run 1 (--no-overlap, 1 MiB
+    blocks) stopped by SIGTERM between the download and the fan-out, each node holding only the
+    blocks it downloaded (source claims); the rerun with --verify at 3 MiB blocks keeps both
+    nodes' claims, sends each to the other, composes the source CRC from both: exit 0, nothing
+    flagged as disagreeing, every copy right."""
+    sizes = {"a.bin": 7 * MiB + 5, "b.bin": 5 * MiB}
+    container, files = _no_md5_dataset(emulator, sizes)
+    base = tmp_path / "d"
+    program = [str(Path(__file__).parent / "programs" / "signal_at.py")]
+    env = {
+        **emulator.key_env(),
+        "AZCP_SIGNAL_AT": "azcp_cluster.stages.transfer:fan_out",
+        "AZCP_SIGNAL_WHEN": "before",
+        "AZCP_SIGNAL": "TERM",
+    }
+    opts = ["--no-overlap", "--no-progress", "--shard-size", "1MiB"]
+    first = run_cli([emulator.url(container, "d"), str(base / "{rank}"), *opts, "--block-size", "1MiB"], n=2,
+                    env=env, program=program)  # fmt: skip
+    assert first.returncode != 0, first.output
+    rerun = run_cli([emulator.url(container, "d"), str(base / "{rank}"), "--no-progress", "--verify",
+                     "--block-size", "3MiB"], n=2, env=emulator.key_env(), json_path=tmp_path / "r.json")  # fmt: skip
+    assert rerun.returncode == 0, rerun.output
+    assert rerun.json is not None and rerun.json["resumed_files"] >= 1, rerun.output
+    for rank in range(2):
+        assert tree_of(base / str(rank)) == files, f"node {rank}"
