@@ -350,3 +350,23 @@ def test_a_turn_comes_by_time_whatever_was_written(dest: DestTree) -> None:
         assert journal.load(_reopen(dest), FILES, [0], ORIGIN)[0].spans == ((0, 4096),)
     finally:
         run.close()
+
+
+def test_the_read_back_of_kept_blocks_stops_at_once_when_told(dest: DestTree) -> None:
+    """A signal during the diff stage's read-back (rehash.check_all sets the event as the error
+    goes by): a file being read stops at its next piece and keeps nothing."""
+    import threading
+
+    from azcp_cluster.dest import rehash
+
+    run = _running(dest)
+    _write(dest, "a.bin", 0, os.urandom(4 * MiB))
+    written(run, 0, 0, 4 * MiB)
+    run.close()
+    ident = dest.made["a.bin"]
+    (claims,) = [c for r in journal._read_all(dest) for c in [r] if c]
+    found = [resume.Claim(x.offset, x.length, x.crc, x.source) for x in claims if isinstance(x, resume.Range)]
+    assert rehash.checked(dest, "a.bin", ident, found) == found
+    stop = threading.Event()
+    stop.set()
+    assert rehash.checked(dest, "a.bin", ident, found, stop) == []
