@@ -139,12 +139,16 @@ def _main(argv: Sequence[str] | None, interrupts: Interrupts, mpi: MpiRuntime) -
                     from azcp_cluster.run.report import Report, write_json_report
 
                     write_json_report(Report(exit_code=exc.exit_code, error=exc.one_line()), json_path)
+            else:
+                _let_rank_0_speak()
             return exc.exit_code
         comm = mpi.comm()
         mismatch = launcher_mismatch(os.environ, comm.Get_size(), library_version)
         if mismatch is not None:
             # Every task is rank 0 of a world of its own: the launcher's rank 0 speaks.
-            if launcher_rank() == 0:
+            if launcher_rank() != 0:
+                _let_rank_0_speak()
+            else:
                 _say(mismatch.one_line())
                 if cfg.json_path:
                     from azcp_cluster.run.report import Report, write_json_report
@@ -195,6 +199,22 @@ def _unexpected(exc: BaseException, comm: Any, interrupts: Interrupts) -> int:
     # job rather than hang (alone too: the rank's one line and exit code, at once).
     error = InternalError(f"unexpected {type(exc).__name__}: {redact(str(exc))}", rank=rank)
     end_job(comm.Abort, exit_code_for(error), error.one_line())
+
+
+# How long a rank other than 0 waits before it leaves with an error only rank 0 says: Open MPI's
+# launcher ends the whole job as soon as one rank exits non-zero, and took rank 0 with it before
+# it had printed the line (seen in the Open MPI suite, an option refused before MPI starts).
+SPEAK_GRACE = 1.5
+
+
+def _let_rank_0_speak() -> None:
+    """Wait :data:`SPEAK_GRACE` seconds (a rank other than 0, leaving with rank 0's error) under a
+    launcher that ends the job at a rank's non-zero exit: Open MPI's, and Slurm's (srun with
+    KillOnBadExit). MPICH's waits for every rank anyway: no wait there."""
+    import time
+
+    if "OMPI_COMM_WORLD_RANK" in os.environ or "SLURM_PROCID" in os.environ:
+        time.sleep(SPEAK_GRACE)
 
 
 def _say(line: str) -> None:

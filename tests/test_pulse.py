@@ -163,3 +163,47 @@ def test_no_pulse_for_one_rank_no_timeout_or_no_threads() -> None:
 
     assert liveness.start(MPI.COMM_SELF, 30.0) is None  # one rank: nobody to watch
     assert liveness.start(MPI.COMM_WORLD, None) is None
+
+
+def test_a_rank_whose_before_is_ending_the_job_names_nobody() -> None:
+    """The rank before named its own before and is ending the job: the silence that follows is
+    that ending, and the one line is its to say (Open MPI in the box printed two, the second
+    naming the rank that was ending the job)."""
+    pulse = Pulse(5.0, 0.0)
+    pulse.heard(1.0, last=False, naming=True)
+    assert pulse.named_before and not pulse.heard_end and not pulse.stopped(5.9) and pulse.stopped(6.0)
+    pulse.heard(7.0, last=False)
+    assert pulse.named_before  # once said, it stands
+
+
+class _Naming(liveness.Liveness):
+    """A rank whose only message is the word that it is ending the job (to itself: COMM_SELF)."""
+
+    def _send(self, last: bool) -> Any:
+        from mpi4py import MPI
+
+        if self.pulse.last_sent is None:
+            return self.comm.Isend(liveness._NAMING, dest=self.after, tag=liveness._PULSE_TAG)
+        return MPI.REQUEST_NULL
+
+
+def test_the_watcher_of_a_rank_that_was_ending_the_job_ends_quietly() -> None:
+    from mpi4py import MPI
+
+    seen: list[PeerStoppedError] = []
+    named = threading.Event()
+
+    def on_stopped(comm: Any, error: PeerStoppedError) -> None:
+        seen.append(error)
+        named.set()
+
+    quiet = _Naming(MPI.COMM_SELF, 1.0, on_stopped=on_stopped)
+    assert named.wait(5)
+    quiet._thread.join(5)
+    (error,) = seen
+    assert error.quiet and error.exit_code == 10 and quiet.pulse.named_before
+    quiet.comm.Free()
+    loud = _Mute(MPI.COMM_SELF, 1.0, on_stopped=lambda comm, error: seen.append(error))
+    loud._thread.join(5)
+    assert not seen[-1].quiet  # no word from the rank before: this watcher's line is the one
+    loud.comm.Free()

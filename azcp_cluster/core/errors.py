@@ -135,6 +135,9 @@ class PeerStoppedError(AzcpError):
 
     exit_code = 10
     stage = "peer"
+    # Seen by a rank whose rank before was already ending the job for a rank it named: this
+    # rank ends quietly, so the job says one line (the first watcher's), not one per watcher.
+    quiet = False
 
 
 class Interrupted(AzcpError):

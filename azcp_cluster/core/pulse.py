@@ -33,6 +33,9 @@ class Pulse:
     last_heard: float | None = None
     ending_since: float | None = None  # when this rank sent its last pulse
     heard_end: bool = False  # the rank before has sent its last pulse
+    # The rank before named its own before as stopped and is ending the job: its silence that
+    # follows is that ending, and the one line saying why is its (not this rank's) to say.
+    named_before: bool = False
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -62,10 +65,11 @@ class Pulse:
         """This rank sent its last pulse at ``now``."""
         self.ending_since = now
 
-    def heard(self, now: float, last: bool) -> None:
-        """The rank before's pulse came at ``now``; ``last``: its last one."""
+    def heard(self, now: float, last: bool, naming: bool = False) -> None:
+        """The rank before's pulse came at ``now``; ``last``: its last one; ``naming``: it is ending the job."""
         self.last_heard = now
         self.heard_end = self.heard_end or last
+        self.named_before = self.named_before or naming
 
     def silent_for(self, now: float) -> float:
         """Seconds since the rank before was last heard (since the watch began, before its first pulse)."""

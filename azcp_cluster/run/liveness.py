@@ -38,12 +38,16 @@ from azcp_cluster.run.mpi import threads_allowed
 _PULSE_TAG = 7072
 _BEAT = np.zeros(1, dtype=np.uint8)  # a pulse
 _LAST = np.ones(1, dtype=np.uint8)  # the last pulse: this rank has ended
+_NAMING = np.full(1, 2, dtype=np.uint8)  # this rank named the one before it and is ending the job
+# How long a watcher that names a rank waits for the next rank to take its word, before it ends
+# the job: the next rank's watcher would otherwise see this rank fall silent and name it too.
+NAMING_WAIT = 0.5
 END_TICK = 0.005  # seconds between looks once this rank has ended (the run waits on them)
 
 
 def abort_job(comm: Any, error: PeerStoppedError) -> None:
     """Say ``error``'s one line and end every rank of ``comm`` with its exit code (never returns)."""
-    end_job(comm.Abort, error.exit_code, error.one_line())
+    end_job(comm.Abort, error.exit_code, "" if error.quiet else error.one_line())
 
 
 class Liveness:
@@ -113,7 +117,8 @@ class Liveness:
                 sends.append(self._send(last=False))
                 pulse.sent(now)
             while not pulse.heard_end and receive.Test():
-                pulse.heard(now, last=bool(inbox[0]))
+                value = int(inbox[0])
+                pulse.heard(now, last=value == 1, naming=value == 2)
                 if not pulse.heard_end:
                     receive = comm.Irecv(inbox, source=self.before, tag=_PULSE_TAG)
             sends = [request for request in sends if not request.Test()]
@@ -127,12 +132,25 @@ class Liveness:
                 if not pulse.heard_end:  # nothing is left posted (where on_stopped does not end the process)
                     receive.Cancel()
                     receive.Wait()
-                self.on_stopped(self.job, PeerStoppedError(why, rank=self.before))
+                error = PeerStoppedError(why, rank=self.before)
+                error.quiet = pulse.named_before  # the rank before is ending the job: its line is the one
+                self._tell_next()
+                self.on_stopped(self.job, error)
                 return
             if self._ending.is_set():  # ending: the others end at about the same time
                 time.sleep(min(pulse.tick, END_TICK))
             else:
                 self._ending.wait(pulse.tick)
+
+    def _tell_next(self) -> None:
+        """Tell the next rank that this one is ending the job (so its watcher names nobody for the
+        silence that follows), waiting at most NAMING_WAIT for the word to leave."""
+        if self.after == self.rank:
+            return
+        request = self.comm.Isend(_NAMING, dest=self.after, tag=_PULSE_TAG)
+        deadline = self.clock() + NAMING_WAIT
+        while not request.Test() and self.clock() < deadline:
+            time.sleep(END_TICK)
 
 
 def start(comm: Any, timeout: float | None) -> Liveness | None:
