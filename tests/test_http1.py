@@ -482,3 +482,55 @@ def test_network_failures_are_named_in_plain_words() -> None:
         "acct.blob.core.windows.net:443",
         "127.0.0.1:10000",
     )
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_the_crc_of_a_body_taken_as_it_lands_is_the_crc_of_its_bytes(tls: bool, tmp_path: Path) -> None:
+    """read_into_crc: some of the body with the head (staged), the rest in pieces of every size
+    around the CRC's step, read into buffers of several sizes: the CRC carried over all of them
+    is the body's, whatever the cuts (the journal and --verify trust it)."""
+    import os
+
+    from crc32c import crc32c
+
+    from azcp_cluster.download.http1 import CRC_STEP
+
+    body = os.urandom(3 * CRC_STEP + 12345)
+    cuts = [1000, CRC_STEP - 1, 1, CRC_STEP + 7, 65536]
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(f"HTTP/1.1 206 Partial Content\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:500])
+        at = 500
+        for cut in [*cuts, len(body)]:
+            writer.write(body[at : at + cut])
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            at += cut
+            if at >= len(body):
+                break
+        await reader.read()
+
+    server_tls = client_tls = None
+    if tls:
+        from azcp_cluster.devtools.certs import make_certificate
+
+        cert, key = make_certificate(tmp_path)
+        server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_tls.load_cert_chain(cert, key)
+        client_tls = ssl.create_default_context(cafile=str(cert))
+
+    async def client(url: str) -> None:
+        conn = await Connection.open(url, client_tls)
+        await conn.request(request_bytes(url, {}))
+        out = bytearray(len(body))
+        view, got, crc = memoryview(out), 0, 0
+        for size in (300, CRC_STEP + 1, 2 * CRC_STEP, len(body)):
+            n, crc = await conn.read_into_crc(view[got : min(len(body), got + size)], crc)
+            got += n
+            if got == len(body):
+                break
+        assert bytes(out) == body and crc == crc32c(body)
+        conn.close()
+
+    _run(script, client, server_tls)
