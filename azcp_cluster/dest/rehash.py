@@ -6,7 +6,7 @@ extent from its slot). A sector that flipped on the disk since, another writer, 
 in error: its CRC no longer matches, and it is fetched again instead of trusted and sent on to
 the other nodes (issue 38). The reads are O_DIRECT where the filesystem allows (the disk's
 bytes, not the page cache's), CHECK_THREADS files at once, each in CHECK_CHUNK pieces (the
-reads and crc32c release the GIL): about 0.04 s of a core per GiB besides the reads.
+reads and crc32c release the GIL): 0.04 to 0.1 s of a core per GiB besides the reads.
 """
 
 from __future__ import annotations

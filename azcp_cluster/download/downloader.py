@@ -33,7 +33,7 @@ from azcp_cluster.core.blocks import Block, requests_for
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import AzcpError, DownloadError
 from azcp_cluster.core.model import FileEntry
-from azcp_cluster.core.retry import RETRYABLE_STATUS, backoff_delay, too_slow
+from azcp_cluster.core.retry import RETRYABLE_STATUS, backoff_delay
 from azcp_cluster.core.source import API_VERSION
 from azcp_cluster.core.throttle import Pacer, Slot
 from azcp_cluster.dest.desttree import DestTree
@@ -41,8 +41,9 @@ from azcp_cluster.dest.localfs import fs_error
 from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.download.answers import RANGE_MD5_LIMIT, BodyCheck, Retryable, check_answer, error_for
 from azcp_cluster.download.fetcher import DownloadStats, LandingSink
-from azcp_cluster.download.http1 import BodyWatch, ConnectFailed, Connection, Link, TunnelRefused
+from azcp_cluster.download.http1 import ConnectFailed, Connection, Link, TunnelRefused
 from azcp_cluster.download.httpwire import Head, ProtocolError, request_bytes
+from azcp_cluster.download.watchdog import BodyWatch
 from azcp_cluster.download.writepool import WRITER_THREADS, BlockWrites, Both, UnitWrites, WritePool
 from azcp_cluster.run import collector
 
@@ -94,6 +95,9 @@ class Downloader:
         # Told of each block once all its bytes are written: the progress bar, the journal,
         # streaming (its transfer may then go out).
         self.sink = sink if sink is not None else LandingSink()
+        # Each block's CRC-32C (0.07 to 0.1 s of a core per GiB here) only for whom it is: the
+        # journal, --verify's source pieces, a worker's rank (which tells its own sink).
+        self._hashing = any(x is not None for x in (self.sink.journal, self.sink.hashes, self.sink.report))
         self.rng = rng or random.Random()
         self.stats = DownloadStats()
         self._active: set[BodyWatch] = set()
@@ -185,33 +189,7 @@ class Downloader:
                     else:
                         self._grow()
             for watch in list(self._active):
-                received = watch.conn.received
-                if not watch.conn.awaiting_body:  # waiting for a buffer or the disk: not a stall
-                    watch.seen, watch.idle = received, 0.0
-                    continue
-                watch.window += PEER_POLL_SECONDS
-                watch.window_bytes += received - watch.seen
-                if received != watch.seen:
-                    watch.seen, watch.idle = received, 0.0
-                else:
-                    # Bytes under the socket's low-water mark are not seen: from the first quiet
-                    # tick on, this body's bytes are taken as they come (a slow server is not a
-                    # stalled one).
-                    watch.conn.trickle()
-                    watch.idle += PEER_POLL_SECONDS
-                if watch.stalled:
-                    continue
-                if watch.idle >= self.cfg.read_timeout:
-                    watch.stalled = True
-                    watch.conn.abort()  # the pending read fails and the block is retried
-                elif watch.window >= self.cfg.read_timeout:
-                    # A trickle is never quiet for the read timeout: its pace is looked at instead.
-                    if too_slow(watch.window_bytes, watch.window):
-                        # Quiet for most of it: a stall after a few bytes, not a trickle.
-                        watch.cause = "timeout" if watch.idle >= watch.window / 2 else "slow body"
-                        watch.stalled = True
-                        watch.conn.abort()
-                    watch.window, watch.window_bytes = 0.0, 0
+                watch.look(PEER_POLL_SECONDS, self.cfg.read_timeout)
 
     def _grow(self) -> None:
         """Up to --concurrency requests in flight (the probe of auto download workers had fewer)."""
@@ -458,7 +436,10 @@ class Downloader:
                     assert slot is not None
                     await _pace(pacer.delay(slot, at + end))
                 try:
-                    n, crc = await conn.read_into_crc(view[got:end], crc)  # hashed as each read lands
+                    if self._hashing:
+                        n, crc = await conn.read_into_crc(view[got:end], crc)  # hashed as the reads land
+                    else:
+                        n = await conn.read_into(view[got:end])
                 except OSError:
                     raise Retryable("truncated body") from None
                 got += n

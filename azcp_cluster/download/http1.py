@@ -481,18 +481,3 @@ class Link:
         if self.conn is not None:
             self.conn.abort()
             self.conn = None
-
-
-class BodyWatch:
-    """Progress of one response body, for the stall watchdog."""
-
-    __slots__ = ("cause", "conn", "idle", "seen", "stalled", "window", "window_bytes")
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.seen = conn.received
-        self.idle = 0.0
-        self.stalled = False
-        self.cause = "timeout"  # why it was given up on: quiet ("timeout") or too slow ("slow body")
-        self.window = 0.0  # seconds spent waiting for the server since the last look at its pace
-        self.window_bytes = 0  # bytes received in them
