@@ -185,7 +185,14 @@ def test_a_rank_killed_or_stopped_during_the_broadcast_ends_the_job_and_the_reru
         if proc.poll() is None:
             proc.kill()
         out, err = proc.communicate()
+        survived = False
         if pid is not None:
+            # The launcher's kill of the stopped rank may land just after it exits (a loaded
+            # machine): given 3 s, then a rank still there is one the job left behind.
+            gone_by = time.monotonic() + 3
+            while _pid_alive(pid) and time.monotonic() < gone_by:
+                time.sleep(0.05)
+            survived = _pid_alive(pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # a stopped rank the job left behind
     assert proc.returncode != 0, (out, err)
@@ -198,7 +205,7 @@ def test_a_rank_killed_or_stopped_during_the_broadcast_ends_the_job_and_the_reru
         assert proc.returncode in (PeerStoppedError.exit_code, signal.SIGKILL), (proc.returncode, err)
         named = [line for line in _errors(err.decode()) if "[peer]" in line]
         assert len(named) == 1 and f"rank {victim}:" in named[0], err.decode()
-        assert _pid_alive(pid) is False, "the stopped rank outlived the job"
+        assert not survived, "the stopped rank outlived the job"
     _assert_nothing_partial(tmp_path / "d", files)
     assert not any((tmp_path / "d" / str(r) / "big.bin").exists() for r in range(RANKS))
 
