@@ -51,6 +51,17 @@ def _dataset(emulator: azurite.Emulator) -> tuple[str, dict[str, bytes]]:
     return container, files
 
 
+def _final_names_right(base: Path, expected: dict[str, bytes], victim_here: bool = False) -> None:
+    """On every rank: the victim under its final name only if ``victim_here``, and every file
+    under a final name right (temporary names may stay)."""
+    for rank in range(RANKS):
+        got = tree_of(base / str(rank))
+        assert (VICTIM in got) == victim_here, f"rank {rank}: the victim {'missing' if victim_here else 'stands'}"
+        for path, data in got.items():
+            if not path.endswith(".azcp-part"):
+                assert data == expected[path], f"rank {rank}: {path} is under its final name but wrong"
+
+
 @dataclass
 class Outcome:
     """One faulted run: the CLI's result, what the proxy did, and the expected files."""
@@ -203,12 +214,7 @@ def test_blob_replaced_during_the_copy_exits_5_and_leaves_no_wrong_file(
     assert f"d/{VICTIM}" in errors[0] and "changed" in errors[0]
     assert "Traceback" not in result.output
     assert result.json is not None and result.json["exit_code"] == 5 and VICTIM in result.json["error"]
-    for rank in range(RANKS):
-        got = tree_of(tmp_path / str(rank))
-        assert VICTIM not in got, f"rank {rank}: the changed blob stands under its final name"
-        for path, data in got.items():
-            if not path.endswith(".azcp-part"):  # temporary names may stay; final names must be right
-                assert data == expected[path], f"rank {rank}: {path} is under its final name but wrong"
+    _final_names_right(tmp_path, expected)
 
 
 def test_a_hop_that_drops_if_match_cannot_tear_a_file(emulator: azurite.Emulator, tmp_path: Path) -> None:
@@ -237,12 +243,7 @@ def test_a_hop_that_drops_if_match_cannot_tear_a_file(emulator: azurite.Emulator
     assert len(errors) == 1, result.stderr
     assert f"d/{VICTIM}" in errors[0] and "changed" in errors[0]
     assert "Traceback" not in result.output
-    for rank in range(RANKS):
-        got = tree_of(tmp_path / str(rank))
-        assert VICTIM not in got, f"rank {rank}: a torn copy of the victim stands under its final name"
-        for path, data in got.items():
-            if not path.endswith(".azcp-part"):
-                assert data == expected[path], f"rank {rank}: {path} is under its final name but wrong"
+    _final_names_right(tmp_path, expected)
 
 
 @pytest.mark.parametrize("block", ["1MiB", "8MiB"])
@@ -270,12 +271,7 @@ def test_a_byte_flipped_on_the_way_is_asked_again_or_fails_verify(
         assert result.returncode == 7, result.output
         errors = [line for line in result.stderr.splitlines() if line.startswith("azcp-cluster: error")]
         assert len(errors) == 1 and VICTIM in errors[0] and "Content-MD5" in errors[0], result.stderr
-    for rank in range(RANKS):
-        got = tree_of(tmp_path / str(rank))
-        assert (VICTIM in got) == (block == "1MiB")
-        for path, data in got.items():
-            if not path.endswith(".azcp-part"):
-                assert data == expected[path], f"rank {rank}: {path} is under its final name but wrong"
+    _final_names_right(tmp_path, expected, victim_here=block == "1MiB")
 
 
 def test_blob_deleted_during_the_copy_exits_5_saying_deleted(emulator: azurite.Emulator, tmp_path: Path) -> None:
@@ -304,12 +300,7 @@ def test_blob_deleted_during_the_copy_exits_5_saying_deleted(emulator: azurite.E
     # The tool asked whether the blob is still there: a HEAD of it, after the failed GET.
     failed_get = next(s for s in proxy.log if s.fault)
     assert any(s.method == "HEAD" and s.blob == f"d/{VICTIM}" and s.at >= failed_get.at for s in proxy.log)
-    for rank in range(RANKS):
-        got = tree_of(tmp_path / str(rank))
-        assert VICTIM not in got, f"rank {rank}: the deleted blob stands under its final name"
-        for path, data in got.items():
-            if not path.endswith(".azcp-part"):
-                assert data == expected[path], f"rank {rank}: {path} is under its final name but wrong"
+    _final_names_right(tmp_path, expected)
 
 
 def test_proxy_passes_listing_and_properties_and_counts_ranged_gets(emulator: azurite.Emulator) -> None:

@@ -134,6 +134,16 @@ def _run(script: Script, client: Callable[[str], Awaitable[None]], tls: ssl.SSLC
     asyncio.run(main())
 
 
+def _tls_pair(directory: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server's TLS context with a self-signed certificate, and a client's that trusts it."""
+    from azcp_cluster.devtools.certs import make_certificate
+
+    cert, key = make_certificate(directory)
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    return server, ssl.create_default_context(cafile=str(cert))
+
+
 async def _read_body(conn: Connection, size: int, piece: int) -> bytes:
     out = bytearray(size)
     view = memoryview(out)
@@ -380,14 +390,7 @@ def test_the_low_water_mark_never_waits_for_bytes_that_will_not_come(tls: bool, 
     # Pieces that leave an odd tail under the mark at the end, and a buffer size that does
     # not divide the body: every read ends somewhere else.
     pieces = [700_000, RECV_LOW_WATER, 1, RECV_LOW_WATER + 5000, len(body) - 700_001 - 2 * RECV_LOW_WATER - 5000]
-    server_tls = client_tls = None
-    if tls:
-        from azcp_cluster.devtools.certs import make_certificate
-
-        cert, key = make_certificate(tmp_path)
-        server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        server_tls.load_cert_chain(cert, key)
-        client_tls = ssl.create_default_context(cafile=str(cert))
+    server_tls, client_tls = _tls_pair(tmp_path) if tls else (None, None)
     slack = TLS_SLACK if tls else 0
 
     async def client(url: str) -> None:
@@ -511,14 +514,7 @@ def test_the_crc_of_a_body_taken_as_it_lands_is_the_crc_of_its_bytes(tls: bool, 
                 break
         await reader.read()
 
-    server_tls = client_tls = None
-    if tls:
-        from azcp_cluster.devtools.certs import make_certificate
-
-        cert, key = make_certificate(tmp_path)
-        server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        server_tls.load_cert_chain(cert, key)
-        client_tls = ssl.create_default_context(cafile=str(cert))
+    server_tls, client_tls = _tls_pair(tmp_path) if tls else (None, None)
 
     async def client(url: str) -> None:
         conn = await Connection.open(url, client_tls)
