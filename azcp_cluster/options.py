@@ -186,9 +186,10 @@ OPTIONS: tuple[Option, ...] = (
            "nodes read disjoint, balanced parts of it (default 1)", "N", source=LOCAL),
     # checks and output
     Option("--verify", "verify", GROUPS[3], "verify",
-           "MD5 of every file, compared across nodes and with the blob's Content-MD5 (exit 7 on a "
-           "mismatch). MODE 'disk' (a bare --verify): every copy read back after its fsync; 'stream': "
-           "hashed as the bytes pass (files not sent are read back)", "MODE", VERIFY_MODES),
+           "MD5 of every file, compared across nodes and with the blob's Content-MD5, and every copy's "
+           "CRC-32C with that of the bytes as they came from the source (exit 7 on a mismatch). MODE "
+           "'disk' (a bare --verify): every copy read back after its fsync; 'stream': hashed as the "
+           "bytes pass (files not sent are read back)", "MODE", VERIFY_MODES),
     Option("--json", "json_path", GROUPS[3], "path",
            "write the report as JSON to PATH (rank 0); not a directory, not inside DEST", "PATH"),
     Option("--progress", "progress", GROUPS[3], "choice",

@@ -159,10 +159,8 @@ def generation(fd: int) -> int:
 
 def _generation_of(tree: DestTree, rel: str, ident: int) -> int | None:
     """The generation of the temporary file of ``rel`` if it is still the file ``ident``, else None."""
-    head, _, base = rel.rpartition("/")
     try:
-        with tree.directory(head.split("/") if head else []) as dfd:
-            fd = os.open(temp_name(base), os.O_RDONLY | _FILE_FLAGS, dir_fd=dfd)
+        fd = rehash.temp_opener(tree, rel)(os.O_RDONLY)
     except (OSError, LocalFSError):
         return None
     try:

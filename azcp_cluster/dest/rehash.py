@@ -23,7 +23,7 @@ from azcp_cluster.core.errors import LocalFSError
 from azcp_cluster.core.resume import Claim
 from azcp_cluster.dest.destroot import identity
 from azcp_cluster.dest.desttree import DestTree
-from azcp_cluster.dest.directio import DirectReader, aligned_buffer
+from azcp_cluster.dest.directio import DirectReader, Opener, aligned_buffer
 from azcp_cluster.dest.localfs import temp_name
 from azcp_cluster.run.interrupts import shield
 
@@ -49,23 +49,30 @@ def check_all(tree: DestTree, jobs: Sequence[tuple[str, int, Sequence[Claim]]]) 
         pool.shutdown(wait=True)
 
 
-def checked(
-    tree: DestTree, rel: str, ident: int, found: Sequence[Claim], stop: threading.Event | None = None
-) -> list[Claim]:
-    """The claims on ``rel``'s temporary file (the one of identity ``ident``) whose bytes, read
-    back now, still have the recorded CRC-32C, in offset order. None is kept if the file cannot
-    be read or is not that file any more, or once ``stop`` is set (a signal: nothing is kept)."""
+def temp_opener(tree: DestTree, rel: str) -> Opener:
+    """An opener of ``rel``'s temporary file below DEST from a stopped run (the current run's
+    ``DestTree.made`` does not know it): each directory walked without links, the file itself
+    never through one, never blocking on a FIFO."""
     head, _, base = rel.rpartition("/")
 
     def opener(flags: int) -> int:
         with tree.directory(head.split("/") if head else []) as dfd:
             return os.open(temp_name(base), flags | _FILE_FLAGS, dir_fd=dfd)
 
+    return opener
+
+
+def checked(
+    tree: DestTree, rel: str, ident: int, found: Sequence[Claim], stop: threading.Event | None = None
+) -> list[Claim]:
+    """The claims on ``rel``'s temporary file (the one of identity ``ident``) whose bytes, read
+    back now, still have the recorded CRC-32C, in offset order. None is kept if the file cannot
+    be read or is not that file any more, or once ``stop`` is set (a signal: nothing is kept)."""
     buf: np.ndarray | None = getattr(_buffers, "buf", None)
     if buf is None:
         buf = _buffers.buf = aligned_buffer(CHECK_CHUNK)
     try:
-        reader = DirectReader("", direct=True, opener=opener)
+        reader = DirectReader("", direct=True, opener=temp_opener(tree, rel))
     except (OSError, LocalFSError):
         return []
     good = []
