@@ -96,27 +96,36 @@ def test_requests_waiting_for_a_slow_disk_are_not_aborted_as_stalled(
     assert Path(temp_path(str(tmp_path), "big.bin")).read_bytes() == data
 
 
+def _slow_body(
+    emulator: azurite.Emulator, dest: Path, size: int, rule: Rule, read_timeout: float, retries: int
+) -> DownloadStats:
+    """One blob of ``size`` bytes downloaded through the fault proxy's ``rule`` (a ``slow`` body),
+    one request in flight; checked byte for byte."""
+    container = "t" + uuid.uuid4().hex[:20]
+    data = pseudo_random(size, container)
+    azurite.upload(emulator, container, {rule.blob: data})
+    with FaultProxy(emulator, [rule]) as proxy:
+        stats = _download_one(
+            proxy.url(container),
+            emulator.key_env(),
+            dest,
+            rule.blob,
+            size,
+            {"block_size": 2 * MiB, "concurrency": 1, "read_timeout": read_timeout, "max_retries": retries},
+        )
+        assert proxy.injected == 1
+    assert Path(temp_path(str(dest), rule.blob)).read_bytes() == data
+    return stats
+
+
 def test_a_slow_but_live_body_is_not_taken_for_a_stall(emulator: azurite.Emulator, tmp_path: Path) -> None:
     """Bytes under the socket's low-water mark stay in the kernel, unseen: the watchdog's
     first quiet tick switches the body to trickle, and a slow server is not a stalled one.
     """
     size = 3 * MiB // 2  # more than the low-water mark: 1 MiB would take 1.6 s to gather here
-    container = "t" + uuid.uuid4().hex[:20]
-    data = pseudo_random(size, container)
-    azurite.upload(emulator, container, {"slow.bin": data})
-    rules = [Rule("slow", blob="slow.bin", partial=32 * 1024, stall=0.05)]  # about 640 KiB/s
-    with FaultProxy(emulator, rules) as proxy:
-        stats = _download_one(
-            proxy.url(container),
-            emulator.key_env(),
-            tmp_path,
-            "slow.bin",
-            size,
-            {"block_size": 2 * MiB, "concurrency": 1, "read_timeout": 0.3, "max_retries": 0},
-        )
-        assert proxy.injected == 1
+    rule = Rule("slow", blob="slow.bin", partial=32 * 1024, stall=0.05)  # about 640 KiB/s
+    stats = _slow_body(emulator, tmp_path, size, rule, read_timeout=0.3, retries=0)
     assert stats.retries == 0, dict(stats.retry_causes)
-    assert Path(temp_path(str(tmp_path), "slow.bin")).read_bytes() == data
 
 
 def test_a_trickling_body_is_given_up_on_and_asked_again(emulator: azurite.Emulator, tmp_path: Path) -> None:
@@ -124,25 +133,11 @@ def test_a_trickling_body_is_given_up_on_and_asked_again(emulator: azurite.Emula
     0.05 s) is under the floor (retry.MIN_BODY_RATE) over a read timeout of waiting: dropped and
     asked again (cause "slow body"), where it used to hold the request for the whole body
     (some 100 s for these 32 KiB; hours for a 16 MiB block)."""
-    size = 32 * 1024
-    container = "t" + uuid.uuid4().hex[:20]
-    data = pseudo_random(size, container)
-    azurite.upload(emulator, container, {"trickle.bin": data})
-    rules = [Rule("slow", blob="trickle.bin", partial=16, stall=0.05)]
     started = time.monotonic()
-    with FaultProxy(emulator, rules) as proxy:
-        stats = _download_one(
-            proxy.url(container),
-            emulator.key_env(),
-            tmp_path,
-            "trickle.bin",
-            size,
-            {"block_size": 2 * MiB, "concurrency": 1, "read_timeout": 1.0, "max_retries": 2},
-        )
-        assert proxy.injected == 1
+    rule = Rule("slow", blob="trickle.bin", partial=16, stall=0.05)
+    stats = _slow_body(emulator, tmp_path, 32 * 1024, rule, read_timeout=1.0, retries=2)
     assert dict(stats.retry_causes) == {"slow body": 1}
     assert time.monotonic() - started < 20
-    assert Path(temp_path(str(tmp_path), "trickle.bin")).read_bytes() == data
 
 
 def test_the_pace_floor() -> None:
