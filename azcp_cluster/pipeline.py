@@ -22,11 +22,15 @@ from azcp_cluster.core.plan import Plan, plan_transfers
 from azcp_cluster.run import collector
 from azcp_cluster.run.cluster import Cluster
 from azcp_cluster.run.report import Report, write_json_report
-from azcp_cluster.stages import allocate, finish, setup, survey, transfer
+from azcp_cluster.stages import allocate, finish, scheduling, setup, survey, transfer
 from azcp_cluster.stages.context import RunContext
 
 if TYPE_CHECKING:
     from azcp_cluster.run.interrupts import Interrupts
+
+
+# Rounds of sending again what changed while it was read, before the run gives up on the file.
+SEND_AGAIN = 1
 
 
 def _attach(error: AzcpError, report: Report) -> AzcpError:
@@ -157,11 +161,20 @@ def execute(ctx: RunContext) -> list[str]:
         report.plan_spread = plan.spread(owners)
         report.broadcast_shards = plan.shard_count
         # The fan-out runs between leaders: a shard goes out from its owner's leader.
-        schedule = None if cfg.dry_run else allocate.schedule_for(ctx, place, plan)
+        schedule = None if cfg.dry_run else scheduling.schedule_for(cfg, ctx.local, place, plan)
     if schedule is None:
         return plan_lines(ctx, list(diff.transfer), plan)
     prepared = allocate.allocate(ctx, place, listed, diff, plan, schedule)
-    moved = transfer.move(ctx, place, listed, diff, plan, schedule, prepared)
+    moved = transfer.move(ctx, place, prepared)
+    for _ in range(SEND_AGAIN):
+        if not moved.changed:
+            break
+        # A local SOURCE's file changed while it was read: the reader reads it again and every
+        # node receives it anew (a torn copy never reaches a final name: the rename comes after).
+        prepared = allocate.resend(ctx, place, moved, prepared)
+        moved = transfer.move(ctx, place, prepared, earlier=moved)
+    if moved.changed:  # changed again while read again: it is being written to
+        raise transfer.changed_twice(ctx, moved)
     del prepared  # the fan-out's slots are released; nothing below needs them
     ctx.lines.through("transfer")
     finish.sync(ctx, place, moved)

@@ -1,184 +1,77 @@
-"""The schedule and the allocate stage: what each node receives, its files and buffers made up front.
+"""The allocate stage: the transfer's shape decided once, this node's files and buffers made up front.
 
-``schedule_for`` cuts the plan into the leaders' transfers (a frozen :class:`Schedule`);
-``allocate`` makes, in an agreement of its own and before any byte moves, every temporary
-file this node writes, the download's buffers and the fan-out's slots (a :class:`Prepared`).
+``allocate`` decides the :class:`~azcp_cluster.stages.shape.TransferShape` and makes, in an
+agreement of its own and before any byte moves, every temporary file this node writes, the
+download's buffers and writer, the block journal and the fan-out's slots, each handed to the
+rank's :class:`~azcp_cluster.stages.nodeio.NodeIO`; it returns a frozen :class:`Prepared`,
+all the transfer stage needs. ``resend`` prepares a second round of sending, for a local
+SOURCE's files that changed while they were read (pipeline.execute runs it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from azcp_cluster.core.blocks import (
-    MAX_SLOTS,
-    Block,
-    blocks_for,
-    fanout_slots,
-    keepable,
-    pool_buffers_for,
-    pool_bytes,
-    requests_for,
-)
-from azcp_cluster.core.columns import distinct
-from azcp_cluster.core.config import Config
+from azcp_cluster.core.blocks import blocks_for, fanout_slots, pool_buffers_for, pool_bytes
+from azcp_cluster.core.chain import FanoutChoice
+from azcp_cluster.core.crc import SourcePieces
 from azcp_cluster.core.errors import InternalError
-from azcp_cluster.core.model import Listing
+from azcp_cluster.core.model import FileEntry, Listing
 from azcp_cluster.core.naming import JOURNAL_DIR
-from azcp_cluster.core.packing import spread_chunk, spread_roots, transfer_schedule
-from azcp_cluster.core.plan import Plan
-from azcp_cluster.core.schedule import (
-    DIRECT_MIN,
-    Transfer,
-    Transfers,
-    files_of,
-    files_written,
-    max_length,
-    payload,
-)
-from azcp_cluster.core.topology import workers_for
-from azcp_cluster.core.waves import TAPER, StreamSizes, stream_sizes
+from azcp_cluster.core.plan import Plan, Shard, plan_transfers
+from azcp_cluster.core.schedule import DIRECT_MIN, max_length, payload
 from azcp_cluster.dest import journal
 from azcp_cluster.dest.localfs import check_space, fs_error
-from azcp_cluster.dest.localsource import source_file
+from azcp_cluster.dest.localsource import restat, source_file
 from azcp_cluster.dest.nodewriter import NodeWriter
-from azcp_cluster.download.cpus import allowed as allowed_cpus
 from azcp_cluster.fanout.broadcast import Broadcaster
-from azcp_cluster.fanout.chain import decide, transport_for
+from azcp_cluster.fanout.chain import decide as decide_fanout
+from azcp_cluster.fanout.chain import transport_for
 from azcp_cluster.fanout.transport import MpiTransport
-from azcp_cluster.run.cluster import StageOutcome, StageResult
+from azcp_cluster.run.cluster import StageOutcome, StageResult, error_from_payload, error_payload
+from azcp_cluster.stages import shape as shapes
 from azcp_cluster.stages.context import RunContext
+from azcp_cluster.stages.scheduling import Schedule, schedule_for, writes_here
 from azcp_cluster.stages.setup import Placement, available_memory
+from azcp_cluster.stages.shape import TransferShape
 from azcp_cluster.stages.survey import Diff, Listed
 
 if TYPE_CHECKING:
-    from azcp_cluster.download.writepool import WritePool
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """The transfers between the leaders, and the files they bring to this rank's node."""
-
-    # schedule.Transfers (columns; each Transfer made when read), or any list of them
-    transfers: Sequence[Transfer]
-    receives: frozenset[int]  # files the schedule brings here (this and earlier rounds)
-
-    @property
-    def payload(self) -> int:
-        """Bytes of file data in the transfers (not the alignment padding)."""
-        return payload(self.transfers)
-
-    @property
-    def files(self) -> int:
-        """Files with bytes in the transfers."""
-        return files_of(self.transfers)
+    from azcp_cluster.stages.transfer import Transferred
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """What the allocate stage made for the transfer stage."""
+    """What the allocate stage made for the transfer stage: all it needs, decided once."""
 
+    listed: Listed
+    diff: Diff
+    plan: Plan
+    schedule: Schedule
+    shape: TransferShape
     broadcaster: Broadcaster | None  # leaders with something to fan out: slots mapped
     here: tuple[int, ...]  # the files this node writes (and later syncs, verifies, renames)
+    # --verify: what this rank brings into the run (downloaded blocks, a local SOURCE's reads)
+    # with the CRC-32C of the bytes as they came, and the CRC-32C of each file its fan-out
+    # hashed in flight; finish.verify checks every copy against the first (core/crc.py).
+    # Filled by the transfer stage, carried by every round of it.
+    pieces: SourcePieces = field(default_factory=SourcePieces)
+    stream_crcs: dict[int, int] = field(default_factory=dict)
+    resent: bool = False  # a second round, for files that changed while they were read
 
-
-def schedule_for(ctx: RunContext, place: Placement, plan: Plan, earlier: Schedule | None = None) -> Schedule:
-    """The transfers between the leaders for ``plan`` (a shard goes out from its owner's leader).
-
-    ``earlier``: a first round's schedule, whose files this node still receives.
-    """
-    topo = place.topo
-    if topo.groups == 1 and not ctx.local:
-        # One node: the download writes every byte where it belongs and nobody receives, so
-        # nothing is fanned out (no slots, no read-back). A local SOURCE still goes through
-        # the fan-out: its reader's copy is the one the fan-out writes.
-        c = plan.columns
-        receives = set(distinct(c.file[c.length > 0]).tolist())
-        transfers = Transfers.of([], 1)
-    else:
-        sizes = stream_sizes_for(ctx, place, plan)
-        if sizes is not None:
-            chunk = sizes.chunk
-        elif ctx.cfg.fanout == "ibcast":  # a collective per slot: as few as the memory allows
-            chunk = ctx.cfg.chunk
-        else:  # several roots: every one of them in flight at once, round the ring
-            c = plan.columns
-            loads = np.zeros(topo.groups, dtype=np.int64)
-            np.add.at(loads, np.asarray(topo.group_of, dtype=np.int64)[c.owner], c.length)
-            roots = spread_roots(loads.tolist())
-            chunk = spread_chunk(ctx.cfg.chunk, ctx.cfg.bcast_pipeline, roots, MAX_SLOTS)
-        # Streamed: each root's last transfer tapered as its downloaders' last blocks are.
-        tapered = TAPER if sizes is not None else None
-        transfers = transfer_schedule(plan, chunk, topo.groups, root_of=topo.group_of, tapered=tapered)
-        receives = files_written(transfers, place.group)
-    if earlier is not None:
-        receives |= earlier.receives
-    return Schedule(transfers, frozenset(receives))
-
-
-def stream_sizes_for(ctx: RunContext, place: Placement, plan: Plan) -> StreamSizes | None:
-    """A streamed copy's transfer, block and in-flight sizes (core/waves.py: its shares land,
-    and leave, in waves); None for a copy that does not stream (a local SOURCE, one node,
-    --no-overlap, nothing to download). The same on every rank: from the largest share."""
-    cfg = ctx.cfg
-    loads = plan.loads()
-    if ctx.local or not cfg.overlap or place.topo.groups == 1 or not any(loads):
-        return None
-    return stream_sizes(max(loads), cfg.chunk, cfg.block_size, cfg.concurrency)
-
-
-def landing_unit(ctx: RunContext, place: Placement, plan: Plan, block_size: int) -> int:
-    """A streamed download's blocks: as small as the transfers, each landing (and its transfer
-    leaving) as soon as its bytes are written, while the downloader fetches consecutive ones in
-    one ranged GET of up to ``block_size`` (blocks.requests_for). Landing whole 8 MiB GETs,
-    four hosts in the box posted their transfers in bursts, the fabric idle between them."""
-    sizes = stream_sizes_for(ctx, place, plan)
-    return min(block_size, sizes.chunk) if sizes is not None else block_size
-
-
-def keep_landed(ctx: RunContext, streamed: Config, mine: list[Block], unit: int) -> WritePool | None:
-    """A streaming leader's download pool, told to keep what it writes for the fan-out to send
-    from memory (``mine``: its blocks, ``unit``: its transfers' size); None if it downloads none.
-
-    What this rank downloads in its own process lands in the pool's buffers: the pool keeps
-    what the requests in flight and its spares leave, if that holds a whole transfer (worker
-    processes' buffers are theirs: those blocks are read back from the disk)."""
-    pool = ctx.write_pool if mine else None
-    if pool is not None:
-        in_flight = min(streamed.concurrency, len(requests_for(mine, streamed.block_size)))
-        pool.keep_landed(keepable(pool.count, in_flight, -(-unit // pool.size)))
-    return pool
-
-
-def download_config(ctx: RunContext, place: Placement, plan: Plan, schedule: Schedule) -> Config:
-    """The run's configuration as its download uses it: a streamed copy's block size and
-    requests in flight (:func:`stream_sizes_for`), else the run's own. Streamed as
-    transfer.move decides: with something to fan out."""
-    sizes = stream_sizes_for(ctx, place, plan) if schedule.transfers else None
-    if sizes is None:
-        return ctx.cfg
-    # --download-workers N asks for N processes, each with a request at least.
-    in_flight = max(sizes.in_flight, ctx.cfg.download_workers or 1)
-    return dataclasses.replace(ctx.cfg, block_size=sizes.block, concurrency=in_flight)
-
-
-def writes_here(listing: Listing, diff: Diff, schedule: Schedule) -> tuple[int, ...]:
-    """The transferred files this node does not have yet and the schedule brings it, or it kept
-    from a stopped run (it writes and renames these); empty files are made on every node."""
-    files = listing.files
-    receives = schedule.receives
-    kept = diff.kept
-    return tuple(i for i in diff.transfer if not diff.have[i] and (files[i].size == 0 or i in receives or i in kept))
+    @property
+    def needed(self) -> int:
+        """Bytes of the files this node writes (for a full-disk message)."""
+        files = self.listed.listing.files
+        return sum(files[i].size for i in self.here)
 
 
 def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan: Plan, schedule: Schedule) -> Prepared:
-    """Create the temporary files, the download buffers and the broadcast slots, in an
-    agreement of their own.
+    """Decide the transfer's shape; create the temporary files, the download's buffers and
+    writer, the journal and the fan-out's slots, in an agreement of their own.
 
     Before any download: a node's other ranks write into the temporary files its leader
     creates here. A rank whose buffers do not fit fails here (Config.check_memory, at
@@ -187,55 +80,79 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
     reserved here and faulted in at first use (POPULATED_SLOTS).
     """
     here = writes_here(listed.listing, diff, schedule)
+    shape = shapes.decide(ctx.cfg, ctx.local, ctx.rank, place, plan, bool(schedule.transfers))
     if not diff.transfer:
-        return Prepared(None, here)  # nothing to write: a rerun stays cheap
+        return Prepared(listed, diff, plan, schedule, shape, None, here)  # nothing to write: a rerun stays cheap
     cluster = ctx.cluster
-    cfg = ctx.cfg
     t0 = cluster.clock()
-    choose_fanout(ctx, place, schedule)
+    shape = dataclasses.replace(shape, fanout=choose_fanout(ctx, place, schedule))
     # The leaders' choice, carried by the stage's agreement to rank 0, which need not be one.
-    outcome = StageOutcome(stats={"fanout": ctx.fanout.as_dict()} if ctx.fanout is not None else {})
+    outcome = StageOutcome(stats={"fanout": shape.fanout.as_dict()} if shape.fanout is not None else {})
     broadcaster: Broadcaster | None = None
+    pieces = SourcePieces()
+    stream_crcs: dict[int, int] = {}
     mine = plan.owned_by(ctx.rank)
     with cluster.stage(outcome):
-        # With worker processes, each has its own buffers and writers (workers.py).
-        workers = download_workers(ctx, place, plan) if not ctx.local and mine else 1
-        if workers > 1:
-            from azcp_cluster.download.workers import WORKER_MEMORY
-
-            cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency) + workers * WORKER_MEMORY)
-        if not ctx.local and mine and (workers == 1 or cfg.download_workers is None):  # auto starts alone
-            from azcp_cluster.download.writepool import WritePool
-
-            # Mapped now: the download stage then measures the transfer, not page faults.
-            # No more buffers than this rank's requests can fill at once.
-            fetch = download_config(ctx, place, plan, schedule)  # a streamed copy's blocks and requests
-            blocks = len(blocks_for(mine, fetch.block_size))
-            ctx.write_pool = WritePool(fetch, populate=True, buffers=pool_buffers_for(fetch.concurrency, blocks))
+        _download_buffers(ctx, shape, mine)
         if place.leader:
-            files = listed.listing.files
-            # Checked before anything is written, where the sizes are known.
-            ctx.bytes_to_write = sum(files[i].size for i in here)
             later = made_on_arrival(ctx, place, listed.listing, plan, here, diff.kept)
             check_files_space(ctx, listed.listing, here)  # before anything is written
             start_journal(ctx, listed.listing, diff)  # before any file is made anew
             prepare_files(ctx, listed.listing, here, later, diff.kept, checked=True)
-            broadcaster = make_broadcaster(ctx, place, listed, diff, schedule, later)
-    ctx.explain_space(outcome)  # the files' blocks are reserved here: a full disk shows here first
+            broadcaster = make_broadcaster(ctx, place, listed, diff, schedule, shape, pieces, stream_crcs, later)
+    # The files' blocks are reserved here: a full disk shows here first.
+    ctx.explain_space(outcome, sum(listed.listing.files[i].size for i in here))
     cluster.note("allocate", t0)
     cluster.conclude(cluster.clock(), outcome, lambda result: record_fanout(ctx, result))
+    _hand_to_downloaders(ctx, place, listed, mine)
+    _download_writer(ctx, listed.listing.files, shape)  # after the files' identities came
+    return Prepared(listed, diff, plan, schedule, shape, broadcaster, here, pieces, stream_crcs)
+
+
+def _download_buffers(ctx: RunContext, shape: TransferShape, mine: Sequence[Shard]) -> None:
+    """A rank that downloads in its own process: its buffers, mapped now (the download stage then
+    measures the transfer, not page faults), no more than its requests can fill at once. With
+    worker processes, each has its own buffers and writers (workers.py): their memory is checked."""
+    cfg = ctx.cfg
+    if ctx.local or not mine:
+        return
+    if shape.workers > 1:
+        from azcp_cluster.download.workers import WORKER_MEMORY
+
+        cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency) + shape.workers * WORKER_MEMORY)
+    if shape.workers == 1 or cfg.download_workers is None:  # auto starts alone
+        from azcp_cluster.download.writepool import WritePool
+
+        fetch = shape.fetch  # a streamed copy's blocks and requests
+        blocks = len(blocks_for(mine, fetch.block_size))
+        ctx.io.pool = WritePool(fetch, populate=True, buffers=pool_buffers_for(fetch.concurrency, blocks))
+
+
+def _download_writer(ctx: RunContext, files: Sequence[FileEntry], shape: TransferShape) -> None:
+    """A rank with download buffers: the node writer its download writes through (a streaming
+    leader's is its fan-out's, made with the broadcaster: one set of threads for both)."""
+    from azcp_cluster.download.writepool import WRITER_THREADS
+
+    io = ctx.io
+    if io.pool is not None and io.download_writer is None:
+        io.download_writer = NodeWriter(files, ctx.dest_tree(), WRITER_THREADS)
+
+
+def _hand_to_downloaders(ctx: RunContext, place: Placement, listed: Listed, mine: Sequence[Shard]) -> None:
+    """Where a node has downloaders besides its leader: they get the identities of the files it
+    made (they write into no other file), and each, with --resume, a block journal of its own."""
     topo = place.topo
-    if not ctx.local and any(not topo.is_leader(r) for r in topo.downloaders):
-        # Some node has downloaders besides its leader: they get the files' identities.
-        made = ctx.group_comm.bcast(ctx.tree.made if place.leader and ctx.tree is not None else None, root=0)
-        if mine and not place.leader:
-            tree = ctx.dest_tree()
-            tree.adopt(made or {})  # DEST exists now: its leader made it
-            if cfg.resume:  # this rank writes into the node's files: its own journal
-                fd = journal.open_for(tree, ctx.group_comm.Get_rank())
-                if fd is not None:
-                    ctx.journal = journal.Journal(tree, fd, listed.listing.files, ctx.origin)
-    return Prepared(broadcaster, here)
+    if ctx.local or all(topo.is_leader(r) for r in topo.downloaders):
+        return
+    tree = ctx.tree
+    made = ctx.group_comm.bcast(tree.made if place.leader and tree is not None else None, root=0)
+    if mine and not place.leader:
+        tree = ctx.dest_tree()
+        tree.adopt(made or {})  # DEST exists now: its leader made it
+        if ctx.cfg.resume:  # this rank writes into the node's files: its own journal
+            fd = journal.open_for(tree, ctx.group_comm.Get_rank())
+            if fd is not None:
+                ctx.io.journal = journal.Journal(tree, fd, listed.listing.files, ctx.origin)
 
 
 def start_journal(ctx: RunContext, listing: Listing, diff: Diff) -> None:
@@ -251,28 +168,7 @@ def start_journal(ctx: RunContext, listing: Listing, diff: Diff) -> None:
     except OSError as exc:  # a full or failing disk: named like any other write to DEST
         raise fs_error(exc, tree.shown(JOURNAL_DIR), "write the block journal") from None
     if fd is not None:
-        ctx.journal = journal.Journal(tree, fd, listing.files, ctx.origin, first_id=len(diff.kept))
-
-
-def download_workers(ctx: RunContext, place: Placement, plan: Plan) -> int:
-    """How many worker processes make this rank's ranged GETs (1: the rank itself; topology.workers_for).
-
-    ``--download-workers N``: N. Auto: the most it may start, should they pay (workers.AutoDownloader
-    decides while the rank downloads). Never more than ``--concurrency``.
-    """
-    share = sum(s.length for s in plan.owned_by(ctx.rank))
-    cpus = len(allowed_cpus())
-    return min(workers_for(ctx.cfg.download_workers, cpus, cpus_sharing(place), share), ctx.cfg.concurrency)
-
-
-def cpus_sharing(place: Placement) -> int:
-    """How many downloading ranks share this rank's CPUs.
-
-    A rank bound to some of the machine's CPUs (Slurm's ``--cpus-per-task``, ``taskset``) has
-    them to itself; one that may use them all shares them with the host's other downloaders.
-    """
-    bound = len(allowed_cpus()) < (os.cpu_count() or 1)
-    return 1 if bound else place.downloaders_on_host
+        ctx.io.journal = journal.Journal(tree, fd, listing.files, ctx.origin, first_id=len(diff.kept))
 
 
 def prepare_files(
@@ -326,18 +222,22 @@ def made_on_arrival(
     return [i for i in missing if 0 < files[i].size < DIRECT_MIN and i not in downloaded and i not in kept]
 
 
-def choose_fanout(ctx: RunContext, place: Placement, schedule: Schedule) -> None:
+def choose_fanout(
+    ctx: RunContext, place: Placement, schedule: Schedule, chosen: FanoutChoice | None = None
+) -> FanoutChoice | None:
     """Leaders, once per run, before the stage that maps the slots: how the fan-out moves its
     bytes (``--fanout``; auto may probe the fabric, a collective of the leaders, so it runs
-    here, where every leader is, never inside a stage one of them may have left)."""
-    if not place.leader or not schedule.transfers or ctx.fanout is not None:
-        return
+    here, where every leader is, never inside a stage one of them may have left). ``chosen``:
+    the first round's choice, kept for a second."""
+    if not place.leader or not schedule.transfers or chosen is not None:
+        return chosen
     cfg = ctx.cfg
     transfers = schedule.transfers
-    ctx.fanout = decide(
+    fanout = decide_fanout(
         MpiTransport(ctx.node_comm), cfg.fanout, payload(transfers), cfg.fanout_piece, max_length(transfers)
     )
-    ctx.report.fanout = ctx.fanout.as_dict()
+    ctx.report.fanout = fanout.as_dict()
+    return fanout
 
 
 def record_fanout(ctx: RunContext, result: StageResult) -> None:
@@ -354,42 +254,51 @@ POPULATED_SLOTS = 1
 
 
 def make_broadcaster(
-    ctx: RunContext, place: Placement, listed: Listed, diff: Diff, schedule: Schedule, later: Sequence[int] = ()
+    ctx: RunContext,
+    place: Placement,
+    listed: Listed,
+    diff: Diff,
+    schedule: Schedule,
+    shape: TransferShape,
+    pieces: SourcePieces,
+    stream_crcs: dict[int, int],
+    later: Sequence[int] = (),
 ) -> Broadcaster | None:
     """Leaders: the fan-out engine for ``schedule``, its slots mapped now, and its node writer
-    (``ctx.fanout_writer``, closed by the stage that fans out)."""
+    (the node I/O's ``fanout_writer``, ended by the stage that fans out)."""
     transfers = schedule.transfers
     if not transfers:
         return None
     cfg = ctx.cfg
+    io = ctx.io
     reads = ctx.local and ctx.rank in place.readers
-    if ctx.fanout is None:
+    if shape.fanout is None:
         raise InternalError("the fan-out's transport was not chosen before its stage (choose_fanout)")
     threads, name = cfg.bcast_writers, "azcp-bcast-writer"
     slot = max_length(transfers)
-    shared = cfg.overlap and ctx.write_pool is not None
+    shared = shape.streamed and io.pool is not None
     if shared:
         # Streaming, and this leader downloads in its own process: its download writes
         # through the same writer, one set of threads for both (diskwriter.py).
         from azcp_cluster.download.writepool import WRITER_THREADS
 
         threads, name = WRITER_THREADS + cfg.bcast_writers, "azcp-writer"
-    ctx.fanout_writer = NodeWriter(
+    io.fanout_writer = NodeWriter(
         listed.listing.files,
         ctx.dest_tree(),
         threads,
         on_arrival=frozenset(later),
-        journal=ctx.journal.written if ctx.journal is not None else None,
+        journal=io.journal.written if io.journal is not None else None,
         name=name,
     )
     if shared:
-        ctx.download_writer = ctx.fanout_writer
+        io.download_writer = io.fanout_writer
     return Broadcaster(
-        transport_for(MpiTransport(ctx.node_comm), ctx.fanout),
+        transport_for(MpiTransport(ctx.node_comm), shape.fanout),
         listed.listing.files,
         ctx.dest_tree(),
         slot,  # no slot larger than the largest transfer
-        ctx.fanout_writer,
+        io.fanout_writer,
         pipeline=fanout_slots(cfg.bcast_pipeline, cfg.chunk, slot, len(transfers)),  # in the same memory
         populated=POPULATED_SLOTS,
         writers=cfg.bcast_writers,
@@ -397,8 +306,8 @@ def make_broadcaster(
         have=list(diff.have),
         verify=bool(cfg.verify),
         source_of=read_from_source(ctx, listed, diff) if reads else None,
-        source_pieces=ctx.source_pieces.add if cfg.verify and reads else None,
-        stream_crcs=ctx.stream_crcs if cfg.verify else None,
+        source_pieces=pieces.add if cfg.verify and reads else None,
+        stream_crcs=stream_crcs if cfg.verify else None,
         stop_requested=ctx.cluster.interrupted,
     )
 
@@ -414,3 +323,52 @@ def read_from_source(ctx: RunContext, listed: Listed, diff: Diff) -> Callable[[i
         return source_file(ctx.source_root, files[index].name, listed.single_file)
 
     return where
+
+
+def resend(ctx: RunContext, place: Placement, moved: Transferred, first: Prepared) -> Prepared:
+    """A second round of sending: the local SOURCE's files that changed while they were read, as they are now.
+
+    The reader looks at them again (their new size and time); every node makes their
+    temporary files anew and receives them again (a torn copy never reaches a final name:
+    the rename comes after). What the first read of them brought counts no more.
+    """
+    cluster = ctx.cluster
+    changed = list(moved.changed)
+    listed = moved.listed
+    outcome = StageOutcome()
+    fresh: list[FileEntry] = []
+    if ctx.rank == place.reader:
+        with cluster.stage(outcome):
+            fresh = [restat(ctx.source_root, listed.listing.files[i], listed.single_file) for i in changed]
+    message = (fresh, error_payload(outcome.error) if outcome.error else None)
+    fresh, failure = cluster.bcast_object(message, root=place.reader)
+    if failure is not None:
+        raise error_from_payload(failure)
+    files = list(listed.listing.files)
+    for index, entry in zip(changed, fresh, strict=True):
+        files[index] = entry
+    listed = dataclasses.replace(listed, listing=dataclasses.replace(listed.listing, files=tuple(files)))
+    ctx.report.bytes = listed.listing.total_bytes
+    diff = moved.diff.without(changed)  # a copy some node had is of another version now
+    topo = place.topo
+    lacking = set(changed)
+    holders = [[] if i in lacking else list(topo.leaders) for i in range(len(files))]
+    plan = plan_transfers(
+        [f.size for f in files], holders, topo.size, ctx.cfg.shard_size, owners=[place.reader], copies=topo.groups
+    )
+    schedule = schedule_for(ctx.cfg, ctx.local, place, plan, earlier=first.schedule)
+    fanout = choose_fanout(ctx, place, schedule, first.shape.fanout)
+    shape = shapes.decide(ctx.cfg, ctx.local, ctx.rank, place, plan, bool(schedule.transfers), fanout)
+    first.pieces.drop(changed)  # read again: what the first read saw does not count
+    outcome = StageOutcome()
+    broadcaster: Broadcaster | None = None
+    with cluster.stage(outcome):
+        if place.leader:
+            if ctx.io.journal is not None:  # their blocks count no more, before the files are made anew
+                ctx.io.journal.drop([files[i].path for i in changed])
+            prepare_files(ctx, listed.listing, changed)
+            broadcaster = make_broadcaster(ctx, place, listed, diff, schedule, shape, first.pieces, first.stream_crcs)
+    here = writes_here(listed.listing, diff, schedule)
+    ctx.explain_space(outcome, sum(files[i].size for i in here))
+    cluster.conclude(cluster.clock(), outcome)
+    return Prepared(listed, diff, plan, schedule, shape, broadcaster, here, first.pieces, first.stream_crcs, True)

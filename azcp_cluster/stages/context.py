@@ -1,24 +1,21 @@
 """What every stage of a run shares: its fixed facts, the handles to close, two messages.
 
 The facts (configuration, rank, DEST, the cluster, the report) do not change once the run
-starts. The handles (DEST's tree and lock, the download's buffers, the node writers, the
-communicators) are opened by the stages that need them and closed here, whatever stage
-failed. A node writer is the run's: allocate makes it, the transfer stage that writes
-through it closes it at its end (and close() any left), never what merely uses it. Results
-move between stages as frozen values, not through this object.
+starts. The handles (DEST's tree and lock, the node's I/O, the communicators) are opened
+by the stages that need them and closed here, in one call, whatever stage failed. The
+node's I/O (buffers, writers, journal) has one owner, :class:`~azcp_cluster.stages.nodeio.NodeIO`:
+allocate makes each part, the transfer stage ends a part early when it is done with it.
+Results move between stages as frozen values, never through this object.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
-from azcp_cluster.core.chain import FanoutChoice
 from azcp_cluster.core.config import Config
-from azcp_cluster.core.crc import SourcePieces
-from azcp_cluster.core.errors import AzcpError, LocalFSError
+from azcp_cluster.core.errors import LocalFSError
 from azcp_cluster.core.source import is_url
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import Made, expand_dest, free_bytes
@@ -26,12 +23,10 @@ from azcp_cluster.run import collector
 from azcp_cluster.run.cluster import Cluster, StageOutcome
 from azcp_cluster.run.progress import resolve_mode
 from azcp_cluster.run.report import Report, ReportPrinter, say
+from azcp_cluster.stages.nodeio import NodeIO
 
 if TYPE_CHECKING:
     from azcp_cluster.dest.destlock import DestLock
-    from azcp_cluster.dest.journal import Journal
-    from azcp_cluster.dest.nodewriter import NodeWriter
-    from azcp_cluster.download.writepool import WritePool
 
 
 class RunContext:
@@ -72,7 +67,6 @@ class RunContext:
         # Where the files come from, as the block journal ties their blocks to it (never a
         # SAS: the query is cut off).
         self.origin = os.path.realpath(self.source_root) if self.local else cfg.source.split("?", 1)[0]
-        self.bytes_to_write = 0  # of the files this node writes (allocate): for a full-disk message
         self._warned_direct = False
         # Handles, opened by the stages and closed by close().
         # DEST opened by its real path (leaders, and downloaders once it exists): every file
@@ -80,20 +74,9 @@ class RunContext:
         self.tree: DestTree | None = None
         self.dest_lock: DestLock | None = None  # leaders: held from setup to the end of the run
         self.dest_made = Made()  # leaders: the directories setup made for DEST (removed if the run fails, empty)
-        self.write_pool: WritePool | None = None  # the download's buffers (allocate)
-        # The node writers (allocate): the download's, and the fan-out's (leaders); one and the
-        # same for a streaming leader that downloads (one set of threads for both).
-        self.download_writer: NodeWriter | None = None
-        self.fanout_writer: NodeWriter | None = None
-        self.journal: Journal | None = None  # ranks that write into the node's files: their block journal
-        # --verify: what this rank brought into the run (downloaded blocks, a local SOURCE's reads)
-        # with the CRC-32C of the bytes as they came, and the CRC-32C of each file its fan-out
-        # hashed in flight; finish.verify checks every copy against the first (core/crc.py).
-        self.source_pieces = SourcePieces()
-        self.stream_crcs: dict[int, int] = {}
+        self.io = NodeIO()  # the download's buffers, the node writers, the block journal (allocate)
         self.heap = collector.Hold()  # the listing, plan and schedule, frozen (collector.py) until the end
         self.node_comm: Any = None  # the leaders' communicator, for the fan-out (setup)
-        self.fanout: FanoutChoice | None = None  # leaders: the fan-out's transport, chosen once (allocate)
         self.group_comm: Any = None  # this node's ranks, its leader as rank 0 (setup)
 
     def dest_tree(self) -> DestTree:
@@ -101,33 +84,6 @@ class RunContext:
         if self.tree is None:
             self.tree = DestTree(self.dest, create=not self.cfg.dry_run)
         return self.tree
-
-    def free_write_pool(self) -> None:
-        """Free the download's buffers (its memory is not the fan-out's, nor the worker processes'):
-        also those kept for the fan-out, which may still hold the pool."""
-        pool, self.write_pool = self.write_pool, None
-        if pool is not None:
-            pool.close()
-
-    def close_write_pool(self) -> None:
-        """The download's end: its writer stopped after its queued writes, its buffers freed."""
-        writer, self.download_writer = self.download_writer, None
-        if writer is not None:
-            writer.close()
-        self.free_write_pool()
-
-    def close_fanout_writer(self) -> None:
-        """The fan-out's end: its writer stopped after its queued writes."""
-        writer, self.fanout_writer = self.fanout_writer, None
-        if writer is not None:
-            writer.close()
-
-    def close_journal(self) -> None:
-        """Record what was written since the journal's last append, and stop it; raise the
-        error of a sync it saw fail (the copy's bytes may not be on the disk)."""
-        journal, self.journal = self.journal, None
-        if journal is not None:
-            journal.close()
 
     def let_dest_be(self, remove: bool) -> None:
         """After ``close``: a failed run removes DEST (and the parents) this run made, if still empty.
@@ -142,13 +98,9 @@ class RunContext:
             made.close()
 
     def close(self) -> None:
-        """Stop the writer threads; journal what they wrote; release DEST; free the communicators."""
-        self.close_write_pool()
-        self.close_fanout_writer()
-        # After the writers: every write they finished is recorded. The run has failed already
-        # (or ends failing at its sync): its own error stands.
-        with contextlib.suppress(AzcpError):
-            self.close_journal()
+        """End the node's I/O (its writers after their queued writes, then the journal); release
+        DEST; free the communicators."""
+        self.io.close()
         if self.dest_lock is not None:
             self.dest_lock.close()
             self.dest_lock = None
@@ -162,15 +114,16 @@ class RunContext:
             self.group_comm.Free()
             self.group_comm = None
 
-    def explain_space(self, outcome: StageOutcome) -> None:
-        """Add what this node needed and has free to a full-disk error raised while writing."""
+    def explain_space(self, outcome: StageOutcome, needed: int) -> None:
+        """Add what this node needed (``needed``: the bytes of the files it writes) and has free to
+        a full-disk error raised while writing."""
         error = outcome.error
         if isinstance(error, LocalFSError) and getattr(error, "no_space", False):
             try:
                 free = f"{free_bytes(self.dest)} bytes free"
             except OSError:
                 free = "free space unknown"
-            error.message += f" ({self.bytes_to_write} bytes needed on this node, {free})"
+            error.message += f" ({needed} bytes needed on this node, {free})"
 
     def warn_direct(self, stats: list[dict[str, Any]]) -> None:
         """One line on rank 0 (once per run) when some rank's filesystem refused O_DIRECT."""

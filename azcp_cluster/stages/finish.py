@@ -32,11 +32,11 @@ def sync(ctx: RunContext, place: Placement, moved: Transferred) -> None:
     t0 = cluster.clock()
     outcome = StageOutcome()
     with cluster.stage(outcome):
-        ctx.close_journal()  # every byte is written: the journal's last append
+        ctx.io.end_journal()  # every byte is written: the journal's last append
         if place.leader and moved.here:
             files = moved.listed.listing.files
             ctx.dest_tree().sync_all([files[i].path for i in moved.here])
-    ctx.explain_space(outcome)
+    ctx.explain_space(outcome, moved.needed)
     result = cluster.conclude(t0, outcome, stage="sync")
     ctx.report.stages["bcast"].seconds += result.seconds
 
@@ -88,7 +88,7 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
                 both = dict(zip(reread, manifest.hash_files(hash_copy, reread), strict=True))
             digests = {i: md5 for i, (md5, _) in both.items()}
             # What was read back, else (--verify stream) what was hashed in flight.
-            crcs = {i: c for i, c in ctx.stream_crcs.items() if i in streamed}
+            crcs = {i: c for i, c in moved.stream_crcs.items() if i in streamed}
             crcs.update((i, c) for i, (_, c) in both.items())
             for i, digest in streamed.items():
                 if i not in digests:
@@ -121,7 +121,7 @@ def _pieces(ctx: RunContext, moved: Transferred) -> np.ndarray:
     from the source (file, offset, length, crc): its downloaded blocks and local SOURCE reads,
     and a leader's kept blocks that were downloaded or read on its node (checked when the run
     began; --verify keeps no block another node sent: journal.load)."""
-    pieces = list(ctx.source_pieces.pieces)
+    pieces = list(moved.pieces.pieces)
     for i, keep in moved.diff.kept.items():
         pieces.extend((i, c.offset, c.length, c.crc) for c in keep.claims if c.source)
     return np.array(pieces, dtype=np.uint64).reshape(-1, 4)
@@ -149,7 +149,7 @@ def rename(ctx: RunContext, place: Placement, moved: Transferred) -> None:
             paths = [files[i].path for i in moved.here]
             tree.rename_all(paths)  # each directory walked once, 8 directories at a time
             tree.sync_dirs(paths)
-    ctx.explain_space(outcome)
+    ctx.explain_space(outcome, moved.needed)
     result = cluster.conclude(t0, outcome, stage="rename")
     ctx.report.stages["bcast"].seconds += result.seconds
 

@@ -1,13 +1,14 @@
-"""The transfer stages: download, fan out (at once, streaming, or one after the other), send again.
+"""The transfer stage: download and fan out (at once, streaming, or one after the other).
 
-``move`` runs them and returns a frozen :class:`Transferred`: what every node now holds under
-temporary names, and the MD5s hashed in flight. The roles and the streaming protocol are in
-streaming.py and docs/architecture.md ("Streaming").
+``move`` runs one round as the allocate stage shaped it (``Prepared``; this module decides
+nothing of the shape) and returns a frozen :class:`Transferred`: what every node now holds
+under temporary names, the MD5s hashed in flight, and the local files that changed while
+they were read (pipeline.execute sends those again). The roles and the streaming protocol
+are in streaming.py and docs/architecture.md ("Streaming").
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -15,25 +16,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from azcp_cluster.core.config import Config
-from azcp_cluster.core.errors import AzcpError, SourceError
-from azcp_cluster.core.model import FileEntry
-from azcp_cluster.core.plan import Plan, plan_transfers
+from azcp_cluster.core.crc import SourcePieces
+from azcp_cluster.core.errors import AzcpError, InternalError, SourceError
 from azcp_cluster.core.waves import TAPER
-from azcp_cluster.dest.localsource import restat, source_file
-from azcp_cluster.fanout.broadcast import Broadcaster
+from azcp_cluster.dest.localsource import source_file
 from azcp_cluster.fanout.events import StageHooks
-from azcp_cluster.run.cluster import (
-    Cluster,
-    StageOutcome,
-    StageResult,
-    as_azcp_error,
-    error_from_payload,
-    error_payload,
-)
+from azcp_cluster.run.cluster import Cluster, StageOutcome, StageResult, as_azcp_error
 from azcp_cluster.run.progress import Progress
 from azcp_cluster.run.report import Report
-from azcp_cluster.stages import allocate
-from azcp_cluster.stages.allocate import Prepared, Schedule
+from azcp_cluster.stages.allocate import Prepared
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement
 from azcp_cluster.stages.survey import Diff, Listed
@@ -43,6 +34,7 @@ if TYPE_CHECKING:
     from azcp_cluster.download.downloader import Downloader
     from azcp_cluster.download.fetcher import DownloadStats, Fetcher
     from azcp_cluster.download.workers import WorkerDownloader
+    from azcp_cluster.download.writepool import WritePool
     from azcp_cluster.fanout.streaming import LandingFeed, Streamed
 
 
@@ -54,6 +46,18 @@ class Transferred:
     diff: Diff
     here: tuple[int, ...]  # the files this node wrote
     streamed_md5: Mapping[int, str]  # --verify: file index -> MD5 hashed in flight on this rank
+    # --verify: what this rank brought into the run with the CRC-32C of its bytes as they came,
+    # and the CRC-32C of each file its fan-out hashed in flight (allocate.Prepared).
+    pieces: SourcePieces
+    stream_crcs: Mapping[int, int]
+    changed: tuple[int, ...] = ()  # local SOURCE files that changed while they were read: sent again
+    resent: bool = False  # this was the second round of sending
+
+    @property
+    def needed(self) -> int:
+        """Bytes of the files this node writes (for a full-disk message)."""
+        files = self.listed.listing.files
+        return sum(files[i].size for i in self.here)
 
 
 @dataclass(frozen=True)
@@ -64,43 +68,60 @@ class FannedOut:
     digests: Mapping[int, str]  # --verify: file index -> MD5 hashed in flight on this rank
 
 
-def move(
-    ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan: Plan, schedule: Schedule, prepared: Prepared
-) -> Transferred:
-    """Download this rank's share and fan every byte out; a local file that changed is sent again."""
-    # Streaming needs something to fan out: a one-node run only downloads (see schedule_for).
-    if not ctx.local and ctx.cfg.overlap and any(plan.loads()) and schedule.transfers:
-        done = stream(ctx, place, listed, plan, schedule, prepared.broadcaster)
+def move(ctx: RunContext, place: Placement, prepared: Prepared, earlier: Transferred | None = None) -> Transferred:
+    """Download this rank's share and fan every byte out, as ``prepared`` (the allocate stage) shaped it.
+
+    ``earlier``: the first round, when this one sends again what changed while it was read
+    (pipeline.execute); its digests stand for the files not sent again.
+    """
+    if prepared.shape.streamed:
+        done = stream(ctx, place, prepared)
     else:
         if not ctx.local:
-            download(ctx, place, listed, plan)
-        done = fan_out(ctx, place, schedule, prepared.broadcaster)
-    moved = Transferred(listed, diff, prepared.here, done.digests)
-    if done.changed:
-        ctx.source_pieces.drop(done.changed)  # read again below: what the first read saw does not count
-        moved = send_again(ctx, place, moved, schedule, list(done.changed))
-    return moved
+            download(ctx, place, prepared)
+        done = fan_out(ctx, place, prepared)
+    digests = {**(earlier.streamed_md5 if earlier is not None else {}), **done.digests}
+    return Transferred(
+        prepared.listed,
+        prepared.diff,
+        prepared.here,
+        digests,
+        prepared.pieces,
+        prepared.stream_crcs,
+        done.changed,
+        prepared.resent,
+    )
 
 
-def download(ctx: RunContext, place: Placement, listed: Listed, plan: Plan) -> None:
+def changed_twice(ctx: RunContext, moved: Transferred) -> SourceError:
+    """The error for a local file that changed again while it was read a second time (exit 5)."""
+    listed = moved.listed
+    name = listed.listing.files[moved.changed[0]].name
+    return SourceError(
+        "the file changed while it was read, twice (it is being written to); copy it once it is complete",
+        path=source_file(ctx.source_root, name, listed.single_file),
+    )
+
+
+def download(ctx: RunContext, place: Placement, prepared: Prepared) -> None:
     """Every downloader fetches its shards into its node's temporary files."""
     from azcp_cluster.core.blocks import blocks_for
 
     cluster = ctx.cluster
     t0 = cluster.clock()
     outcome = StageOutcome()
-    mine = plan.owned_by(ctx.rank)
+    mine = prepared.plan.owned_by(ctx.rank)
     progress = Progress("download", sum(s.length for s in mine), ctx.show_progress)
     with cluster.stage(outcome):
         if mine:
-            fetcher = downloader(ctx, place, listed, plan, progress.add, ctx.cluster.peer_failed)
+            fetcher = downloader(ctx, place, prepared, progress.add, ctx.cluster.peer_failed)
             try:
                 fetcher.run(blocks_for(mine, ctx.cfg.block_size))
             finally:  # what it did, also when it failed: the report has the figures so far
                 outcome.stats = download_figures(fetcher.stats)
     progress.close()
-    ctx.close_write_pool()  # its memory is not needed by the fan-out
-    ctx.explain_space(outcome)
+    ctx.io.end_download()  # its memory is not needed by the fan-out
+    ctx.explain_space(outcome, prepared.needed)
     if outcome.error is not None:
         cluster.signal_failure(outcome)
 
@@ -125,40 +146,37 @@ def download_figures(stats: DownloadStats) -> dict[str, Any]:
 def downloader(
     ctx: RunContext,
     place: Placement,
-    listed: Listed,
-    plan: Plan,
+    prepared: Prepared,
     progress: Callable[[int], None],
     peer_failed: Callable[[], bool],
     notice: Callable[[Block], None] | None = None,
-    cfg: Config | None = None,
 ) -> Fetcher:
-    """This rank's downloader for its share of ``plan`` (paced by its share of --max-bandwidth): in the rank
-    itself, on ``--download-workers`` processes, or, auto, in the rank until it finds that processes would
-    shorten the copy (workers.py).
+    """This rank's downloader for its share of the plan (paced by its share of --max-bandwidth): in the
+    rank itself, on ``--download-workers`` processes, or, auto, in the rank until it finds that processes
+    would shorten the copy (workers.py). Its configuration is the shape's (a streamed copy's block size
+    and requests in flight).
 
     Its landing sink, composed here once for every part of it: each block's bytes to ``progress``, the block to
     this rank's journal (if any), then to ``notice`` (streaming), and with ``--verify`` its CRC to the run's
-    source pieces. It stops once ``peer_failed()``. ``cfg``: the run's, with a streamed copy's block size and
-    requests in flight (allocate.stream_sizes_for); None: the run's own.
+    source pieces. It stops once ``peer_failed()``.
     """
     from azcp_cluster.core.throttle import Pacer, share
-    from azcp_cluster.dest.nodewriter import NodeWriter
     from azcp_cluster.download import workers as worker_processes
     from azcp_cluster.download.downloader import Downloader
     from azcp_cluster.download.fetcher import LandingSink
-    from azcp_cluster.download.writepool import WRITER_THREADS
 
-    cfg = cfg if cfg is not None else ctx.cfg
+    shape = prepared.shape
+    cfg = shape.fetch
     auth = place.auth
     assert auth is not None
     rate = None
     if cfg.max_bandwidth is not None:
-        busy = sum(1 for load in plan.loads() if load)  # ranks that download at all
+        busy = sum(1 for load in prepared.plan.loads() if load)  # ranks that download at all
         rate = share(cfg.max_bandwidth, busy)
-    workers = allocate.download_workers(ctx, place, plan)
-    files = listed.listing.files
+    files = prepared.listed.listing.files
     tree = ctx.dest_tree()
-    journal, hashes = ctx.journal, ctx.source_pieces.add if cfg.verify else None
+    io = ctx.io
+    journal, hashes = io.journal, prepared.pieces.add if cfg.verify else None
     sink = LandingSink(progress, journal.written if journal is not None else None, notice, hashes=hashes)
 
     def processes(count: int) -> WorkerDownloader:
@@ -178,7 +196,8 @@ def downloader(
 
     def alone(handover: Callable[[], bool | None] | None = None) -> Downloader:
         pacer = Pacer.for_rate(rate, ctx.cluster.clock) if rate is not None else None
-        ctx.download_writer = ctx.download_writer or NodeWriter(files, tree, WRITER_THREADS)  # (streaming: allocate's)
+        if io.download_writer is None:
+            raise InternalError("the download's writer was not made before its stage (allocate)")
         return Downloader(
             files,
             tree,
@@ -187,20 +206,15 @@ def downloader(
             peer_failed=peer_failed,
             sink=sink,
             pacer=pacer,
-            pool=ctx.write_pool,
-            writer=ctx.download_writer,
+            pool=io.pool,
+            writer=io.download_writer,
             proxy=place.proxy,
             handover=handover,
         )
 
+    workers = shape.workers
     if workers > 1 and cfg.download_workers is None:
-        return worker_processes.AutoDownloader(
-            alone,
-            processes,
-            workers,
-            allocate.cpus_sharing(place),
-            release=ctx.free_write_pool,
-        )
+        return worker_processes.AutoDownloader(alone, processes, workers, shape.cpus_sharing, release=io.free_buffers)
     return processes(workers) if workers > 1 else alone()
 
 
@@ -218,14 +232,7 @@ def record_download(ctx: RunContext, result: StageResult) -> None:
     ctx.warn_direct(result.stats)
 
 
-def stream(
-    ctx: RunContext,
-    place: Placement,
-    listed: Listed,
-    plan: Plan,
-    schedule: Schedule,
-    broadcaster: Broadcaster | None,
-) -> FannedOut:
+def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     """Download and fan out at once: a transfer goes out as soon as its bytes are on its root's node.
 
     One failure signal for the whole stage: a rank that fails signals the others (their
@@ -240,11 +247,11 @@ def stream(
     topo = place.topo
     rank = ctx.rank
     t0 = cluster.clock()
+    plan, schedule, broadcaster = prepared.plan, prepared.schedule, prepared.broadcaster
     transfers = schedule.transfers  # columns: a transfer is made when the fan-out reads it
     downloaders = place.downloaders_here()
     # Smaller blocks, fewer of them in flight, where a share would otherwise land all at once.
-    streamed = allocate.download_config(ctx, place, plan, schedule)
-    unit = allocate.landing_unit(ctx, place, plan, streamed.block_size)
+    unit = prepared.shape.unit
     blocks, landing = node_blocks(transfers, plan, place.group, downloaders, unit, TAPER)
     mine = [Block(*blocks.blocks[i]) for i in blocks.of_rank.get(rank, ())]
     index = {(f, o): i for i, (f, o, _) in enumerate(blocks.blocks)}
@@ -263,7 +270,7 @@ def stream(
     fanned = FanOutTally(progress.add)
 
     def make_downloader(notice: Callable[[Block], None], peer_failed: Callable[[], bool]) -> Fetcher:
-        made.append(downloader(ctx, place, listed, plan, progress.add_download, peer_failed, notice, streamed))
+        made.append(downloader(ctx, place, prepared, progress.add_download, peer_failed, notice))
         return made[-1]
 
     with cluster.stage(outcome):
@@ -286,15 +293,31 @@ def stream(
                 own = make_downloader(lambda b: here.local(index[(b.file, b.offset)]), stop.is_set) if mine else None
             except Exception as exc:  # the fan-out still runs to its first agreement: nobody is left waiting
                 early = as_azcp_error(exc, rank)
-            pool = allocate.keep_landed(ctx, streamed, mine, unit)
+            pool = _keep_landed(ctx, prepared.shape.fetch, mine, unit)
             done = lead(broadcaster, transfers, feed, own, mine, since, rank, stop, hooks, early, pool)
             digests.update(done.digests or {})
         elif mine:
             done = notify_while_downloading(
                 ctx.group_comm, index, lambda notice: make_downloader(notice, cluster.peer_failed), mine, since
             )
-    _conclude_stream(ctx, t0, outcome, done, made, fanned, progress, broadcaster, feed, total)
+    _conclude_stream(ctx, t0, outcome, done, made, fanned, progress, prepared, feed)
     return FannedOut((), digests)
+
+
+def _keep_landed(ctx: RunContext, fetch: Config, mine: list[Block], unit: int) -> WritePool | None:
+    """A streaming leader's download buffers, told to keep what it writes for the fan-out to send
+    from memory (``mine``: its blocks, ``unit``: its transfers' size); None if it downloads none.
+
+    What this rank downloads in its own process lands in the pool's buffers: the pool keeps
+    what the requests in flight and its spares leave, if that holds a whole transfer (worker
+    processes' buffers are theirs: those blocks are read back from the disk)."""
+    from azcp_cluster.core.blocks import keepable, requests_for
+
+    pool = ctx.io.pool if mine else None
+    if pool is not None:
+        in_flight = min(fetch.concurrency, len(requests_for(mine, fetch.block_size)))
+        pool.keep_landed(keepable(pool.count, in_flight, -(-unit // pool.size)))
+    return pool
 
 
 def _conclude_stream(
@@ -305,12 +328,12 @@ def _conclude_stream(
     made: list[Fetcher],
     fanned: FanOutTally,
     progress: Progress,
-    broadcaster: Broadcaster | None,
+    prepared: Prepared,
     feed: LandingFeed | None,
-    total: int,
 ) -> None:
     """The streaming stage's end on this rank: its figures, what it holds released, the agreement."""
     cluster = ctx.cluster
+    broadcaster, total = prepared.broadcaster, prepared.schedule.payload
 
     def since() -> float:
         return cluster.clock() - t0
@@ -333,9 +356,9 @@ def _conclude_stream(
         cluster.signal_failure(outcome)  # before waiting for the node's downloaders: they stop on it
     if feed is not None:
         feed.finish()
-    ctx.close_write_pool()
-    ctx.close_fanout_writer()
-    ctx.explain_space(outcome)
+    ctx.io.end_download()
+    ctx.io.end_fanout()
+    ctx.explain_space(outcome, prepared.needed)
 
     def record(result: StageResult) -> None:
         record_download(ctx, result)
@@ -390,11 +413,12 @@ class FanOutTally:
             raise
 
 
-def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: Broadcaster | None) -> FannedOut:
+def fan_out(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     """Fan every byte out to every leader that receives it (temporary names only; see finish).
 
     Reports the local SOURCE's files that changed while they were read (agreed by all).
     """
+    schedule, broadcaster = prepared.schedule, prepared.broadcaster
     if not schedule.transfers:
         return FannedOut((), {})
     cluster = ctx.cluster
@@ -414,12 +438,12 @@ def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: 
                 "changed": sorted(broadcaster.changed),
                 "source_bytes": stats.source_bytes,
             }
-    ctx.close_fanout_writer()  # after its queued writes
+    ctx.io.end_fanout()  # after its queued writes
     outcome.stats["fanned"] = fanned.bytes
     progress.close()
     if broadcaster is not None and outcome.error is None:  # (see stream)
         broadcaster.release()
-    ctx.explain_space(outcome)
+    ctx.explain_space(outcome, prepared.needed)
     report = ctx.report
 
     def record(result: StageResult) -> None:
@@ -434,57 +458,3 @@ def fan_out(ctx: RunContext, place: Placement, schedule: Schedule, broadcaster: 
         report.source_bytes_by_rank = [a + b for a, b in zip(before, read, strict=True)]
     report.stages["bcast"].bytes += total  # a second round (send_again) adds to the first
     return FannedOut(tuple(sorted({i for st in result.stats for i in st.get("changed", ())})), digests)
-
-
-def send_again(
-    ctx: RunContext, place: Placement, moved: Transferred, first: Schedule, changed: list[int]
-) -> Transferred:
-    """Send the local SOURCE's files that changed while they were read once more, as they are now.
-
-    The reader looks at them again; every node makes their temporary files anew and
-    receives them again (a torn copy never reaches a final name: the rename comes after).
-    A file that changes again while it is read ends the run (exit 5), naming it.
-    """
-    cluster = ctx.cluster
-    listed = moved.listed
-    outcome = StageOutcome()
-    fresh: list[FileEntry] = []
-    if ctx.rank == place.reader:
-        with cluster.stage(outcome):
-            fresh = [restat(ctx.source_root, listed.listing.files[i], listed.single_file) for i in changed]
-    message = (fresh, error_payload(outcome.error) if outcome.error else None)
-    fresh, failure = cluster.bcast_object(message, root=place.reader)
-    if failure is not None:
-        raise error_from_payload(failure)
-    files = list(listed.listing.files)
-    for index, entry in zip(changed, fresh, strict=True):
-        files[index] = entry
-    listed = dataclasses.replace(listed, listing=dataclasses.replace(listed.listing, files=tuple(files)))
-    ctx.report.bytes = listed.listing.total_bytes
-    diff = moved.diff.without(changed)  # a copy some node had is of another version now
-    topo = place.topo
-    lacking = set(changed)
-    holders = [[] if i in lacking else list(topo.leaders) for i in range(len(files))]
-    plan = plan_transfers(
-        [f.size for f in files], holders, topo.size, ctx.cfg.shard_size, owners=[place.reader], copies=topo.groups
-    )
-    schedule = allocate.schedule_for(ctx, place, plan, earlier=first)
-    allocate.choose_fanout(ctx, place, schedule)
-    outcome = StageOutcome()
-    broadcaster: Broadcaster | None = None
-    with cluster.stage(outcome):
-        if place.leader:
-            if ctx.journal is not None:  # their blocks count no more, before the files are made anew
-                ctx.journal.drop([files[i].path for i in changed])
-            allocate.prepare_files(ctx, listed.listing, changed)
-            broadcaster = allocate.make_broadcaster(ctx, place, listed, diff, schedule)
-    ctx.explain_space(outcome)
-    cluster.conclude(cluster.clock(), outcome)
-    again = fan_out(ctx, place, schedule, broadcaster)
-    if again.changed:
-        raise SourceError(
-            "the file changed while it was read, twice (it is being written to); copy it once it is complete",
-            path=source_file(ctx.source_root, files[again.changed[0]].name, listed.single_file),
-        )
-    digests = {**moved.streamed_md5, **again.digests}
-    return Transferred(listed, diff, allocate.writes_here(listed.listing, diff, schedule), digests)

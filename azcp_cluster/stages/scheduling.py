@@ -1,0 +1,87 @@
+"""The schedule stage: the plan cut into the leaders' transfers, and the files they bring to this node.
+
+``schedule_for`` returns a frozen :class:`Schedule`; ``writes_here`` the files this node
+writes (and later syncs, verifies, renames). A streamed copy's transfers are as large as
+stages/shape.py decides (its one decision on streaming).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from azcp_cluster.core.blocks import MAX_SLOTS
+from azcp_cluster.core.columns import distinct
+from azcp_cluster.core.config import Config
+from azcp_cluster.core.model import Listing
+from azcp_cluster.core.packing import spread_chunk, spread_roots, transfer_schedule
+from azcp_cluster.core.plan import Plan
+from azcp_cluster.core.schedule import Transfer, Transfers, files_of, files_written, payload
+from azcp_cluster.core.waves import TAPER
+from azcp_cluster.stages.setup import Placement
+from azcp_cluster.stages.shape import stream_sizes_for
+from azcp_cluster.stages.survey import Diff
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The transfers between the leaders, and the files they bring to this rank's node."""
+
+    # schedule.Transfers (columns; each Transfer made when read), or any list of them
+    transfers: Sequence[Transfer]
+    receives: frozenset[int]  # files the schedule brings here (this and earlier rounds)
+
+    @property
+    def payload(self) -> int:
+        """Bytes of file data in the transfers (not the alignment padding)."""
+        return payload(self.transfers)
+
+    @property
+    def files(self) -> int:
+        """Files with bytes in the transfers."""
+        return files_of(self.transfers)
+
+
+def schedule_for(cfg: Config, local: bool, place: Placement, plan: Plan, earlier: Schedule | None = None) -> Schedule:
+    """The transfers between the leaders for ``plan`` (a shard goes out from its owner's leader).
+
+    ``earlier``: a first round's schedule, whose files this node still receives.
+    """
+    topo = place.topo
+    if topo.groups == 1 and not local:
+        # One node: the download writes every byte where it belongs and nobody receives, so
+        # nothing is fanned out (no slots, no read-back). A local SOURCE still goes through
+        # the fan-out: its reader's copy is the one the fan-out writes.
+        c = plan.columns
+        receives = set(distinct(c.file[c.length > 0]).tolist())
+        transfers = Transfers.of([], 1)
+    else:
+        sizes = stream_sizes_for(cfg, local, place, plan)
+        if sizes is not None:
+            chunk = sizes.chunk
+        elif cfg.fanout == "ibcast":  # a collective per slot: as few as the memory allows
+            chunk = cfg.chunk
+        else:  # several roots: every one of them in flight at once, round the ring
+            c = plan.columns
+            loads = np.zeros(topo.groups, dtype=np.int64)
+            np.add.at(loads, np.asarray(topo.group_of, dtype=np.int64)[c.owner], c.length)
+            roots = spread_roots(loads.tolist())
+            chunk = spread_chunk(cfg.chunk, cfg.bcast_pipeline, roots, MAX_SLOTS)
+        # Streamed: each root's last transfer tapered as its downloaders' last blocks are.
+        tapered = TAPER if sizes is not None else None
+        transfers = transfer_schedule(plan, chunk, topo.groups, root_of=topo.group_of, tapered=tapered)
+        receives = files_written(transfers, place.group)
+    if earlier is not None:
+        receives |= earlier.receives
+    return Schedule(transfers, frozenset(receives))
+
+
+def writes_here(listing: Listing, diff: Diff, schedule: Schedule) -> tuple[int, ...]:
+    """The transferred files this node does not have yet and the schedule brings it, or it kept
+    from a stopped run (it writes and renames these); empty files are made on every node."""
+    files = listing.files
+    receives = schedule.receives
+    kept = diff.kept
+    return tuple(i for i in diff.transfer if not diff.have[i] and (files[i].size == 0 or i in receives or i in kept))
