@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 from azcp_cluster.core.config import Config, format_bytes
 from azcp_cluster.core.errors import AzcpError, ReportPathError
 from azcp_cluster.core.plan import Plan, plan_transfers
-from azcp_cluster.run import collector
+from azcp_cluster.run import collector, figures
 from azcp_cluster.run.cluster import Cluster
-from azcp_cluster.run.report import Report, write_json_report
+from azcp_cluster.run.report import Report, ReportPrinter, write_json_report
 from azcp_cluster.stages import allocate, finish, scheduling, setup, survey, transfer
 from azcp_cluster.stages.context import RunContext
 
@@ -64,12 +64,14 @@ def run(
     cluster = Cluster(comm, clock, interrupts, cfg.peer_timeout or None)
     report = Report(ranks=cluster.size, dry_run=cfg.dry_run, max_bandwidth=cfg.max_bandwidth)
     started = clock()
-    ctx = RunContext(cfg, cluster, report, env, wall, out, host or socket.gethostname(), started, credential)
+    ctx = RunContext(cfg, cluster, report.record, env, wall, out, host or socket.gethostname(), started, credential)
+    # Rank 0 prints each report section as its stage ends (the rest at the end, below).
+    lines = ReportPrinter(report, out, enabled=cluster.rank == 0)
     failed: AzcpError | None = None
     plan_lines: list[str] = []
     agreed = False  # every rank ends here together: an agreed outcome, not one rank's bug
     try:
-        plan_lines = execute(ctx)
+        plan_lines = execute(ctx, report, lines)
         agreed = True
     except AzcpError as exc:
         failed = _attach(exc, report)
@@ -97,7 +99,7 @@ def run(
     if cluster.rank == 0:
         if cfg.json_path and not isinstance(failed, ReportPathError):
             write_json_report(report, cfg.json_path)
-        ctx.lines.rest(failed is not None, plan_lines)
+        lines.rest(failed is not None, plan_lines)
     if failed is not None:
         raise failed from None
     return report
@@ -128,22 +130,22 @@ def _report_at_signal(report: Report, path: str, cluster: Cluster, started: floa
     return write
 
 
-def execute(ctx: RunContext) -> list[str]:
+def execute(ctx: RunContext, report: Report, lines: ReportPrinter) -> list[str]:
     """Every stage in order on this rank; each hands a frozen result to the next.
 
     Returns the dry run's ``[plan]`` lines (rank 0), which the report prints after ``[diff]``.
     """
     cfg = ctx.cfg
     place = setup.setup(ctx)
-    ctx.lines.through("cluster")
+    lines.through("cluster")
     if ctx.rank == 0 and cfg.json_path:  # its place checked by setup (not inside DEST)
-        ctx.cluster.interrupts.on_first = _report_at_signal(ctx.report, cfg.json_path, ctx.cluster, ctx.started)
+        ctx.cluster.interrupts.on_first = _report_at_signal(report, cfg.json_path, ctx.cluster, ctx.started)
     # The listing, the plan and the schedule: up to millions of objects kept for the run.
     with collector.paused() as ctx.heap:
         listed = survey.list_source(ctx, place)
-        ctx.lines.through("list")
+        lines.through("list")
         diff = survey.diff(ctx, place, listed)
-        ctx.lines.through("diff")
+        lines.through("diff")
         topo = place.topo
         owners = list(place.readers) if ctx.local else list(topo.downloaders)
         plan = plan_transfers(
@@ -156,10 +158,7 @@ def execute(ctx: RunContext) -> list[str]:
             partial=diff.partial,  # a resumed run: only the ranges some copy lacks
             receivers=list(topo.leaders),
         )
-        report = ctx.report
-        report.plan_loads = plan.loads()
-        report.plan_spread = plan.spread(owners)
-        report.broadcast_shards = plan.shard_count
+        report.record(figures.Planned(tuple(plan.loads()), plan.spread(owners), plan.shard_count))
         # The fan-out runs between leaders: a shard goes out from its owner's leader.
         schedule = None if cfg.dry_run else scheduling.schedule_for(cfg, ctx.local, place, plan)
     if schedule is None:
@@ -176,11 +175,11 @@ def execute(ctx: RunContext) -> list[str]:
     if moved.changed:  # changed again while read again: it is being written to
         raise transfer.changed_twice(ctx, moved)
     del prepared  # the fan-out's slots are released; nothing below needs them
-    ctx.lines.through("transfer")
+    lines.through("transfer")
     finish.sync(ctx, place, moved)
     # Before the rename: a mismatch leaves no final name.
     verified = finish.verify(ctx, place, moved) if cfg.verify else {}
-    ctx.lines.through("verify")
+    lines.through("verify")
     # Every byte is durable everywhere (and verified): the renames and the manifest follow, and
     # a signal from now on changes nothing (a stop halfway would leave a complete copy reported
     # as stopped, with no manifest).

@@ -103,7 +103,7 @@ def test_the_send_again_round_is_a_loop_of_the_pipeline_not_a_stage_inside_anoth
 # either, and is added here with its kind, or it is a result and travels as a frozen value.
 CONTEXT_FIELDS = {
     # facts
-    "cfg", "cluster", "report", "env", "wall", "out", "lines", "host", "started", "credential", "rank",
+    "cfg", "cluster", "record", "env", "wall", "out", "host", "started", "credential", "rank",
     "dest", "dest_identity", "show_progress", "local", "source_root", "origin",
     # handles
     "tree", "dest_lock", "dest_made", "io", "heap", "node_comm", "group_comm", "_warned_direct",

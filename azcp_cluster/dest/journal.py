@@ -38,8 +38,8 @@ from azcp_cluster.dest import rehash
 from azcp_cluster.dest.destroot import identity
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import fs_error, temp_name
+from azcp_cluster.run.console import say
 from azcp_cluster.run.interrupts import shield
-from azcp_cluster.run.report import say
 
 # Seconds between two appends of a running journal at most: what a SIGKILL can lose. Sooner
 # once enough was written: resume.turn_due.

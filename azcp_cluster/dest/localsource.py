@@ -35,7 +35,7 @@ from azcp_cluster.core.model import FileEntry, Listing
 from azcp_cluster.core.naming import JOURNAL_DIR, LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX, RawEntry, select
 from azcp_cluster.dest.localfs import filesystem_type
 from azcp_cluster.dest.syscalls import CallPool
-from azcp_cluster.run.report import say
+from azcp_cluster.run.console import say
 
 # A file's identity is believed only once its change time is this far behind the reader's
 # clock at the listing: more than the coarsest timestamp granularity of the filesystems

@@ -21,8 +21,8 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from azcp_cluster.core.errors import ERROR_CLASSES, AzcpError, InternalError
 from azcp_cluster.run import liveness
@@ -35,25 +35,30 @@ class PeerFailed(Exception):
     """Raised inside a rank's stage work when another rank has already failed."""
 
 
+T = TypeVar("T")
+
+
 @dataclass
-class StageOutcome:
-    """What one rank brings to the end of a stage."""
+class StageOutcome(Generic[T]):
+    """What one rank brings to the end of a stage: its error, and its figures (``stats``) for the others."""
 
     error: AzcpError | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: T | None = None
     notified: bool = False  # this rank sent a FailureSignal
 
 
 @dataclass(frozen=True)
-class StageResult:
-    """What every rank knows after a stage: the slowest time and everyone's counters."""
+class StageResult(Generic[T]):
+    """What every rank knows after a stage: the slowest time, everyone's figures (by rank), and
+    whether some rank failed (its figures so far are still here)."""
 
     seconds: float
-    stats: list[dict[str, Any]]
+    stats: list[T | None]
+    failed: bool = False
 
-    def total(self, key: str) -> int:
-        """Sum of one counter over all ranks."""
-        return sum(int(s.get(key, 0)) for s in self.stats)
+    def each(self, missing: T) -> list[T]:
+        """Every rank's figures, ``missing`` for a rank that brought none."""
+        return [missing if st is None else st for st in self.stats]
 
 
 def error_payload(error: AzcpError) -> tuple[str, str, str | None, int | None]:
@@ -139,7 +144,7 @@ class Cluster:
     # -- agreement ------------------------------------------------------------------------
 
     @contextmanager
-    def stage(self, outcome: StageOutcome) -> Iterator[StageOutcome]:
+    def stage(self, outcome: StageOutcome[T]) -> Iterator[StageOutcome[T]]:
         """Run a rank's stage work, capturing any error into ``outcome`` instead of raising."""
         try:
             yield outcome
@@ -163,17 +168,17 @@ class Cluster:
         """Rank-local work a signal may stop at once (see :meth:`Interrupts.abandonable`)."""
         return self.interrupts.abandonable(self.rank)
 
-    def _note_interrupt(self, outcome: StageOutcome) -> None:
+    def _note_interrupt(self, outcome: StageOutcome[Any]) -> None:
         if outcome.error is None:
             outcome.error = self.interrupted()
 
     def conclude(
         self,
         started: float,
-        outcome: StageOutcome,
-        record: Callable[[StageResult], None] | None = None,
+        outcome: StageOutcome[T],
+        record: Callable[[StageResult[T]], None] | None = None,
         stage: str = "",
-    ) -> StageResult:
+    ) -> StageResult[T]:
         """End a stage on every rank: raise the agreed error, or return times and counters.
 
         ``record`` takes the gathered times and counters before either: a failed stage's
@@ -204,10 +209,10 @@ class Cluster:
         self._gather_timeline([g[4] for g in gathered])
         self.origins = [g[5] for g in gathered]
         self.peak_rss = max(self.peak_rss, *(g[6] for g in gathered))
-        result = StageResult(seconds=max(g[0] for g in gathered), stats=[g[2] for g in gathered])
+        errors = [g[1] for g in gathered if g[1] is not None]
+        result = StageResult(max(g[0] for g in gathered), [g[2] for g in gathered], bool(errors))
         if record is not None:
             record(result)
-        errors = [g[1] for g in gathered if g[1] is not None]
         if errors:
             raise error_from_payload(errors[0])
         return result
@@ -256,7 +261,7 @@ class Cluster:
 
     # -- failure signal -------------------------------------------------------------------
 
-    def signal_failure(self, outcome: StageOutcome) -> None:
+    def signal_failure(self, outcome: StageOutcome[Any]) -> None:
         """Tell every other rank, without blocking, that this rank has failed."""
         if outcome.notified or self.size == 1:
             return

@@ -8,13 +8,16 @@ import json
 import math
 import os
 import stat
-import sys
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from azcp_cluster.core.config import format_bytes
 from azcp_cluster.core.errors import UsageError
+from azcp_cluster.run import figures as fig
+from azcp_cluster.run.console import say
+from azcp_cluster.run.figures import Figures
 
 STAGES = ("list", "diff", "download", "bcast", "verify", "total")
 
@@ -113,10 +116,81 @@ class Report:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     timeline_origin: list[float] = field(default_factory=list)  # per rank: its run's start, Unix time
 
-    def record_download(self, seconds: float) -> None:
-        """The download stage's time (the slowest rank's), and the rate it achieved."""
+    def record(self, figures: Figures) -> None:
+        """A stage's figures into the report's fields: the one place a stage's outcome is written.
+
+        Called through the run's recorder when a stage's agreement is reached, also for a
+        stage that failed (its figures so far: bytes, retries, time).
+        """
+        match figures:
+            case fig.Roles():
+                self.nodes, self.writers, self.download_ranks = figures.nodes, figures.writers, figures.download_ranks
+                self.source_rank, self.source_readers = figures.source_rank, list(figures.source_readers)
+            case fig.Listed():
+                self.files, self.bytes = figures.files, figures.bytes
+                self.markers_skipped, self.filtered_out = figures.markers_skipped, figures.filtered_out
+                self.stages["list"] = StageFigures(figures.seconds, 0)
+            case fig.Compared():
+                self._record_compared(figures)
+            case fig.Planned():
+                self.plan_loads, self.plan_spread = list(figures.loads), figures.spread
+                self.broadcast_shards = figures.shards
+            case fig.FanoutChosen():
+                self.fanout = self.fanout or dict(figures.choice)
+            case fig.Downloaded():
+                self._record_download(figures)
+            case fig.FannedOut():
+                self._record_fanout(figures)
+            case fig.Resent():
+                self.bytes = figures.bytes
+            case fig.Finished():
+                self.stages["bcast"].seconds += figures.seconds
+            case fig.Verified():
+                self.stages["verify"] = StageFigures(figures.seconds, self.bytes)
+                if figures.files is not None:
+                    self.verified_files = figures.files
+                if figures.against_source is not None:
+                    self.verified_against_source = figures.against_source
+
+    def _record_compared(self, figures: fig.Compared) -> None:
+        self.resumed_files, self.resumed_bytes = figures.resumed_files, figures.resumed_bytes
+        self.stages["list"].seconds = figures.list_seconds
+        self.skipped_files, self.skipped_bytes = figures.skipped_files, figures.skipped_bytes
+        self.transfer_files, self.peer_files = figures.transfer_files, figures.peer_files
+        self.azure_files = figures.transfer_files - figures.peer_files
+        self.stages["diff"] = StageFigures(figures.seconds, 0)
+
+    def _record_download(self, figures: fig.Downloaded) -> None:
+        """The download's bytes, retries and their causes, its time (the slowest rank's) and rate."""
+        causes: Counter[str] = Counter()
+        for rank in figures.ranks:
+            causes.update(rank.causes)
+        self.downloaded_bytes = sum(rank.bytes for rank in figures.ranks)
+        self.retries = sum(rank.retries for rank in figures.ranks)
+        self.retries_by_rank = [rank.retries for rank in figures.ranks]
+        self.retry_causes = dict(causes)
+        self.worker_bytes_by_rank = [list(rank.workers) for rank in figures.ranks]
+        seconds = figures.seconds
         self.stages["download"] = StageFigures(seconds, self.downloaded_bytes)
         self.download_rate = self.downloaded_bytes / seconds if seconds > 0 else 0.0
+
+    def _record_fanout(self, figures: fig.FannedOut) -> None:
+        """A fan-out round: its time and bytes (a failed one: what the busiest leader did), the
+        bytes sent from memory and those read from a local SOURCE; a second round adds to the first."""
+        ranks = figures.ranks
+        self.stages["bcast"].seconds += figures.seconds
+        if figures.streamed:
+            self.overlap = True  # the mode, reported also when the stage fails
+            self.sent_from_memory_bytes += sum(rank.memory for rank in ranks)
+        if figures.failed:
+            self.broadcast_bytes += max((rank.fanned for rank in ranks), default=0)
+            return
+        self.broadcast_bytes += figures.payload
+        self.stages["bcast"].bytes += figures.payload
+        if figures.local:
+            read = [rank.source_bytes for rank in ranks]
+            before = self.source_bytes_by_rank or [0] * len(read)
+            self.source_bytes_by_rank = [a + b for a, b in zip(before, read, strict=True)]
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document written by ``--json``."""
@@ -164,16 +238,6 @@ def write_json_document(doc: dict[str, Any], path: str, durable: bool = True) ->
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-
-
-def say(line: str) -> None:
-    """``line`` on stderr in one write, flushed (a closed stderr loses it, nothing more).
-
-    One write: under ``PYTHONUNBUFFERED`` print() writes the text and its newline apart, and
-    two ranks' lines on one launcher's stderr then run together on one line."""
-    with contextlib.suppress(OSError, ValueError):
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
 
 
 def write_json_report(report: Report, path: str) -> None:

@@ -31,6 +31,7 @@ from azcp_cluster.fanout.broadcast import Broadcaster
 from azcp_cluster.fanout.chain import decide as decide_fanout
 from azcp_cluster.fanout.chain import transport_for
 from azcp_cluster.fanout.transport import MpiTransport
+from azcp_cluster.run import figures
 from azcp_cluster.run.cluster import StageOutcome, StageResult, error_from_payload, error_payload
 from azcp_cluster.stages import shape as shapes
 from azcp_cluster.stages.context import RunContext
@@ -87,7 +88,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
     t0 = cluster.clock()
     shape = dataclasses.replace(shape, fanout=choose_fanout(ctx, place, schedule))
     # The leaders' choice, carried by the stage's agreement to rank 0, which need not be one.
-    outcome = StageOutcome(stats={"fanout": shape.fanout.as_dict()} if shape.fanout is not None else {})
+    outcome = StageOutcome(stats=shape.fanout.as_dict() if shape.fanout is not None else None)
     broadcaster: Broadcaster | None = None
     pieces = SourcePieces()
     stream_crcs: dict[int, int] = {}
@@ -236,15 +237,14 @@ def choose_fanout(
     fanout = decide_fanout(
         MpiTransport(ctx.node_comm), cfg.fanout, payload(transfers), cfg.fanout_piece, max_length(transfers)
     )
-    ctx.report.fanout = fanout.as_dict()
     return fanout
 
 
-def record_fanout(ctx: RunContext, result: StageResult) -> None:
+def record_fanout(ctx: RunContext, result: StageResult[dict[str, object]]) -> None:
     """The fan-out's transport in the report, as the leaders chose it (rank 0 may be none)."""
-    chosen = [stats["fanout"] for stats in result.stats if stats.get("fanout")]
-    if chosen and not ctx.report.fanout:
-        ctx.report.fanout = chosen[0]
+    chosen = [choice for choice in result.stats if choice]
+    if chosen:
+        ctx.record(figures.FanoutChosen(chosen[0]))
 
 
 # Fan-out slots mapped in this stage; the others at first use. The first transfer's slot is
@@ -335,7 +335,7 @@ def resend(ctx: RunContext, place: Placement, moved: Transferred, first: Prepare
     cluster = ctx.cluster
     changed = list(moved.changed)
     listed = moved.listed
-    outcome = StageOutcome()
+    outcome: StageOutcome[None] = StageOutcome()
     fresh: list[FileEntry] = []
     if ctx.rank == place.reader:
         with cluster.stage(outcome):
@@ -348,7 +348,7 @@ def resend(ctx: RunContext, place: Placement, moved: Transferred, first: Prepare
     for index, entry in zip(changed, fresh, strict=True):
         files[index] = entry
     listed = dataclasses.replace(listed, listing=dataclasses.replace(listed.listing, files=tuple(files)))
-    ctx.report.bytes = listed.listing.total_bytes
+    ctx.record(figures.Resent(listed.listing.total_bytes))
     diff = moved.diff.without(changed)  # a copy some node had is of another version now
     topo = place.topo
     lacking = set(changed)

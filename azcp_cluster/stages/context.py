@@ -1,17 +1,18 @@
 """What every stage of a run shares: its fixed facts, the handles to close, two messages.
 
-The facts (configuration, rank, DEST, the cluster, the report) do not change once the run
+The facts (configuration, rank, DEST, the cluster) do not change once the run
 starts. The handles (DEST's tree and lock, the node's I/O, the communicators) are opened
 by the stages that need them and closed here, in one call, whatever stage failed. The
 node's I/O (buffers, writers, journal) has one owner, :class:`~azcp_cluster.stages.nodeio.NodeIO`:
 allocate makes each part, the transfer stage ends a part early when it is done with it.
-Results move between stages as frozen values, never through this object.
+Results move between stages as frozen values, never through this object; each stage's
+figures go to ``record`` (the run's report's, run/figures.py), the report's one writer.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from azcp_cluster.core.config import Config
@@ -21,8 +22,9 @@ from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import Made, expand_dest, free_bytes
 from azcp_cluster.run import collector
 from azcp_cluster.run.cluster import Cluster, StageOutcome
+from azcp_cluster.run.console import say
+from azcp_cluster.run.figures import Recorder
 from azcp_cluster.run.progress import resolve_mode
-from azcp_cluster.run.report import Report, ReportPrinter, say
 from azcp_cluster.stages.nodeio import NodeIO
 
 if TYPE_CHECKING:
@@ -36,7 +38,7 @@ class RunContext:
         self,
         cfg: Config,
         cluster: Cluster,
-        report: Report,
+        record: Recorder,
         env: Mapping[str, str],
         wall: Callable[[], float],
         out: TextIO,
@@ -46,12 +48,10 @@ class RunContext:
     ) -> None:
         self.cfg = cfg
         self.cluster = cluster
-        self.report = report
+        self.record = record  # a stage's figures into the run's report (Report.record)
         self.env = env
         self.wall = wall
         self.out = out
-        # Rank 0 prints each report section as its stage ends (the rest at the end: pipeline.run).
-        self.lines = ReportPrinter(report, out, enabled=cluster.rank == 0)
         self.host = host
         self.started = started
         self.credential = credential  # the Python API's credential=, else None
@@ -114,7 +114,7 @@ class RunContext:
             self.group_comm.Free()
             self.group_comm = None
 
-    def explain_space(self, outcome: StageOutcome, needed: int) -> None:
+    def explain_space(self, outcome: StageOutcome[Any], needed: int) -> None:
         """Add what this node needed (``needed``: the bytes of the files it writes) and has free to
         a full-disk error raised while writing."""
         error = outcome.error
@@ -125,15 +125,16 @@ class RunContext:
                 free = "free space unknown"
             error.message += f" ({needed} bytes needed on this node, {free})"
 
-    def warn_direct(self, stats: list[dict[str, Any]]) -> None:
-        """One line on rank 0 (once per run) when some rank's filesystem refused O_DIRECT."""
-        refused = [(rank, st["refused"]) for rank, st in enumerate(stats) if st.get("refused")]
-        if not refused or self._warned_direct:
+    def warn_direct(self, refused: Sequence[str | None]) -> None:
+        """One line on rank 0 (once per run) when some rank's filesystem refused O_DIRECT
+        (``refused``: per rank, a path where it did, or None)."""
+        where = [(rank, path) for rank, path in enumerate(refused) if path]
+        if not where or self._warned_direct:
             return
         self._warned_direct = True
         if self.rank == 0:
-            ranks = ", ".join(str(r) for r, _ in refused)
+            ranks = ", ".join(str(r) for r, _ in where)
             say(
                 f"azcp-cluster: warning: the filesystem of DEST refuses O_DIRECT on rank(s) {ranks} "
-                f"(e.g. {refused[0][1]}): writing through the page cache there"
+                f"(e.g. {where[0][1]}): writing through the page cache there"
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from itertools import compress
+from typing import NamedTuple
 
 import numpy as np
 
@@ -17,8 +18,8 @@ from azcp_cluster.core.digests import against_source, verdict
 from azcp_cluster.core.errors import VerifyError
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.dest import journal, manifest
+from azcp_cluster.run import figures
 from azcp_cluster.run.cluster import StageOutcome, StageResult
-from azcp_cluster.run.report import StageFigures
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement
 from azcp_cluster.stages.transfer import Transferred
@@ -26,11 +27,19 @@ from azcp_cluster.stages.transfer import Transferred
 EMPTY_MD5 = "1B2M2Y8AsgTpgAmY7PhCfg=="  # base64 MD5 of no bytes
 
 
+class ReadBack(NamedTuple):
+    """What one rank brings to the verify stage's agreement (a leader: its copies read back)."""
+
+    md5: Mapping[int, str]  # file index -> MD5 of this node's copy
+    crc: Mapping[int, int]  # file index -> CRC-32C of this node's copy
+    pieces: np.ndarray  # what this rank brought into the run: (file, offset, length, crc) rows
+
+
 def sync(ctx: RunContext, place: Placement, moved: Transferred) -> None:
     """fsync every file this node wrote, once every rank has every byte (counted in the bcast stage)."""
     cluster = ctx.cluster
     t0 = cluster.clock()
-    outcome = StageOutcome()
+    outcome: StageOutcome[None] = StageOutcome()
     with cluster.stage(outcome):
         ctx.io.end_journal()  # every byte is written: the journal's last append
         if place.leader and moved.here:
@@ -38,7 +47,7 @@ def sync(ctx: RunContext, place: Placement, moved: Transferred) -> None:
             ctx.dest_tree().sync_all([files[i].path for i in moved.here])
     ctx.explain_space(outcome, moved.needed)
     result = cluster.conclude(t0, outcome, stage="sync")
-    ctx.report.stages["bcast"].seconds += result.seconds
+    ctx.record(figures.Finished(result.seconds))
 
 
 def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int, str]:
@@ -56,7 +65,7 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
     """
     cluster = ctx.cluster
     t0 = cluster.clock()
-    outcome = StageOutcome()
+    outcome: StageOutcome[ReadBack] = StageOutcome()
     files = moved.listed.listing.files
     have = moved.diff.have
     disk = ctx.cfg.verify == "disk"
@@ -99,20 +108,22 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
                         "arrived: by the disk, the filesystem or another writer)",
                         path=tree.shown(files[i].path),
                     )
-        outcome.stats = {"md5": digests, "crc": crcs, "pieces": _pieces(ctx, moved)}
+        outcome.stats = ReadBack(digests, crcs, _pieces(ctx, moved))
     try:
 
-        def record(result: StageResult) -> None:  # the time, also when the copies differ
-            ctx.report.stages["verify"] = StageFigures(result.seconds, ctx.report.bytes)
+        def record(result: StageResult[ReadBack]) -> None:  # the time, also when the copies differ
+            ctx.record(figures.Verified(result.seconds))
 
         result = cluster.conclude(t0, outcome, record, stage="verify")
-        ctx.report.verified_against_source = _against_source(files, result, place.topo.leaders)
-        verified = verdict(files, [(rank, result.stats[rank]["md5"]) for rank in place.topo.leaders])
+        seen = result.each(ReadBack({}, {}, np.zeros((0, 4), dtype=np.uint64)))
+        against = _against_source(files, seen, place.topo.leaders)
+        ctx.record(figures.Verified(result.seconds, against_source=against))
+        verified = verdict(files, [(rank, seen[rank].md5) for rank in place.topo.leaders])
+        ctx.record(figures.Verified(result.seconds, files=len(verified)))
     except VerifyError:
         if place.leader:  # a copy that does not match is not resumed from: the rerun moves it all
             journal.remove(ctx.dest_tree())
         raise
-    ctx.report.verified_files = len(verified)
     return verified
 
 
@@ -127,13 +138,13 @@ def _pieces(ctx: RunContext, moved: Transferred) -> np.ndarray:
     return np.array(pieces, dtype=np.uint64).reshape(-1, 4)
 
 
-def _against_source(files: Sequence[FileEntry], result: StageResult, leaders: Sequence[int]) -> int:
+def _against_source(files: Sequence[FileEntry], seen: Sequence[ReadBack], leaders: Sequence[int]) -> int:
     """Every copy read back (or hashed in flight) against the CRC-32C of its file's bytes as they
     came from the source, composed from every rank's pieces (core/crc.py) where they tile the
     file; VerifyError naming the file and nodes. Returns how many files were checked so."""
-    pieces = (tuple(p) for stats in result.stats for p in stats["pieces"].tolist())
+    pieces = (tuple(p) for rank in seen for p in rank.pieces.tolist())
     source, conflicting = expected([f.size for f in files], pieces)
-    read_back = [(rank, result.stats[rank]["crc"]) for rank in leaders]
+    read_back = [(rank, seen[rank].crc) for rank in leaders]
     return against_source(files, read_back, source, conflicting)
 
 
@@ -141,7 +152,7 @@ def rename(ctx: RunContext, place: Placement, moved: Transferred) -> None:
     """Rename every file this node wrote to its final name, then fsync their directories."""
     cluster = ctx.cluster
     t0 = cluster.clock()
-    outcome = StageOutcome()
+    outcome: StageOutcome[None] = StageOutcome()
     with cluster.stage(outcome):
         if place.leader and moved.here:
             tree = ctx.dest_tree()
@@ -151,7 +162,7 @@ def rename(ctx: RunContext, place: Placement, moved: Transferred) -> None:
             tree.sync_dirs(paths)
     ctx.explain_space(outcome, moved.needed)
     result = cluster.conclude(t0, outcome, stage="rename")
-    ctx.report.stages["bcast"].seconds += result.seconds
+    ctx.record(figures.Finished(result.seconds))
 
 
 def record(ctx: RunContext, place: Placement, moved: Transferred, verified: Mapping[int, str]) -> None:
@@ -161,7 +172,7 @@ def record(ctx: RunContext, place: Placement, moved: Transferred, verified: Mapp
     version if its ETag or MD5 was checked; after a size check its entry stays as it was.
     """
     cluster = ctx.cluster
-    outcome = StageOutcome()
+    outcome: StageOutcome[None] = StageOutcome()
     t0 = cluster.clock()
     files = moved.listed.listing.files
     have = moved.diff.have

@@ -10,7 +10,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from azcp_cluster.azure.proxies import Proxy, proxy_for
 from azcp_cluster.core.config import json_inside_dest
@@ -21,8 +21,9 @@ from azcp_cluster.dest.destlock import DestLock, lock_backoff
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import ensure_dest, locate_dest, machine_id
 from azcp_cluster.dest.localsource import check_overlap
+from azcp_cluster.run import figures
 from azcp_cluster.run.cluster import StageOutcome
-from azcp_cluster.run.report import say
+from azcp_cluster.run.console import say
 from azcp_cluster.stages.context import RunContext
 
 if TYPE_CHECKING:
@@ -67,23 +68,24 @@ def setup(ctx: RunContext) -> Placement:
     """
     cluster = ctx.cluster
     cfg = ctx.cfg
-    outcome = StageOutcome()
+    outcome: StageOutcome[tuple[tuple[str, ...], bool]] = StageOutcome()
     t0 = cluster.clock()
     auth: Authorizer | None = None
     proxy: Proxy | None = None
     sees = False
     with cluster.stage(outcome):
         auth, proxy, sees = _check_arguments(ctx)
-        outcome.stats = {"place": place_of(ctx), "sees": sees}
+        outcome.stats = (place_of(ctx), sees)
     result = cluster.conclude(t0, outcome, stage="setup")
-    places = [Place(*st["place"]) for st in result.stats]
-    outcome = StageOutcome()
+    seen = result.each(((), False))
+    places = [Place(*place) for place, _ in seen]
+    made_here: StageOutcome[list[str]] = StageOutcome()
     t1 = cluster.clock()
     readers: list[int] = []
     topo = Topology(group_of=(0,), leaders=(0,), downloaders=(0,), hosts=1)
     leader = False
-    with cluster.stage(outcome):
-        readers, topo = _roles(ctx, [st["sees"] for st in result.stats], places)
+    with cluster.stage(made_here):
+        readers, topo = _roles(ctx, [sees for _, sees in seen], places)
         leader = topo.is_leader(ctx.rank)
         if ctx.local:  # on every rank: each knows only its own DEST
             check_overlap(os.path.realpath(ctx.source_root), ctx.dest_identity)
@@ -91,17 +93,17 @@ def setup(ctx: RunContext) -> Placement:
             raise ReportPathError(f"--json {cfg.json_path} lies inside DEST; write the report outside it")
         if leader:
             open_dest(ctx)
-        outcome.stats = {"made": ctx.dest_made.paths}
+        made_here.stats = list(ctx.dest_made.paths)
     cluster.note("roles", t1)
-    made = cluster.conclude(t0, outcome)
+    made = cluster.conclude(t0, made_here)
     reader = readers[0] if ctx.local else 0
     # DESTs side by side below directories this run made: whichever leader of the machine is
     # the last to remove its own DEST (a failed run) removes the parents too, if empty.
     ctx.dest_made.shared = {
         path
-        for rank, st in enumerate(made.stats)
+        for rank, paths in enumerate(made.each([]))
         if rank != ctx.rank and places[rank].same_machine(places[ctx.rank])
-        for path in st["made"]
+        for path in paths
     }
     if not cfg.dry_run:
         lock_dest(ctx, leader, t0, places)
@@ -172,12 +174,8 @@ def _roles(ctx: RunContext, sees_all: list[bool], places: list[Place]) -> tuple[
 
 def _report_roles(ctx: RunContext, topo: Topology, reader: int, readers: list[int]) -> None:
     """The roles in the run's report."""
-    report = ctx.report
-    report.nodes = topo.hosts
-    report.writers = topo.groups
-    report.download_ranks = 0 if ctx.local else len(topo.downloaders)
-    report.source_rank = reader if ctx.local else None
-    report.source_readers = list(readers)
+    download_ranks = 0 if ctx.local else len(topo.downloaders)
+    ctx.record(figures.Roles(topo.hosts, topo.groups, download_ranks, reader if ctx.local else None, tuple(readers)))
 
 
 def open_dest(ctx: RunContext) -> None:
@@ -208,6 +206,14 @@ def place_of(ctx: RunContext) -> tuple[str, ...]:
     return tuple(Place(ctx.host, machine_id(), directory, mount, within, ctx.dest))
 
 
+class LockSeen(NamedTuple):
+    """A leader's try at its DEST's lock, as the agreement carries it to every rank."""
+
+    held_by: str | None  # who holds it, if not this run's leader
+    me: str  # this run's leader, as a lock file names its holder
+    dest: str
+
+
 def lock_dest(ctx: RunContext, leader: bool, t0: float, places: list[Place]) -> None:
     """Every leader takes its DEST's lock, all or none (see destlock.py): try, agree, release, back off.
 
@@ -224,7 +230,7 @@ def lock_dest(ctx: RunContext, leader: bool, t0: float, places: list[Place]) -> 
     attempt = 0
     waited = False
     while True:
-        outcome = StageOutcome()
+        outcome: StageOutcome[LockSeen] = StageOutcome()
         tried = cluster.clock()
         with cluster.stage(outcome):
             held_by = None
@@ -240,29 +246,30 @@ def lock_dest(ctx: RunContext, leader: bool, t0: float, places: list[Place]) -> 
                 if ctx.dest_lock is None:
                     ctx.dest_lock = DestLock(ctx.tree, me)
                 held_by = ctx.dest_lock.try_acquire()
-            outcome.stats = {"held_by": held_by, "me": me, "dest": ctx.dest}
+            outcome.stats = LockSeen(held_by, me, ctx.dest)
         cluster.note("lock", tried)
         result = cluster.conclude(t0, outcome)
-        refused = [(rank, st) for rank, st in enumerate(result.stats) if st["held_by"] is not None]
+        seen = result.each(LockSeen(None, "", ""))
+        refused = [(rank, st) for rank, st in enumerate(seen) if st.held_by is not None]
         if not refused:
             return
         if ctx.dest_lock is not None:
             ctx.dest_lock.release()
         rank, st = refused[0]
-        ours = {other["me"]: r for r, other in enumerate(result.stats)}
-        if st["held_by"] in ours:  # two leaders of this run: one directory, two nodes
-            other = ours[st["held_by"]]
-            raise TopologyError(shared_dest(places[rank], places[other], other), path=st["dest"], rank=rank)
-        holder = f"in use by another run (host {st['held_by']})"
+        ours = {other.me: r for r, other in enumerate(seen)}
+        if st.held_by in ours:  # two leaders of this run: one directory, two nodes
+            other = ours[st.held_by]
+            raise TopologyError(shared_dest(places[rank], places[other], other), path=st.dest, rank=rank)
+        holder = f"in use by another run (host {st.held_by})"
         if cfg.lock == "fail":
-            raise LockError(f"DEST is {holder}; --lock fail", path=st["dest"], rank=rank)
+            raise LockError(f"DEST is {holder}; --lock fail", path=st.dest, rank=rank)
         if cfg.lock_timeout is not None and result.seconds >= cfg.lock_timeout:
             raise LockError(
-                f"DEST is still {holder} after --lock-timeout {cfg.lock_timeout:g} s", path=st["dest"], rank=rank
+                f"DEST is still {holder} after --lock-timeout {cfg.lock_timeout:g} s", path=st.dest, rank=rank
             )
         if not waited and ctx.rank == 0:
             say(
-                f"azcp-cluster: notice: rank {rank}: DEST {st['dest']} is {holder}; waiting for it to end "
+                f"azcp-cluster: notice: rank {rank}: DEST {st.dest} is {holder}; waiting for it to end "
                 "(--lock fail exits instead)"
             )
         waited = True

@@ -12,7 +12,7 @@ import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 
@@ -23,8 +23,9 @@ from azcp_cluster.core.resume import Segment, segments, total
 from azcp_cluster.core.source import BlobSource, parse_blob_url
 from azcp_cluster.dest import journal, manifest
 from azcp_cluster.dest.localsource import list_local
+from azcp_cluster.run import figures
 from azcp_cluster.run.cluster import StageOutcome, error_from_payload, error_payload
-from azcp_cluster.run.report import StageFigures, say
+from azcp_cluster.run.console import say
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement
 
@@ -78,7 +79,7 @@ def list_source(ctx: RunContext, place: Placement) -> Listed:
         return _listed(ctx, listing, False, cluster.clock() - t0)
     payload: bytes | None = None
     listed: Listing | None = None
-    outcome = StageOutcome()
+    outcome: StageOutcome[None] = StageOutcome()
     if ctx.rank == place.reader:
         with cluster.stage(outcome), cluster.abandonable():  # a signal stops the listing at once
             if ctx.local:
@@ -122,7 +123,7 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
     lister = place.reader
     source = parse_blob_url(cfg.source)
     assert place.auth is not None
-    outcome = StageOutcome()
+    outcome: StageOutcome[None] = StageOutcome()
     helpers = list(place.topo.downloaders)
     parallel = len(helpers) * blobrest.IN_FLIGHT
     start = bloblist.Start(None, [], [], [], 0)
@@ -184,7 +185,7 @@ def _list_levels(
             if not bloblist.descend(len(folders), parallel, depth):
                 break
             levels, folders, depth = [(folder, "") for folder in folders], [], depth + 1
-        outcome = StageOutcome()
+        outcome: StageOutcome[None] = StageOutcome()
         below: list[str] = []
         with cluster.stage(outcome), cluster.abandonable():
             found, below = bloblist.list_levels(source, place.auth, ctx.cfg, _share(levels, helpers, ctx.rank))
@@ -199,7 +200,7 @@ def _list_levels(
     return entries, folders
 
 
-def _merge_parts(ctx: RunContext, prefix: str, mine: Iterable[Any], listed: StageOutcome) -> Listing:
+def _merge_parts(ctx: RunContext, prefix: str, mine: Iterable[Any], listed: StageOutcome[None]) -> Listing:
     """The same listing on every rank from every rank's part (``mine``: this rank's blobs;
     ``listed``: how its listing went). The rules that look at one blob at a time run on each
     rank's own part (while the others still list); every rank then merges the same parts
@@ -207,7 +208,7 @@ def _merge_parts(ctx: RunContext, prefix: str, mine: Iterable[Any], listed: Stag
     rank found unsafe."""
     cluster = ctx.cluster
     cfg = ctx.cfg
-    named = StageOutcome()
+    named: StageOutcome[None] = StageOutcome()
     part = Selected([], 0, 0)
     if listed.error is None:
         with cluster.stage(named), cluster.abandonable():
@@ -227,12 +228,9 @@ def _merge_parts(ctx: RunContext, prefix: str, mine: Iterable[Any], listed: Stag
 
 def _listed(ctx: RunContext, listing: Listing, single: bool, seconds: float) -> Listed:
     """The listing's figures in the report (and the warning for an empty one)."""
-    report = ctx.report
-    report.files = len(listing.files)
-    report.bytes = listing.total_bytes
-    report.markers_skipped = listing.markers_skipped
-    report.filtered_out = listing.filtered_out
-    report.stages["list"] = StageFigures(seconds, 0)
+    ctx.record(
+        figures.Listed(len(listing.files), listing.total_bytes, listing.markers_skipped, listing.filtered_out, seconds)
+    )
     if not listing.files:
         # On every rank alike (they all have the listing): a typo in a job script's SOURCE
         # must not pass its staging step. With --allow-empty, a finished copy of nothing.
@@ -262,11 +260,19 @@ def empty_source(ctx: RunContext, listing: Listing) -> str:
     return f"{where} holds no file to copy; a typo in SOURCE? (--allow-empty makes that a finished, empty copy)"
 
 
+class Seen(NamedTuple):
+    """What one leader found in its DEST (the others bring nothing), as the agreement carries it."""
+
+    present: bytes  # per file, whether it is here (packed bits)
+    list_seconds: float  # this rank's time in the list stage
+    kept: Mapping[int, tuple[tuple[int, int], ...]]  # per file a stopped run kept blocks of: the spans
+
+
 def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
     """Which files to transfer, and for each file the leaders whose copy already has it."""
     cluster = ctx.cluster
     t0 = cluster.clock()
-    outcome = StageOutcome()
+    outcome: StageOutcome[Seen] = StageOutcome()
     files = listed.listing.files
     kept: dict[int, journal.Kept] = {}
     with cluster.stage(outcome):
@@ -282,30 +288,33 @@ def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
                     # --verify keeps only blocks that came from the source on this node (journal.load).
                     kept = journal.load(tree, files, lacking, ctx.origin, received=not ctx.cfg.verify)
         spans = {i: k.spans for i, k in kept.items()}
-        outcome.stats = {"present": present, "list_seconds": listed.seconds, "kept": spans}
+        outcome.stats = Seen(present, listed.seconds, spans)
     result = cluster.conclude(t0, outcome, stage="diff")
+    seen = result.each(Seen(b"", 0.0, {}))
     leaders = place.topo.leaders
     matrix = np.stack(
         [
-            np.unpackbits(np.frombuffer(result.stats[leader]["present"], dtype=np.uint8), count=len(files)).astype(bool)
+            np.unpackbits(np.frombuffer(seen[leader].present, dtype=np.uint8), count=len(files)).astype(bool)
             for leader in leaders
         ]
     )  # groups x files
     everywhere = matrix.all(axis=0)
     transfer = tuple(np.flatnonzero(~everywhere).tolist())
     holders = holders_of(matrix, leaders)
-    kept_by = [result.stats[leader]["kept"] for leader in leaders]  # per node: file -> spans kept
+    kept_by = [seen[leader].kept for leader in leaders]  # per node: file -> spans kept
     partial = resumed(files, holders, leaders, kept_by)
-    report = ctx.report
-    report.resumed_files = len(partial)
-    report.resumed_bytes = sum(total(spans) for k in kept_by for spans in k.values())
-    report.stages["list"].seconds = max(s["list_seconds"] for s in result.stats)
-    report.skipped_files = len(files) - len(transfer)
-    report.skipped_bytes = sum(files[i].size for i in np.flatnonzero(everywhere))
-    report.transfer_files = len(transfer)
-    report.peer_files = sum(1 for i in transfer if holders[i])
-    report.azure_files = report.transfer_files - report.peer_files
-    report.stages["diff"] = StageFigures(result.seconds, 0)
+    ctx.record(
+        figures.Compared(
+            list_seconds=max(s.list_seconds for s in seen),
+            resumed_files=len(partial),
+            resumed_bytes=sum(total(spans) for k in kept_by for spans in k.values()),
+            skipped_files=len(files) - len(transfer),
+            skipped_bytes=sum(files[i].size for i in np.flatnonzero(everywhere)),
+            transfer_files=len(transfer),
+            peer_files=sum(1 for i in transfer if holders[i]),
+            seconds=result.seconds,
+        )
+    )
     return Diff(transfer, holders, tuple(matrix[place.group].tolist()), partial, kept)
 
 

@@ -9,11 +9,11 @@ are in streaming.py and docs/architecture.md ("Streaming").
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.crc import SourcePieces
@@ -21,9 +21,10 @@ from azcp_cluster.core.errors import AzcpError, InternalError, SourceError
 from azcp_cluster.core.waves import TAPER
 from azcp_cluster.dest.localsource import source_file
 from azcp_cluster.fanout.events import StageHooks
-from azcp_cluster.run.cluster import Cluster, StageOutcome, StageResult, as_azcp_error
+from azcp_cluster.run import figures
+from azcp_cluster.run.cluster import StageOutcome, StageResult, as_azcp_error
+from azcp_cluster.run.figures import RankDownload, RankFanout
 from azcp_cluster.run.progress import Progress
-from azcp_cluster.run.report import Report
 from azcp_cluster.stages.allocate import Prepared
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.setup import Placement
@@ -109,14 +110,14 @@ def download(ctx: RunContext, place: Placement, prepared: Prepared) -> None:
 
     cluster = ctx.cluster
     t0 = cluster.clock()
-    outcome = StageOutcome()
+    outcome: StageOutcome[RankDownload] = StageOutcome()
     mine = prepared.plan.owned_by(ctx.rank)
     progress = Progress("download", sum(s.length for s in mine), ctx.show_progress)
     with cluster.stage(outcome):
         if mine:
             fetcher = downloader(ctx, place, prepared, progress.add, ctx.cluster.peer_failed)
             try:
-                fetcher.run(blocks_for(mine, ctx.cfg.block_size))
+                fetcher.run(blocks_for(mine, prepared.shape.fetch.block_size))
             finally:  # what it did, also when it failed: the report has the figures so far
                 outcome.stats = download_figures(fetcher.stats)
     progress.close()
@@ -125,22 +126,19 @@ def download(ctx: RunContext, place: Placement, prepared: Prepared) -> None:
     if outcome.error is not None:
         cluster.signal_failure(outcome)
 
-    def record(result: StageResult) -> None:
-        record_download(ctx, result)
-        ctx.report.record_download(result.seconds)
+    def record(result: StageResult[RankDownload]) -> None:
+        ranks = tuple(result.each(RankDownload()))
+        ctx.record(figures.Downloaded(result.seconds, ranks))
+        ctx.warn_direct([rank.refused for rank in ranks])
 
     cluster.conclude(t0, outcome, record, stage="download")
 
 
-def download_figures(stats: DownloadStats) -> dict[str, Any]:
+def download_figures(stats: DownloadStats) -> RankDownload:
     """One rank's download counters, as its stage outcome carries them to the report."""
-    return {
-        "bytes": stats.bytes,
-        "retries": stats.retries,
-        "causes": dict(stats.retry_causes),
-        "refused": stats.direct_refused,
-        "workers": list(stats.worker_bytes),
-    }
+    return RankDownload(
+        stats.bytes, stats.retries, dict(stats.retry_causes), stats.direct_refused or None, tuple(stats.worker_bytes)
+    )
 
 
 def downloader(
@@ -218,20 +216,6 @@ def downloader(
     return processes(workers) if workers > 1 else alone()
 
 
-def record_download(ctx: RunContext, result: StageResult) -> None:
-    """The download's figures in the report: bytes, retries and their causes."""
-    causes: Counter[str] = Counter()
-    for stats_of_rank in result.stats:
-        causes.update(stats_of_rank.get("causes", {}))
-    report = ctx.report
-    report.downloaded_bytes = result.total("bytes")
-    report.retries = result.total("retries")
-    report.retries_by_rank = [int(st.get("retries", 0)) for st in result.stats]
-    report.retry_causes = dict(causes)
-    report.worker_bytes_by_rank = [list(st.get("workers", ())) for st in result.stats]
-    ctx.warn_direct(result.stats)
-
-
 def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     """Download and fan out at once: a transfer goes out as soon as its bytes are on its root's node.
 
@@ -259,7 +243,7 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     progress = Progress("transfer", total, ctx.show_progress)
     progress.expect_download(sum(s.length for s in plan.owned_by(rank)))
     progress.expect_files(schedule.files)
-    outcome = StageOutcome()
+    outcome: StageOutcome[RankFanout] = StageOutcome()
     feed: LandingFeed | None = None
     digests: dict[int, str] = {}
 
@@ -323,7 +307,7 @@ def _keep_landed(ctx: RunContext, fetch: Config, mine: list[Block], unit: int) -
 def _conclude_stream(
     ctx: RunContext,
     t0: float,
-    outcome: StageOutcome,
+    outcome: StageOutcome[RankFanout],
     done: Streamed,
     made: list[Fetcher],
     fanned: FanOutTally,
@@ -333,20 +317,14 @@ def _conclude_stream(
 ) -> None:
     """The streaming stage's end on this rank: its figures, what it holds released, the agreement."""
     cluster = ctx.cluster
-    broadcaster, total = prepared.broadcaster, prepared.schedule.payload
-
-    def since() -> float:
-        return cluster.clock() - t0
-
+    broadcaster = prepared.broadcaster
     # A rank stopped early downloaded until now (its own stop came with the stage's).
-    downloaded = done.downloaded if outcome.error is None or not made else since()
-    stats: dict[str, Any] = {"downloaded": downloaded, "fanned": fanned.bytes}
-    stats.update(download_figures(made[0].stats) if made else {})
-    if done.fanout is not None and done.fanout.direct_refused:
-        stats["refused"] = done.fanout.direct_refused
-    if done.fanout is not None:
-        stats["memory"] = done.fanout.memory_bytes
-    outcome.stats = stats
+    downloaded = done.downloaded if outcome.error is None or not made else cluster.clock() - t0
+    download = download_figures(made[0].stats) if made else None
+    fanout = done.fanout
+    refused = (fanout.direct_refused if fanout is not None else None) or (download.refused if download else None)
+    memory = fanout.memory_bytes if fanout is not None else 0
+    outcome.stats = RankFanout(fanned.bytes, refused or None, memory=memory, downloaded=downloaded, download=download)
     progress.close()
     if broadcaster is not None and outcome.error is None:
         # Only after a normal end: leaving early, writes may still be queued on the shared
@@ -360,19 +338,17 @@ def _conclude_stream(
     ctx.io.end_fanout()
     ctx.explain_space(outcome, prepared.needed)
 
-    def record(result: StageResult) -> None:
-        record_download(ctx, result)
-        report.record_download(max(float(st.get("downloaded", 0.0)) for st in result.stats))
-        report.sent_from_memory_bytes += sum(int(st.get("memory", 0)) for st in result.stats)
-        report.stages["bcast"].seconds += result.seconds
+    def record(result: StageResult[RankFanout]) -> None:
+        ranks = tuple(result.each(RankFanout()))
+        slowest = max(rank.downloaded for rank in ranks)  # the download: to the last byte landed
+        ctx.record(figures.Downloaded(slowest, tuple(rank.download or RankDownload() for rank in ranks)))
+        payload = prepared.schedule.payload
+        ctx.record(figures.FannedOut(result.seconds, payload, ranks, result.failed, streamed=True))
+        ctx.warn_direct([rank.refused for rank in ranks])
 
-    report = ctx.report
-    report.overlap = True  # the mode, reported also when the stage fails
     if made and done.downloaded:  # this rank's download inside the transfer: to its last byte landed
         cluster.note("download", t0, t0 + done.downloaded)
-    fanned.conclude(cluster, t0, outcome, record, report, stage="transfer")
-    report.broadcast_bytes += total
-    report.stages["bcast"].bytes += total
+    cluster.conclude(t0, outcome, record, stage="transfer")
 
 
 class FanOutTally:
@@ -388,30 +364,6 @@ class FanOutTally:
         self.bytes += nbytes
         self._progress(nbytes, files)
 
-    def conclude(
-        self,
-        cluster: Cluster,
-        t0: float,
-        outcome: StageOutcome,
-        record: Callable[[StageResult], None],
-        report: Report,
-        stage: str,
-    ) -> StageResult:
-        """The stage's agreement; if it failed, the report's broadcast bytes are those done (the
-        most any leader did: each takes part in every transfer it receives)."""
-        seen: list[StageResult] = []
-
-        def keep(result: StageResult) -> None:
-            seen.append(result)
-            record(result)
-
-        try:
-            return cluster.conclude(t0, outcome, keep, stage=stage)
-        except AzcpError:
-            if seen:
-                report.broadcast_bytes += max(int(st.get("fanned", 0)) for st in seen[0].stats)
-            raise
-
 
 def fan_out(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     """Fan every byte out to every leader that receives it (temporary names only; see finish).
@@ -423,38 +375,30 @@ def fan_out(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
         return FannedOut((), {})
     cluster = ctx.cluster
     t0 = cluster.clock()
-    total = schedule.payload
-    progress = Progress("bcast", total, ctx.show_progress)
+    progress = Progress("bcast", schedule.payload, ctx.show_progress)
     progress.expect_files(schedule.files)
-    outcome = StageOutcome()
+    outcome: StageOutcome[RankFanout] = StageOutcome()
     digests: dict[int, str] = {}
     fanned = FanOutTally(progress.add)
+    mine = RankFanout()
     with cluster.stage(outcome):
         if broadcaster is not None:  # leaders only; the others wait at the agreement
             stats = broadcaster.run(schedule.transfers, StageHooks(on_bytes=fanned.add))
             digests.update(broadcaster.digests)
-            outcome.stats = {
-                "refused": stats.direct_refused,
-                "changed": sorted(broadcaster.changed),
-                "source_bytes": stats.source_bytes,
-            }
+            changed = tuple(sorted(broadcaster.changed))
+            mine = RankFanout(refused=stats.direct_refused or None, changed=changed, source_bytes=stats.source_bytes)
     ctx.io.end_fanout()  # after its queued writes
-    outcome.stats["fanned"] = fanned.bytes
+    outcome.stats = dataclasses.replace(mine, fanned=fanned.bytes)
     progress.close()
     if broadcaster is not None and outcome.error is None:  # (see stream)
         broadcaster.release()
     ctx.explain_space(outcome, prepared.needed)
-    report = ctx.report
 
-    def record(result: StageResult) -> None:
-        report.stages["bcast"].seconds += result.seconds
+    def record(result: StageResult[RankFanout]) -> None:
+        ranks = tuple(result.each(RankFanout()))
+        ctx.record(figures.FannedOut(result.seconds, schedule.payload, ranks, result.failed, local=ctx.local))
+        if not result.failed:
+            ctx.warn_direct([rank.refused for rank in ranks])
 
-    result = fanned.conclude(cluster, t0, outcome, record, report, stage="bcast")
-    report.broadcast_bytes += total
-    ctx.warn_direct(result.stats)
-    if ctx.local:
-        read = [int(st.get("source_bytes", 0)) for st in result.stats]
-        before = report.source_bytes_by_rank or [0] * len(read)
-        report.source_bytes_by_rank = [a + b for a, b in zip(before, read, strict=True)]
-    report.stages["bcast"].bytes += total  # a second round (send_again) adds to the first
-    return FannedOut(tuple(sorted({i for st in result.stats for i in st.get("changed", ())})), digests)
+    result = cluster.conclude(t0, outcome, record, stage="bcast")
+    return FannedOut(tuple(sorted({i for st in result.each(RankFanout()) for i in st.changed})), digests)
