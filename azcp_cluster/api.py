@@ -12,6 +12,7 @@ import dataclasses
 import io
 from typing import Any, TextIO
 
+from azcp_cluster.core.comm import Comm
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import UsageError
 from azcp_cluster.options import check_source_kind, coerce
@@ -42,7 +43,7 @@ def stage(
     source: str,
     dest: str,
     *,
-    comm: Any = None,
+    comm: Comm | None = None,
     out: TextIO | None = None,
     quiet: bool = False,
     credential: Any = None,

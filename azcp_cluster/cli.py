@@ -25,8 +25,8 @@ import sys
 TYPE_CHECKING = False  # typing's own costs an import before the handlers are in (mypy reads it as True)
 if TYPE_CHECKING:
     from collections.abc import Sequence
-    from typing import Any
 
+    from azcp_cluster.core.comm import Comm
     from azcp_cluster.run.interrupts import Interrupts
     from azcp_cluster.run.mpi import MpiRuntime
 
@@ -124,7 +124,7 @@ def _main(argv: Sequence[str] | None, interrupts: Interrupts, mpi: MpiRuntime) -
     from azcp_cluster.core.errors import AzcpError, ReportPathError, UsageError
     from azcp_cluster.run.mpi import launcher_mismatch, launcher_rank, library_version
 
-    comm: Any = None
+    comm: Comm | None = None
     try:
         from azcp_cluster import options
 
@@ -172,7 +172,7 @@ def _main(argv: Sequence[str] | None, interrupts: Interrupts, mpi: MpiRuntime) -
         return _unexpected(exc, comm, interrupts)
 
 
-def _unexpected(exc: BaseException, comm: Any, interrupts: Interrupts) -> int:
+def _unexpected(exc: BaseException, comm: Comm | None, interrupts: Interrupts) -> int:
     """What no stage agreed on: a signal outside any stage, or a bug. Ends the whole job
     (:func:`azcp_cluster.run.ending.end_job`: ``MPI_Abort``, then this process's own exit if
     the abort has not ended it), or returns the exit code where no other rank waits."""

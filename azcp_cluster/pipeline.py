@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
+from azcp_cluster.core.comm import Comm
 from azcp_cluster.core.config import Config, format_bytes
 from azcp_cluster.core.errors import AzcpError, ReportPathError
 from azcp_cluster.core.plan import Plan, plan_transfers
@@ -42,7 +43,7 @@ def _attach(error: AzcpError, report: Report) -> AzcpError:
 
 def run(
     cfg: Config,
-    comm: Any,
+    comm: Comm,
     *,
     env: Mapping[str, str] | None = None,
     clock: Callable[[], float] = time.monotonic,

@@ -94,9 +94,9 @@ def test_the_send_again_round_is_a_loop_of_the_pipeline_not_a_stage_inside_anoth
     """No stage module calls allocate.resend or transfer.move: pipeline.execute does."""
     for path, tree in _sources().items():
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr in ("resend", "move") and path != "pipeline.py":
-                if isinstance(node.value, ast.Name) and node.value.id in ("allocate", "transfer"):
-                    raise AssertionError(f"{path} runs {node.value.id}.{node.attr}")
+            runs = isinstance(node, ast.Attribute) and node.attr in ("resend", "move") and path != "pipeline.py"
+            if runs and isinstance(node.value, ast.Name) and node.value.id in ("allocate", "transfer"):
+                raise AssertionError(f"{path} runs {node.value.id}.{node.attr}")
 
 
 # The context's fields: facts fixed at the start and handles closed at the end; a new one is
@@ -106,7 +106,7 @@ CONTEXT_FIELDS = {
     "cfg", "cluster", "record", "env", "wall", "out", "host", "started", "credential", "rank",
     "dest", "dest_identity", "show_progress", "local", "source_root", "origin",
     # handles
-    "tree", "dest_lock", "dest_made", "io", "heap", "node_comm", "group_comm", "_warned_direct",
+    "tree", "dest_lock", "dest_made", "io", "heap", "_node_comm", "_group_comm", "_warned_direct",
 }  # fmt: skip
 
 
@@ -117,7 +117,22 @@ def test_the_run_context_holds_facts_and_handles_never_results() -> None:
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
-                    if target.value.id == "self":
-                        assigned.add(target.attr)
+                on_self = isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                if on_self and target.value.id == "self":  # type: ignore[attr-defined]
+                    assigned.add(target.attr)  # type: ignore[attr-defined]
     assert assigned == CONTEXT_FIELDS
+
+
+MAX_ANY = 40  # issue 39: 81 before the communicators and the stages' figures were typed
+
+
+def test_the_package_names_any_at_most_max_any_times() -> None:
+    """``typing.Any`` is where the type checker stops following a value: a few are honest (a JSON
+    document, the Azure SDK's objects), most were an untyped communicator or a stage's dict."""
+    count = sum(
+        1
+        for tree in _sources().values()
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Name) and node.id == "Any") or (isinstance(node, ast.Attribute) and node.attr == "Any")
+    )
+    assert count <= MAX_ANY, count

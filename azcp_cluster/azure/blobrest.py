@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Iterable
 from email.utils import parsedate_to_datetime
 from itertools import chain
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import quote, urlsplit
 
 from azcp_cluster.azure.blobxml import parse_page
@@ -33,6 +33,11 @@ from azcp_cluster.core.keyspace import ascending, cut_points, in_piece, order
 from azcp_cluster.core.naming import RawEntry
 from azcp_cluster.core.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
 from azcp_cluster.core.source import API_VERSION, BlobSource
+
+if TYPE_CHECKING:
+    from ssl import SSLContext
+
+    import aiohttp
 
 T = TypeVar("T")
 
@@ -93,7 +98,7 @@ class Plain:
     where a no-op rerun of a thousand blobs takes 0.4 s. Blocking: the event loop has nothing
     else to run meanwhile, and a signal still interrupts the socket's wait."""
 
-    def __init__(self, ssl: Any, connect_timeout: float, read_timeout: float) -> None:
+    def __init__(self, ssl: SSLContext | None, connect_timeout: float, read_timeout: float) -> None:
         self.ssl = ssl
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
@@ -134,12 +139,13 @@ class Plain:
 class Lister:
     """The REST calls of one listing, with the run's credential and retries."""
 
-    def __init__(self, source: BlobSource, auth: Authorizer, cfg: Config, ssl: Any = None) -> None:
+    def __init__(self, source: BlobSource, auth: Authorizer, cfg: Config, ssl: SSLContext | None = None) -> None:
         self.source = source
         self.auth = auth
         self.cfg = cfg
         self.ssl = ssl  # the TLS context of an https endpoint
-        self.session: Any = None  # aiohttp's, made at the first request that may have others in flight
+        # aiohttp's, made at the first request that may have others in flight
+        self.session: aiohttp.ClientSession | None = None
         # While set (plain()), the requests go one at a time through the standard library.
         self.simple: Plain | None = None
         self.rng = random.Random()

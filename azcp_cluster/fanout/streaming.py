@@ -23,9 +23,10 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import cast
 
 from azcp_cluster.core.blocks import Block
+from azcp_cluster.core.comm import Comm, Request
 from azcp_cluster.core.errors import AzcpError
 from azcp_cluster.core.schedule import Landing, Transfer
 from azcp_cluster.download.fetcher import DownloadStats, Fetcher
@@ -44,31 +45,9 @@ END = -1
 Notice = tuple[int, list[int]]
 
 
-class SendRequest(Protocol):
-    """A non-blocking send in flight (mpi4py's ``Request``; mpi4py is imported by run/mpi.py and
-    fanout/transport.py only)."""
-
-    def wait(self) -> object:
-        """Wait until the send is complete."""
-
-    def Test(self) -> bool:
-        """Whether the send is complete (never blocks)."""
-
-
-class NodeComm(Protocol):
-    """The node's communicator, as the landing notices use it (mpi4py's ``Intracomm``)."""
-
-    def Get_rank(self) -> int:
-        """This rank's rank in the node's communicator (the leader is 0)."""
-
-    def iprobe(self, *, tag: int) -> bool:
-        """Whether a message with ``tag`` is waiting (never blocks)."""
-
-    def recv(self, *, tag: int) -> Notice:
-        """The next message with ``tag`` (waits for it)."""
-
-    def isend(self, obj: Notice, *, dest: int, tag: int) -> SendRequest:
-        """Start sending ``obj`` to ``dest``."""
+# The node's communicator, as the landing notices use it (its leader is rank 0), and a send's request.
+NodeComm = Comm
+SendRequest = Request
 
 
 class LandingFeed:
@@ -112,7 +91,7 @@ class LandingFeed:
         while self.others - self.ended:
             if not self.comm.iprobe(tag=LANDED_TAG):
                 break
-            ready += self._take(self.comm.recv(tag=LANDED_TAG))
+            ready += self._take(cast(Notice, self.comm.recv(tag=LANDED_TAG)))
         return ready
 
     def failed(self) -> AzcpError | None:
@@ -123,7 +102,7 @@ class LandingFeed:
         """Receive the notices still coming, up to every other downloader's END (the node's
         communicator must be empty before it is freed or used again)."""
         while self.others - self.ended:
-            self._take(self.comm.recv(tag=LANDED_TAG))
+            self._take(cast(Notice, self.comm.recv(tag=LANDED_TAG)))
 
     def _take(self, message: Notice) -> list[int]:
         sender, indices = message

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from azcp_cluster.core.comm import Comm
 from azcp_cluster.core.schedule import call_slices
 
 # Seconds between looks at an agreement while a rank waits in it, growing while nothing
@@ -76,7 +77,7 @@ class MpiTransport:
     transfer every rank receives, ``Isend``/``Irecv`` for one with fewer receivers, each cut
     into calls below MPI's 2 GiB count; an agreement is an ``allreduce`` of the flags."""
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Comm) -> None:
         from mpi4py import MPI
 
         self._mpi = MPI
@@ -149,7 +150,7 @@ class MpiTransport:
 class _MpiAgreement:
     """A non-blocking agreement: an ``Iallreduce`` (MAX) of the ranks' flags, its buffers kept alive with it."""
 
-    def __init__(self, comm: Any, mpi: Any, failed: bool) -> None:
+    def __init__(self, comm: Comm, mpi: Any, failed: bool) -> None:
         self.flags = np.array([1 if failed else 0], dtype=np.int32)
         self.result = np.zeros(1, dtype=np.int32)
         self.request = comm.Iallreduce(self.flags, self.result, op=mpi.MAX)

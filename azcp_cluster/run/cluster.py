@@ -22,10 +22,12 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
+from azcp_cluster.core.comm import Comm, Request
 from azcp_cluster.core.errors import ERROR_CLASSES, AzcpError, InternalError
 from azcp_cluster.run import liveness
+from azcp_cluster.run.figures import TimelineEntry
 from azcp_cluster.run.interrupts import Interrupts, signal_error
 
 _FAIL_TAG = 7071
@@ -102,7 +104,7 @@ class Cluster:
 
     def __init__(
         self,
-        comm: Any,
+        comm: Comm,
         clock: Callable[[], float],
         interrupts: Interrupts | None = None,
         peer_timeout: float | None = None,
@@ -119,14 +121,14 @@ class Cluster:
         self._signal_comm = comm.Dup()
         # Every rank's pulse (``peer_timeout``: a rank silent that long ends the job; None: off).
         self._liveness = liveness.start(comm, peer_timeout)
-        self._pending: list[Any] = []  # failure signals sent, completed at the next agreement
+        self._pending: list[Request] = []  # failure signals sent, completed at the next agreement
         # Where the time goes: this rank's stage spans, in seconds since ``origin`` (its run's
         # start), carried to every rank by the next agreement (:meth:`note`), and what the
         # agreements have gathered so far: one entry per stage, each rank's start and end.
         self.origin = clock()
         self.wall_origin = time.time()  # the same instant on the wall clock, to align ranks and hosts
         self._spans: list[tuple[str, float, float]] = []
-        self.timeline: list[dict[str, Any]] = []
+        self.timeline: list[TimelineEntry] = []
         self.origins: list[float] = []  # every rank's wall_origin, once an agreement has carried them
         # The largest peak resident memory of any rank, as of the last agreement (each carries
         # every rank's): known at the end of a failed run too, whatever stage it failed in.
@@ -168,7 +170,7 @@ class Cluster:
         """Rank-local work a signal may stop at once (see :meth:`Interrupts.abandonable`)."""
         return self.interrupts.abandonable(self.rank)
 
-    def _note_interrupt(self, outcome: StageOutcome[Any]) -> None:
+    def _note_interrupt(self, outcome: StageOutcome[T]) -> None:
         if outcome.error is None:
             outcome.error = self.interrupted()
 
@@ -228,7 +230,7 @@ class Cluster:
     def _gather_timeline(self, spans_by_rank: list[list[tuple[str, float, float]]]) -> None:
         """One timeline entry per stage the ranks noted since the last agreement, in the order
         they were first noted; each rank's start and end (None: that rank had no such span)."""
-        entries: dict[tuple[str, int], dict[str, Any]] = {}
+        entries: dict[tuple[str, int], TimelineEntry] = {}
         for rank, spans in enumerate(spans_by_rank):
             seen: dict[str, int] = {}
             for stage, start, end in spans:
@@ -261,7 +263,7 @@ class Cluster:
 
     # -- failure signal -------------------------------------------------------------------
 
-    def signal_failure(self, outcome: StageOutcome[Any]) -> None:
+    def signal_failure(self, outcome: StageOutcome[T]) -> None:
         """Tell every other rank, without blocking, that this rank has failed."""
         if outcome.notified or self.size == 1:
             return
@@ -284,11 +286,11 @@ class Cluster:
 
     # -- small collectives ----------------------------------------------------------------
 
-    def bcast_object(self, obj: Any, root: int = 0) -> Any:
+    def bcast_object(self, obj: T, root: int = 0) -> T:
         """Broadcast a small Python object (the others wait without spinning; see :meth:`settle`)."""
         self.settle()
         return self.comm.bcast(obj, root=root)
 
-    def allgather(self, obj: Any) -> list[Any]:
+    def allgather(self, obj: T) -> list[T]:
         """Gather a small Python object from every rank onto every rank."""
         return list(self.comm.allgather(obj))

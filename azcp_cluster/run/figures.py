@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,9 @@ class Verified:
     files: int | None = None
     against_source: int | None = None
 
+
+# One stage's entry in the report's timeline: {"stage": name, "start": [per rank], "end": [per rank]}.
+TimelineEntry = dict[str, Any]
 
 Figures = Roles | Listed | Compared | Planned | FanoutChosen | Downloaded | FannedOut | Resent | Finished | Verified
 Recorder = Callable[[Figures], None]  # the run's report's record, handed to the stages

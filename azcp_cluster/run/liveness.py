@@ -26,10 +26,10 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
+from azcp_cluster.core.comm import Comm, Request
 from azcp_cluster.core.errors import PeerStoppedError
 from azcp_cluster.core.pulse import Pulse
 from azcp_cluster.run.ending import end_job
@@ -45,7 +45,7 @@ NAMING_WAIT = 0.5
 END_TICK = 0.005  # seconds between looks once this rank has ended (the run waits on them)
 
 
-def abort_job(comm: Any, error: PeerStoppedError) -> None:
+def abort_job(comm: Comm, error: PeerStoppedError) -> None:
     """Say ``error``'s one line and end every rank of ``comm`` with its exit code (never returns)."""
     end_job(comm.Abort, error.exit_code, "" if error.quiet else error.one_line())
 
@@ -60,11 +60,11 @@ class Liveness:
 
     def __init__(
         self,
-        comm: Any,
+        comm: Comm,
         timeout: float,
         *,
         clock: Callable[[], float] = time.monotonic,
-        on_stopped: Callable[[Any, PeerStoppedError], None] = abort_job,
+        on_stopped: Callable[[Comm, PeerStoppedError], None] = abort_job,
     ) -> None:
         self.job = comm  # what a stop ends
         self.comm = comm.Dup()  # the pulses' own
@@ -89,7 +89,7 @@ class Liveness:
         self._thread.join()
         self.comm.Free()
 
-    def _send(self, last: bool) -> Any:
+    def _send(self, last: bool) -> Request:
         """Start sending a pulse to the next rank; the last one synchronously (complete once received)."""
         if last:
             return self.comm.Issend(_LAST, dest=self.after, tag=_PULSE_TAG)
@@ -102,7 +102,7 @@ class Liveness:
         pulse, comm = self.pulse, self.comm
         inbox = np.zeros(1, dtype=np.uint8)
         receive = comm.Irecv(inbox, source=self.before, tag=_PULSE_TAG)
-        sends: list[Any] = []
+        sends: list[Request] = []
         while True:
             now = self.clock()
             if self._leaving:
@@ -153,7 +153,7 @@ class Liveness:
             time.sleep(END_TICK)
 
 
-def start(comm: Any, timeout: float | None) -> Liveness | None:
+def start(comm: Comm, timeout: float | None) -> Liveness | None:
     """The pulse for a run over ``comm`` (collective), or None: one rank, no timeout, or no threads in MPI."""
     if timeout is None or comm.Get_size() < 2 or not threads_allowed():
         return None

@@ -16,16 +16,17 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import cast
 
+from azcp_cluster.core.comm import Comm
 from azcp_cluster.core.errors import TopologyError
 
 
-def world() -> Any:
+def world() -> Comm:
     """``MPI.COMM_WORLD`` (mpi4py starts MPI if no one has): the Python API's default communicator."""
     from mpi4py import MPI
 
-    return MPI.COMM_WORLD
+    return cast(Comm, MPI.COMM_WORLD)
 
 
 def threads_allowed() -> bool:
@@ -47,13 +48,13 @@ class MpiRuntime:
     def __init__(self) -> None:
         self.started = False
 
-    def comm(self) -> Any:
+    def comm(self) -> Comm:
         """``MPI.COMM_WORLD``, starting MPI if no one has (signals deferred meanwhile)."""
         started_before = "mpi4py.MPI" in sys.modules
         with signals_deferred():
             from mpi4py import MPI
         self.started = not started_before and bool(MPI.Is_initialized())
-        return MPI.COMM_WORLD
+        return cast(Comm, MPI.COMM_WORLD)
 
     def end(self) -> None:
         """End MPI if :meth:`comm` started it (signals deferred meanwhile).

@@ -9,16 +9,18 @@ import math
 import os
 import stat
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from azcp_cluster.core.config import format_bytes
 from azcp_cluster.core.errors import UsageError
 from azcp_cluster.run import figures as fig
 from azcp_cluster.run.console import say
-from azcp_cluster.run.figures import Figures
+from azcp_cluster.run.figures import Figures, TimelineEntry
 
+# The JSON document (what json.loads gives back: any JSON value under each key).
+Json = dict[str, Any]
 STAGES = ("list", "diff", "download", "bcast", "verify", "total")
 
 
@@ -102,7 +104,7 @@ class Report:
     overlap: bool = False  # download and fan-out ran at once (their stage times overlap)
     # How the fan-out moved the bytes between the nodes (core/chain.FanoutChoice.as_dict:
     # method, piece, reason and, for --fanout auto, the probe's figures); {} without a fan-out.
-    fanout: dict[str, Any] = field(default_factory=dict)
+    fanout: dict[str, object] = field(default_factory=dict)
     plan_loads: list[int] = field(default_factory=list)
     plan_spread: float = 0.0
     verified_files: int = 0
@@ -113,7 +115,7 @@ class Report:
     # its own work, in seconds since that rank's run started ({"stage", "start": [per rank],
     # "end": [per rank]}; None where a rank had no part: the download inside a streaming
     # transfer, on a rank with nothing to fetch). The wait for the slowest rank follows each.
-    timeline: list[dict[str, Any]] = field(default_factory=list)
+    timeline: list[TimelineEntry] = field(default_factory=list)
     timeline_origin: list[float] = field(default_factory=list)  # per rank: its run's start, Unix time
 
     def record(self, figures: Figures) -> None:
@@ -192,11 +194,11 @@ class Report:
             before = self.source_bytes_by_rank or [0] * len(read)
             self.source_bytes_by_rank = [a + b for a, b in zip(before, read, strict=True)]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> Json:
         """The JSON document written by ``--json``."""
         return asdict(self)
 
-    def write_json(self, path: str, **override: Any) -> None:
+    def write_json(self, path: str, **override: object) -> None:
         """Write the JSON report atomically: a temporary name in the same directory, fsync, rename.
 
         ``override`` replaces top-level fields in what is written (the report itself is left
@@ -216,7 +218,7 @@ def write_synced(fd: int, data: bytes) -> None:
     os.fsync(fd)
 
 
-def write_json_document(doc: dict[str, Any], path: str, durable: bool = True) -> None:
+def write_json_document(doc: Json, path: str, durable: bool = True) -> None:
     """:meth:`Report.write_json` for a document already made; ``durable=False`` skips the fsync."""
 
     data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
@@ -293,7 +295,7 @@ class ReportPrinter:
     (``| head``, a dead ``tee``) loses the lines, nothing more: a closed pipe must not fail a copy.
     """
 
-    def __init__(self, report: Report, out: Any, enabled: bool) -> None:
+    def __init__(self, report: Report, out: TextIO, enabled: bool) -> None:
         self.report = report
         self.out = out
         self.enabled = enabled
@@ -324,7 +326,7 @@ class ReportPrinter:
         _write_lines(lines, self.out)
 
 
-def _write_lines(lines: list[str], out: Any) -> None:
+def _write_lines(lines: list[str], out: TextIO) -> None:
     """``lines`` on ``out`` in one write (a reader of the first gets them all); a reader gone loses them."""
     if lines:
         with contextlib.suppress(OSError, ValueError):
@@ -357,11 +359,11 @@ def report_sections(report: Report, failed: bool = False) -> list[tuple[str, str
     return [(section, line) for section, line in lines if reached.get(line[: line.index(" ") + 1], True)]
 
 
-def _via(fanout: dict[str, Any]) -> str:
+def _via(fanout: Mapping[str, object]) -> str:
     """How the fan-out went, for its line: " via chain (1 MiB pieces)", " via ibcast" ("" if unknown)."""
     method = fanout.get("method")
     if method == "chain":
-        piece = int(fanout["piece"])
+        piece = int(str(fanout["piece"]))
         size = f"{piece >> 20} MiB" if piece % (1 << 20) == 0 else f"{piece / 1024:g} KiB"
         return f" via chain ({size} pieces)"
     return f" via {method}" if method else ""

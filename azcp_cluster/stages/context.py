@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
+from azcp_cluster.core.comm import Comm
 from azcp_cluster.core.config import Config
-from azcp_cluster.core.errors import LocalFSError
+from azcp_cluster.core.errors import InternalError, LocalFSError
 from azcp_cluster.core.source import is_url
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import Made, expand_dest, free_bytes
@@ -29,6 +30,9 @@ from azcp_cluster.stages.nodeio import NodeIO
 
 if TYPE_CHECKING:
     from azcp_cluster.dest.destlock import DestLock
+
+
+T = TypeVar("T")
 
 
 class RunContext:
@@ -76,8 +80,26 @@ class RunContext:
         self.dest_made = Made()  # leaders: the directories setup made for DEST (removed if the run fails, empty)
         self.io = NodeIO()  # the download's buffers, the node writers, the block journal (allocate)
         self.heap = collector.Hold()  # the listing, plan and schedule, frozen (collector.py) until the end
-        self.node_comm: Any = None  # the leaders' communicator, for the fan-out (setup)
-        self.group_comm: Any = None  # this node's ranks, its leader as rank 0 (setup)
+        self._node_comm: Comm | None = None  # the leaders' communicator, for the fan-out (setup)
+        self._group_comm: Comm | None = None  # this node's ranks, its leader as rank 0 (setup)
+
+    def split(self, node: Comm, group: Comm) -> None:
+        """The communicators setup made: the leaders' (``node``) and this node's ranks' (``group``)."""
+        self._node_comm, self._group_comm = node, group
+
+    @property
+    def node_comm(self) -> Comm:
+        """The leaders' communicator, for the fan-out (its rank 0 the first node's leader)."""
+        if self._node_comm is None:
+            raise InternalError("the leaders' communicator is used before setup made it")
+        return self._node_comm
+
+    @property
+    def group_comm(self) -> Comm:
+        """This node's ranks, its leader as rank 0."""
+        if self._group_comm is None:
+            raise InternalError("the node's communicator is used before setup made it")
+        return self._group_comm
 
     def dest_tree(self) -> DestTree:
         """This rank's handle on DEST (opened here by a downloader that is not its node's leader)."""
@@ -107,14 +129,12 @@ class RunContext:
         if self.tree is not None:
             self.tree.close()
             self.tree = None
-        if self.node_comm is not None:
-            self.node_comm.Free()
-            self.node_comm = None
-        if self.group_comm is not None:
-            self.group_comm.Free()
-            self.group_comm = None
+        for comm in (self._node_comm, self._group_comm):
+            if comm is not None:
+                comm.Free()
+        self._node_comm = self._group_comm = None
 
-    def explain_space(self, outcome: StageOutcome[Any], needed: int) -> None:
+    def explain_space(self, outcome: StageOutcome[T], needed: int) -> None:
         """Add what this node needed (``needed``: the bytes of the files it writes) and has free to
         a full-disk error raised while writing."""
         error = outcome.error

@@ -108,10 +108,10 @@ def setup(ctx: RunContext) -> Placement:
     if not cfg.dry_run:
         lock_dest(ctx, leader, t0, places)
     # Collective on every rank; leaders get one communicator, ordered by group.
-    ctx.node_comm = cluster.comm.Split(0 if leader else 1, topo.group_of[ctx.rank])
+    node_comm = cluster.comm.Split(0 if leader else 1, topo.group_of[ctx.rank])
     # Each node's own ranks, its leader first: the leader hands its downloaders the
     # identities of the temporary files it made (they write into no other file).
-    ctx.group_comm = cluster.comm.Split(topo.group_of[ctx.rank], 0 if leader else ctx.rank + 1)
+    ctx.split(node_comm, cluster.comm.Split(topo.group_of[ctx.rank], 0 if leader else ctx.rank + 1))
     _report_roles(ctx, topo, reader, readers)
     on_host = sum(1 for r in topo.downloaders if places[r][0] == ctx.host)
     return Placement(

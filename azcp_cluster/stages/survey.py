@@ -12,13 +12,13 @@ import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
-from azcp_cluster.core.errors import ListError
+from azcp_cluster.core.errors import InternalError, ListError
 from azcp_cluster.core.model import FileEntry, Listing, decode_listing, encode_listing
-from azcp_cluster.core.naming import Selected, merge, prefilter
+from azcp_cluster.core.naming import RawEntry, Selected, merge, prefilter
 from azcp_cluster.core.resume import Segment, segments, total
 from azcp_cluster.core.source import BlobSource, parse_blob_url
 from azcp_cluster.dest import journal, manifest
@@ -97,7 +97,9 @@ def list_source(ctx: RunContext, place: Placement) -> Listed:
         raise error_from_payload(failure)
     # The reader keeps what it listed (decode_listing gives the others the same: 0.1 s of
     # its time on the path of every rank, 100,000 files).
-    listing = listed if listed is not None else decode_listing(payload)
+    if listed is None and payload is None:
+        raise InternalError("the lister sent neither its listing nor an error")
+    listing = listed if listed is not None else decode_listing(payload or b"")
     cluster.note("list", t0)
     return _listed(ctx, listing, bool(single), cluster.clock() - t0)
 
@@ -144,7 +146,7 @@ def list_in_parallel(ctx: RunContext, place: Placement) -> Listing:
     if failure is not None:
         raise error_from_payload(failure)
     if done is not None:
-        return cast(Listing, done)  # the prefix named one blob
+        return done  # the prefix named one blob
 
     entries, folders = _list_levels(ctx, place, source, folders, list(continuing), depth, parallel)
     outcome = StageOutcome()
@@ -167,7 +169,7 @@ def _list_levels(
     levels: list[tuple[str, str]],
     depth: int,
     parallel: int,
-) -> tuple[list[Any], list[str]]:
+) -> tuple[list[RawEntry], list[str]]:
     """The directories with more than a page that stopped the lister (``levels``: each with the
     marker to go on from), then each level down while there are too few directories to keep
     every helper's listings busy: shared out round-robin, and the next level's directories
@@ -179,7 +181,7 @@ def _list_levels(
     cluster = ctx.cluster
     assert place.auth is not None
     helpers = list(place.topo.downloaders)
-    entries: list[Any] = []  # this rank's, from every level
+    entries: list[RawEntry] = []  # this rank's, from every level
     while True:
         if not levels:
             if not bloblist.descend(len(folders), parallel, depth):
@@ -200,7 +202,7 @@ def _list_levels(
     return entries, folders
 
 
-def _merge_parts(ctx: RunContext, prefix: str, mine: Iterable[Any], listed: StageOutcome[None]) -> Listing:
+def _merge_parts(ctx: RunContext, prefix: str, mine: Iterable[RawEntry], listed: StageOutcome[None]) -> Listing:
     """The same listing on every rank from every rank's part (``mine``: this rank's blobs;
     ``listed``: how its listing went). The rules that look at one blob at a time run on each
     rank's own part (while the others still list); every rank then merges the same parts
@@ -217,7 +219,9 @@ def _merge_parts(ctx: RunContext, prefix: str, mine: Iterable[Any], listed: Stag
     # stays far below MPI's 2 GiB count for tens of millions of blobs.
     packed = zlib.compress(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL), 1)
     cluster.settle()  # the ranks done first wait without spinning a core
-    parts = cluster.allgather((packed, *(error_payload(o.error) if o.error else None for o in (listed, named))))
+    listing_failed = error_payload(listed.error) if listed.error else None
+    naming_failed = error_payload(named.error) if named.error else None
+    parts = cluster.allgather((packed, listing_failed, naming_failed))
     failure = next((err for _, err, _ in parts if err is not None), None)
     failure = failure or next((err for _, _, err in parts if err is not None), None)
     if failure is not None:
