@@ -85,7 +85,7 @@ def _is_auto(value: object) -> bool:
     return bool(value == "auto")
 
 
-def _as_is(field: str, value: Any) -> Any:
+def _as_is(field: str, value: object) -> object:
     """``value`` unchanged: it is already what the field holds."""
     return value
 
@@ -101,7 +101,7 @@ def _float(field: str, value: float) -> float:
 # The values each kind of option takes from the API, as (accepts, read into the field's value),
 # tried in order: any other value is refused, naming the option. No two of one kind accept
 # the same value. Text is read as argparse reads the option's word; "globs" is _globs's.
-_READS: dict[str, tuple[tuple[Callable[[object], bool], Callable[[str, Any], Any]], ...]] = {
+_READS: dict[str, tuple[tuple[Callable[[object], bool], Callable[[str, Any], object]], ...]] = {
     "size": ((_is_text, lambda _, text: parse_size(text)), (_is_int, _as_is)),
     "int": ((_is_int, _as_is),),
     "seconds": ((_is_number, _float),),
@@ -115,7 +115,7 @@ _READS: dict[str, tuple[tuple[Callable[[object], bool], Callable[[str, Any], Any
 }
 
 
-def _globs(field: str, value: Any) -> tuple[str, ...]:
+def _globs(field: str, value: object) -> tuple[str, ...]:
     """``include`` or ``exclude``: one glob, or a list or tuple of them, as a tuple."""
     globs = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list | tuple) else None
     if globs is None or not all(isinstance(g, str) for g in globs):
