@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import io
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from azcp_cluster.core.comm import Comm
-from azcp_cluster.core.config import Config
+from azcp_cluster.core.config import Config, parse_rate, parse_size, shown
 from azcp_cluster.core.errors import UsageError
-from azcp_cluster.options import check_source_kind, coerce
+from azcp_cluster.options import OPTIONS as OPTION_TABLE
+from azcp_cluster.options import check_source_kind
 from azcp_cluster.run.report import Report, check_json_path
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in ("source", "dest"))
@@ -37,6 +39,89 @@ def make_config(source: str, dest: str, options: dict[str, Any]) -> Config:
     check_source_kind(cfg)  # an option for the other kind of SOURCE, as on the command line
     check_json_path(cfg.json_path)
     return cfg
+
+
+def coerce(field: str, value: object) -> Any:
+    """The Python API's keyword option ``field`` as its Config field holds it, read by the kind
+    of the option that sets it (:data:`azcp_cluster.options.OPTIONS`, :data:`_READS`); a
+    :class:`UsageError` naming it otherwise."""
+    option = next((o for o in OPTION_TABLE if o.field == field and o.kind != "alias"), None)
+    if option is None:
+        raise UsageError(f"unknown option {field}")
+    # None is "not given" where the field's default is None, and for these kinds whatever it is.
+    if value is None and (getattr(Config, field, 0) is None or option.kind in ("rate", "workers", "path")):
+        return None
+    if field == "progress" and isinstance(value, bool):  # the one choice that also reads as on or off
+        return "auto" if value else "none"
+    if option.kind == "globs":
+        return _globs(field, value)
+    for accepts, read in _READS.get(option.kind, ()):
+        if accepts(value):
+            return read(field, value)
+    raise UsageError(f"option {field} cannot be {shown(value)}")
+
+
+def _is_int(value: object) -> bool:
+    """Whether ``value`` is a whole number: a bool is not, though Python counts it one."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """Whether ``value`` is a whole or a floating-point number (not a bool)."""
+    return _is_int(value) or isinstance(value, float)
+
+
+def _is_text(value: object) -> bool:
+    """Whether ``value`` is a string, read as the command line reads the option's word."""
+    return isinstance(value, str)
+
+
+def _is_bool(value: object) -> bool:
+    """Whether ``value`` is True or False."""
+    return isinstance(value, bool)
+
+
+def _is_auto(value: object) -> bool:
+    """Whether ``value`` is ``"auto"``, as ``--download-workers auto`` is written."""
+    return bool(value == "auto")
+
+
+def _as_is(field: str, value: object) -> object:
+    """``value`` unchanged: it is already what the field holds."""
+    return value
+
+
+def _float(field: str, value: float) -> float:
+    """``value`` as a float; an int too large for one is a :class:`UsageError`, not an OverflowError."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise UsageError(f"option {field} cannot be {shown(value)}: beyond any supported value") from None
+
+
+# The values each kind of option takes from the API, as (accepts, read into the field's value),
+# tried in order: any other value is refused, naming the option. No two of one kind accept
+# the same value. Text is read as argparse reads the option's word; "globs" is _globs's.
+_READS: dict[str, tuple[tuple[Callable[[object], bool], Callable[[str, Any], object]], ...]] = {
+    "size": ((_is_text, lambda _, text: parse_size(text)), (_is_int, _as_is)),
+    "int": ((_is_int, _as_is),),
+    "seconds": ((_is_number, _float),),
+    "rate": ((_is_text, lambda _, text: parse_rate(text)), (_is_number, _float)),
+    "workers": ((_is_auto, lambda _, auto: None), (_is_int, _as_is)),
+    "flag": ((_is_bool, _as_is),),
+    "negated": ((_is_bool, _as_is),),
+    "verify": ((_is_bool, lambda _, on: "disk" if on else ""), (_is_text, _as_is)),  # True: a bare --verify
+    "choice": ((_is_text, _as_is),),
+    "path": ((_is_text, _as_is),),
+}
+
+
+def _globs(field: str, value: object) -> tuple[str, ...]:
+    """``include`` or ``exclude``: one glob, or a list or tuple of them, as a tuple."""
+    globs = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list | tuple) else None
+    if globs is None or not all(isinstance(g, str) for g in globs):
+        raise UsageError(f"{field} must be a glob or a list of globs (got {value!r})")
+    return globs
 
 
 def stage(

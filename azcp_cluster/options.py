@@ -97,7 +97,7 @@ class Option:
     auto), ``choice`` (one of ``choices``), ``flag`` (sets the field True), ``negated``
     (``--no-X``: sets it False), ``alias`` (sets the field to ``value``), ``globs``
     (repeatable), ``path``, ``verify`` (an optional MODE). The API's keyword options are the
-    fields, read by the same kinds (:func:`coerce`).
+    fields, read by the same kinds (:func:`azcp_cluster.api.coerce`).
 
     ``source``: the kind of SOURCE the option is for, :data:`BLOB` or :data:`LOCAL` ("": both).
     Set for the other kind, it would be ignored, so it is refused (:func:`check_source_kind`).
@@ -388,54 +388,6 @@ def source_kinds_text() -> str:
         79,
         break_on_hyphens=False,  # an option's name on one line
     )
-
-
-def coerce(field: str, value: Any) -> Any:
-    """The Python API's keyword option ``field`` as its Config field holds it, read by the kind
-    of the option that sets it (:data:`OPTIONS`); a :class:`UsageError` naming it otherwise."""
-    option = next((o for o in OPTIONS if o.field == field and o.kind != "alias"), None)
-    if option is None:
-        raise UsageError(f"unknown option {field}")
-    kind = option.kind
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    is_number = is_int or isinstance(value, float)
-    optional = getattr(Config, field, 0) is None  # its default is "not given"
-    if value is None and (optional or kind in ("rate", "workers", "path")):
-        return None
-    if kind == "size" and isinstance(value, str):
-        return parse_size(value)
-    if kind in ("size", "int") and is_int:
-        return value
-    if kind == "seconds" and is_number:
-        return _float(field, value)
-    if kind == "rate" and isinstance(value, str):
-        return parse_rate(value)
-    if kind == "rate" and is_number:
-        return _float(field, value)
-    if kind == "workers" and (value == "auto" or is_int):
-        return None if value == "auto" else value
-    if kind in ("flag", "negated") and isinstance(value, bool):
-        return value
-    if kind == "verify" and isinstance(value, bool):
-        return "disk" if value else ""  # verify=True: the default mode, as a bare --verify
-    if field == "progress" and isinstance(value, bool):
-        return "auto" if value else "none"
-    if kind in ("choice", "verify", "path") and isinstance(value, str):
-        return value
-    if kind == "globs":
-        globs = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list | tuple) else None
-        if globs is None or not all(isinstance(g, str) for g in globs):
-            raise UsageError(f"{field} must be a glob or a list of globs (got {value!r})")
-        return globs
-    raise UsageError(f"option {field} cannot be {shown(value)}")
-
-
-def _float(name: str, value: float) -> float:
-    """``value`` as a float; an int too large for one is a :class:`UsageError`, not an OverflowError."""
-    try:
-        return float(value)
-    except OverflowError:
-        raise UsageError(f"option {name} cannot be {shown(value)}: beyond any supported value") from None
 
 
 def check_option_names(argv: Sequence[str], parser: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ did=""
 py_stamp=".venv/.azcp-bootstrap"
 py_want="$(sha256sum < pyproject.toml | cut -d' ' -f1)"
 if ! { [ -f "$py_stamp" ] && [ "$(cat "$py_stamp")" = "$py_want" ] && [ -x .venv/bin/python ]; }; then
-    what="the package (editable) with its test tools (pytest, hypothesis, mypy, ruff, shellcheck, hadolint, an MPICH wheel)"
+    what="the package (editable) with its test tools (pytest, hypothesis, mypy, ruff, radon, shellcheck, hadolint, an MPICH wheel)"
     if [ -x .venv/bin/python ]; then
         say "pyproject.toml changed: updating .venv, $what: about 30 s"
     else

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import azcp_cluster
-from azcp_cluster.api import OPTIONS, make_config
+from azcp_cluster.api import OPTIONS, coerce, make_config
 from azcp_cluster.core.config import Config, MiB
 from azcp_cluster.core.errors import AzcpError, UsageError
 from tests.conftest import MPI_TIMEOUT, REPO, clean_env, mpiexec_path
@@ -80,6 +80,60 @@ def test_bad_options_raise_usage_error(options: dict[str, Any], words: str) -> N
 )
 def test_verify_takes_booleans_and_modes(value: object, mode: str) -> None:
     assert make_config("s", "d", {"verify": value}).verify == mode
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "held"),
+    [
+        # Each kind of option reads the API's values its own way (api.coerce's table, _READS).
+        ("download_workers", "auto", None),
+        ("download_workers", 3, 3),
+        ("download_workers", None, None),
+        ("max_bandwidth", "8Kbps", 1000.0),
+        ("max_bandwidth", 2048, 2048.0),
+        ("max_bandwidth", None, None),
+        ("read_timeout", 7, 7.0),
+        ("progress", True, "auto"),
+        ("progress", False, "none"),
+        ("progress", "lines", "lines"),
+        ("dry_run", True, True),
+        ("overlap", False, False),
+        ("json_path", None, None),
+        ("source_rank", None, None),
+        ("fanout_piece", "1MiB", MiB),
+        ("include", ("a", "b"), ("a", "b")),
+    ],
+)
+def test_each_kind_of_option_reads_its_values(field: str, value: object, held: object) -> None:
+    assert coerce(field, value) == held
+    assert type(coerce(field, value)) is type(held)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("download_workers", "8"),
+        ("download_workers", 2.0),
+        ("read_timeout", True),
+        ("read_timeout", "5"),
+        ("max_bandwidth", True),
+        ("dry_run", 1),
+        ("overlap", None),
+        ("compare", None),
+        ("progress", 1),
+        ("fanout_piece", 1.5),
+        ("include", None),
+        ("include", {"a": 1}),
+    ],
+)
+def test_values_no_kind_takes_are_refused(field: str, value: object) -> None:
+    with pytest.raises(UsageError, match=f"option {field} cannot be|{field} must be a glob"):
+        coerce(field, value)
+
+
+def test_coerce_knows_only_the_fields_an_option_sets() -> None:
+    with pytest.raises(UsageError, match="unknown option source"):
+        coerce("source", "s")
 
 
 def test_lock_options() -> None:

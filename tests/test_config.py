@@ -26,6 +26,7 @@ from azcp_cluster.core.config import (
     MAX_BCAST_WRITERS,
     MAX_BLOCK_SIZE,
     MAX_CONCURRENCY,
+    MAX_DOWNLOAD_WORKERS,
     MAX_LOCK_TIMEOUT,
     MAX_READ_TIMEOUT,
     MAX_RETRIES_LIMIT,
@@ -241,6 +242,12 @@ def test_defaults_validate() -> None:
         ({"json_path": ""}, "--json"),
         ({"source": ""}, "SOURCE"),
         ({"dest": ""}, "DEST"),
+        ({"progress": "loud"}, "--progress must be one of auto, bar, lines, none, not 'loud'"),
+        ({"auth": "password"}, "--auth must be one of auto, sas,"),
+        ({"download_workers": 0}, "--download-workers must be auto or between 1 and"),
+        ({"download_workers": MAX_DOWNLOAD_WORKERS + 1}, "--download-workers"),
+        ({"source_readers": 0}, "--source-readers must be at least 1"),
+        ({"source_readers": 2, "source_rank": 0}, "--source-rank names one reader"),
     ],
 )
 def test_validate_names_the_bad_option(changes: dict[str, Any], option: str) -> None:
@@ -250,6 +257,31 @@ def test_validate_names_the_bad_option(changes: dict[str, Any], option: str) -> 
     assert option in info.value.message
     assert exit_code_for(info.value) == 2
     assert "\n" not in info.value.message and len(info.value.message) < 200  # one short line
+
+
+def test_validate_reports_the_first_broken_rule_in_its_order() -> None:
+    # Config.validate's order (one check per concern): with every concern broken at once, each
+    # fixed in turn lets the next one be named. The message names one option, never a later one.
+    broken: list[tuple[dict[str, Any], str]] = [
+        ({"progress": "loud"}, "--progress"),
+        ({"fanout_piece": 1}, "--fanout-piece"),
+        ({"auth": "password"}, "--auth"),
+        ({"block_size": 1}, "--block-size"),
+        ({"concurrency": 0}, "--concurrency"),
+        ({"source_readers": 0}, "--source-readers"),
+        ({"download_ranks": 0}, "--download-ranks"),
+        ({"peer_timeout": 0.5}, "--peer-timeout"),
+        ({"read_timeout": 0.0}, "--read-timeout"),
+        ({"verify": "bogus"}, "--verify"),
+        ({"lock": "never"}, "--lock"),
+        ({"json_path": ""}, "--json"),
+        ({"source": ""}, "SOURCE"),
+    ]
+    for first in range(len(broken)):
+        changes = {k: v for fields, _ in broken[first:] for k, v in fields.items()}
+        with pytest.raises(UsageError) as info:
+            dataclasses.replace(Config(source="s", dest="d"), **changes).validate()
+        assert info.value.message.startswith(broken[first][1]), (first, info.value.message)
 
 
 @pytest.mark.parametrize(

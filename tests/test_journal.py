@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,6 +174,27 @@ def test_a_file_of_another_size_or_with_two_links_is_not_resumed(dest: DestTree)
     os.truncate(Path(dest.real) / temp_name("a.bin"), 5)
     os.link(Path(dest.real) / "dir" / temp_name("b.bin"), Path(dest.real) / "elsewhere")
     assert journal.load(_reopen(dest), FILES, [0, 1], ORIGIN) == {}
+
+
+@pytest.mark.parametrize(
+    ("mode", "links", "uid", "size", "resumable"),
+    [
+        (stat.S_IFREG | 0o600, 1, os.geteuid(), MiB, True),
+        (stat.S_IFLNK | 0o777, 1, os.geteuid(), MiB, False),  # its bytes lie elsewhere
+        (stat.S_IFDIR | 0o700, 1, os.geteuid(), MiB, False),
+        (stat.S_IFIFO | 0o600, 1, os.geteuid(), MiB, False),
+        (stat.S_IFREG | 0o600, 2, os.geteuid(), MiB, False),  # another name may change it
+        (stat.S_IFREG | 0o600, 1, os.geteuid() + 1, MiB, False),  # another user's
+        (stat.S_IFREG | 0o600, 1, os.geteuid(), MiB - 1, False),  # not the listed size
+    ],
+)
+def test_only_a_regular_file_of_ours_alone_at_the_listed_size_is_resumed(
+    mode: int, links: int, uid: int, size: int, resumable: bool
+) -> None:
+    # A link, a directory or a FIFO hardly ever has a listed file's size on a disk, so the
+    # rule is checked on the lstat it reads (journal._resumable), each of its parts alone.
+    st = os.stat_result((mode, 1, 1, links, uid, os.getegid(), size, 0, 0, 0))
+    assert journal._resumable(st, MiB) is resumable
 
 
 @pytest.mark.parametrize("spoil", ["group-writable", "hard-linked"])

@@ -134,6 +134,70 @@ def test_a_refusal_without_the_services_request_id_is_the_proxys() -> None:
     assert said.endswith("refused the request: HTTP 407; check the credentials in the proxy URL")
 
 
+class _Answer:
+    """What the SDK keeps of an HTTP answer (listing._explain reads its headers only)."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        self.headers = headers
+
+
+def _sdk_error(kind: type[Exception], status: int, code: object, headers: dict[str, str]) -> Exception:
+    """An azure-core error as the SDK raises it for an answer: status, reason, error code, response."""
+    error = kind("answered")
+    error.status_code, error.reason, error.error_code = status, "Reason", code  # type: ignore[attr-defined]
+    error.response = _Answer(headers)  # type: ignore[attr-defined]
+    return error
+
+
+def test_the_sdk_listings_failures_name_the_proxy_for_its_own_answers_only() -> None:
+    """listing._explain: a refusal the service did not send (no x-ms-request-id) is the proxy's,
+    whatever kind the SDK made of it; the service's own answers by their kind and code; a
+    request with no answer by the refused tunnel, else the network's cause."""
+    from azure.core.exceptions import (
+        ClientAuthenticationError,
+        HttpResponseError,
+        ResourceNotFoundError,
+        ServiceRequestError,
+    )
+
+    from azcp_cluster.azure.listing import _explain
+    from azcp_cluster.core.source import parse_blob_url
+
+    source = parse_blob_url("https://acct.blob.core.windows.net/cont/pre?sig=secret")
+    proxy = parse_proxy("http://proxy.corp:3128", "HTTPS_PROXY")
+    service = {"x-ms-request-id": "1"}
+    where = "https://acct.blob.core.windows.net/cont/pre?<SAS>"
+
+    def said(error: Exception, through: Proxy | None = proxy) -> str:
+        return str(_explain(error, source, "sas", through))
+
+    denied = _sdk_error(ClientAuthenticationError, 403, None, {"server": "squid"})
+    assert said(denied).startswith("proxy http://proxy.corp:3128 (from HTTPS_PROXY) refused the listing: HTTP 403")
+    assert said(denied, None) == (
+        f"{where}: access denied (HTTP 403, AuthenticationFailed); check the credentials (sas; --auth selects another)"
+    )
+    assert said(_sdk_error(ClientAuthenticationError, 403, None, service)) == said(denied, None)
+    assert said(_sdk_error(ResourceNotFoundError, 404, "ContainerNotFound", {})) == (
+        "container 'cont' not found at https://acct.blob.core.windows.net"
+    )
+    assert said(_sdk_error(ResourceNotFoundError, 404, None, {})) == f"{where}: not found (NotFound)"
+    assert said(_sdk_error(HttpResponseError, 401, "InvalidAuthenticationInfo", service)).endswith(
+        "access denied (HTTP 401, InvalidAuthenticationInfo); check the credentials (sas; --auth selects another)"
+    )
+    assert said(_sdk_error(HttpResponseError, 503, None, {})) == f"{where}: listing failed (HTTP 503, Reason)"
+    unanswered = ServiceRequestError("no answer")
+    unanswered.__cause__ = OSError("Tunnel connection failed: 407 Proxy Authentication Required")
+    assert said(unanswered) == (
+        "proxy http://proxy.corp:3128 (from HTTPS_PROXY) refused the tunnel to "
+        "https://acct.blob.core.windows.net: HTTP 407 Proxy Authentication Required"
+    )
+    assert said(unanswered, None).startswith(
+        "cannot reach acct.blob.core.windows.net:443 (https://acct.blob.core.windows.net): "
+    )
+    assert said(ValueError("?")) == f"{where}: listing failed (ValueError)"
+    assert "secret" not in "".join(said(e) for e in (denied, unanswered))
+
+
 def test_connect_and_absolute_requests() -> None:
     assert connect_bytes("acct.blob.core.windows.net", 443, "Basic eA==") == (
         b"CONNECT acct.blob.core.windows.net:443 HTTP/1.1\r\nHost: acct.blob.core.windows.net:443\r\n"

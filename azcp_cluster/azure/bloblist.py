@@ -115,58 +115,101 @@ def list_start(source: BlobSource, auth: Authorizer, cfg: Config, parallel: int)
     (:class:`FirstPage`)."""
 
     async def start(lister: Lister) -> Start:
-        prefix = source.prefix
-        lister.plain(True)  # one request at a time until the first page is read
-        if prefix and not prefix.endswith("/"):
-            exact = await lister.properties(prefix)
-            if exact is not None and not exact.is_folder:
-                return Start(select(prefix, exact, (), cfg.include, cfg.exclude), [], [], [], 0)
-        top_prefix = directory_prefix(prefix)
-        page, _, marker = await lister.everything(top_prefix, pages=1)
-        if not marker:
-            return Start(None, page, [], [], 0)  # all of it, in one request
-        lister.plain(False)
-        first = FirstPage.of(top_prefix, page)
-        if page and not first.counts:  # blobs only: one huge directory, it seems: flat, in key ranges
-            return Start(None, [], [], [], 0, [top_prefix])
-        entries, top, _ = await lister.everything(top_prefix, delimiter="/")
-        kept, folders = first.take(unique(top))
-        entries += kept
-        flat: list[str] = []
-        depth = 0
-        # Alone while the directories are few enough to list at once here (more are shared out).
-        while descend(len(folders), parallel, depth) and len(folders) <= blobrest.IN_FLIGHT:
-            # First a flat page of each, PROBE blobs: a small directory is done with it, and a
-            # small listing ends in a few calls. One the first page shows is bigger needs none.
-            unknown = [folder for folder in folders if not first.big(folder)]
-            probes = await _each(lister, [(folder, "") for folder in unknown], "", pages=1, size=PROBE)
-            big = [folder for folder in folders if first.big(folder)]
-            for folder, (found, _, marker) in zip(unknown, probes, strict=True):
-                if marker:
-                    big.append(folder)  # its probe is dropped: listed again, a level down
-                else:
-                    entries += found
-            big = unique(big)
-            # The others a level down: each one's first page (its blobs, its directories).
-            pages = await _each(lister, [(folder, "") for folder in big], "/", pages=1)
-            below: list[str] = []
-            continuing = []
-            for folder, (found, more, marker) in zip(big, pages, strict=True):
-                if marker and not more and found:
-                    flat.append(folder)  # blobs only, so far: the whole of it flat (this page again)
-                    continue
-                entries += found
-                below += more
-                if marker:
-                    continuing.append((folder, marker))
-            kept, folders = first.take(unique(below))
-            entries += kept
-            depth += 1
-            if continuing:
-                return Start(None, entries, folders, continuing, depth, flat)
-        return Start(None, entries, folders, [], depth, flat)
+        first = await _first_page(lister, source, cfg)
+        if isinstance(first, Start):
+            return first
+        return await _descend_alone(lister, first, directory_prefix(source.prefix), parallel)
 
     return _run(source, auth, cfg, start)
+
+
+async def _first_page(lister: Lister, source: BlobSource, cfg: Config) -> Start | FirstPage:
+    """The listing's first requests, one at a time: the blob the prefix names exactly (then the
+    whole listing), else a flat page of the prefix: the whole listing when no page follows it,
+    one huge directory when it holds blobs only (listed flat), else the page as a guide to the
+    directories below (:class:`FirstPage`)."""
+    prefix = source.prefix
+    lister.plain(True)  # one request at a time until the first page is read
+    if prefix and not prefix.endswith("/"):
+        exact = await lister.properties(prefix)
+        if exact is not None and not exact.is_folder:
+            return Start(select(prefix, exact, (), cfg.include, cfg.exclude), [], [], [], 0)
+    top_prefix = directory_prefix(prefix)
+    page, _, marker = await lister.everything(top_prefix, pages=1)
+    if not marker:
+        return Start(None, page, [], [], 0)  # all of it, in one request
+    lister.plain(False)
+    first = FirstPage.of(top_prefix, page)
+    if page and not first.counts:  # blobs only: one huge directory, it seems: flat, in key ranges
+        return Start(None, [], [], [], 0, [top_prefix])
+    return first
+
+
+async def _descend_alone(lister: Lister, first: FirstPage, top_prefix: str, parallel: int) -> Start:
+    """The prefix's top with the delimiter, then a level down while :func:`descend` says so
+    and the directories are few enough to list at once on this rank (more are shared out):
+    each directory probed (:func:`_probe`), the big ones' first pages (:func:`_level_down`).
+    Stops at a directory of more than a page, whose listing the ranks continue."""
+    entries, top, _ = await lister.everything(top_prefix, delimiter="/")
+    kept, folders = first.take(unique(top))
+    entries += kept
+    flat: list[str] = []
+    depth = 0
+    while descend(len(folders), parallel, depth) and len(folders) <= blobrest.IN_FLIGHT:
+        found, big = await _probe(lister, first, folders)
+        entries += found
+        level = await _level_down(lister, big)
+        entries += level.entries
+        flat += level.flat
+        kept, folders = first.take(unique(level.below))
+        entries += kept
+        depth += 1
+        if level.continuing:
+            return Start(None, entries, folders, level.continuing, depth, flat)
+    return Start(None, entries, folders, [], depth, flat)
+
+
+async def _probe(lister: Lister, first: FirstPage, folders: list[str]) -> tuple[list[RawEntry], list[str]]:
+    """A flat page of PROBE blobs of each of ``folders`` the first page does not show to be big:
+    the blobs of those it holds whole (a small directory is done with it, and a small listing
+    ends in a few calls), and the big directories (in name order), to go a level down."""
+    unknown = [folder for folder in folders if not first.big(folder)]
+    probes = await _each(lister, [(folder, "") for folder in unknown], "", pages=1, size=PROBE)
+    big = [folder for folder in folders if first.big(folder)]
+    found: list[RawEntry] = []
+    for folder, (blobs, _, marker) in zip(unknown, probes, strict=True):
+        if marker:
+            big.append(folder)  # its probe is dropped: listed again, a level down
+        else:
+            found += blobs
+    return found, unique(big)
+
+
+@dataclass
+class _Level:
+    """What the first pages of a level's directories (:func:`_level_down`) found."""
+
+    entries: list[RawEntry] = field(default_factory=list)  # the blobs directly in them
+    below: list[str] = field(default_factory=list)  # the directories in them, the next level
+    continuing: list[tuple[str, str]] = field(default_factory=list)  # (directory, marker): more pages
+    flat: list[str] = field(default_factory=list)  # directories of blobs only, so far: listed flat
+
+
+async def _level_down(lister: Lister, big: list[str]) -> _Level:
+    """Each of the ``big`` directories a level down: its first page with the delimiter (its
+    blobs, its directories). One whose first page shows blobs only and more to come is
+    listed flat instead, whole (this page again)."""
+    pages = await _each(lister, [(folder, "") for folder in big], "/", pages=1)
+    level = _Level()
+    for folder, (found, more, marker) in zip(big, pages, strict=True):
+        if marker and not more and found:
+            level.flat.append(folder)
+            continue
+        level.entries += found
+        level.below += more
+        if marker:
+            level.continuing.append((folder, marker))
+    return level
 
 
 @dataclass(frozen=True)

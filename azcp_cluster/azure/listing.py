@@ -7,7 +7,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from azcp_cluster.azure.credentials import Authorizer
 from azcp_cluster.azure.netfailure import host_port, network_cause
@@ -18,6 +18,9 @@ from azcp_cluster.core.errors import ListError
 from azcp_cluster.core.model import Listing
 from azcp_cluster.core.naming import RawEntry, directory_prefix, select
 from azcp_cluster.core.source import BlobSource
+
+if TYPE_CHECKING:  # azure-core is imported where a listing fails, not with this module
+    from azure.core.exceptions import HttpResponseError
 
 # The SDK's logger for the error responses it decodes (its warnings are not ours to print).
 _SDK_ERRORS = "azure.storage.blob._shared.response_handlers"
@@ -56,17 +59,23 @@ def _tunnel_refusal(exc: BaseException) -> str | None:
 
 def _explain(exc: Exception, source: BlobSource, origin: str = "", proxy: Proxy | None = None) -> ListError:
     """A one-line cause for a listing failure; never echoes URLs (they may carry a SAS)."""
-    from azure.core.exceptions import (
-        ClientAuthenticationError,
-        HttpResponseError,
-        ResourceNotFoundError,
-        ServiceRequestError,
-        ServiceResponseError,
-    )
+    from azure.core.exceptions import HttpResponseError, ServiceRequestError, ServiceResponseError
+
+    if isinstance(exc, HttpResponseError):
+        return _explain_answer(exc, source, origin, proxy)
+    if isinstance(exc, ServiceRequestError | ServiceResponseError):
+        return _explain_unreached(exc, source, proxy)
+    return ListError(f"{source.redacted()}: listing failed ({type(exc).__name__})")
+
+
+def _explain_answer(exc: HttpResponseError, source: BlobSource, origin: str, proxy: Proxy | None) -> ListError:
+    """:func:`_explain` for an HTTP answer (``HttpResponseError`` and its kinds): the proxy's
+    refusal where the answer is the proxy's own, else what the service said, by its code."""
+    from azure.core.exceptions import ClientAuthenticationError, ResourceNotFoundError
 
     where = source.redacted()
     used = f" ({origin}; --auth selects another)" if origin else ""
-    if isinstance(exc, HttpResponseError) and proxy is not None:
+    if proxy is not None:
         response = getattr(exc, "response", None)
         headers = response.headers if response is not None else {}
         status = exc.status_code or 0
@@ -80,20 +89,22 @@ def _explain(exc: Exception, source: BlobSource, origin: str = "", proxy: Proxy 
     if isinstance(exc, ClientAuthenticationError):
         code = getattr(exc, "error_code", None) or "AuthenticationFailed"
         return ListError(f"{where}: access denied (HTTP {exc.status_code}, {code}); check the credentials{used}")
-    if isinstance(exc, HttpResponseError):
-        code = getattr(exc, "error_code", None) or exc.reason
-        code = getattr(code, "value", code)  # an enum member: show Azure's own spelling
-        if exc.status_code in (401, 403):
-            return ListError(f"{where}: access denied (HTTP {exc.status_code}, {code}); check the credentials{used}")
-        return ListError(f"{where}: listing failed (HTTP {exc.status_code}, {code})")
-    if isinstance(exc, ServiceRequestError | ServiceResponseError):
-        refused = _tunnel_refusal(exc) if proxy is not None else None
-        if proxy is not None and refused:
-            return ListError(f"proxy {proxy.shown} refused the tunnel to {source.endpoint}: HTTP {refused}")
-        through = f" through proxy {proxy.shown}" if proxy is not None else ""
-        cause = network_cause(exc) or type(exc).__name__
-        return ListError(f"cannot reach {host_port(source.endpoint)} ({source.endpoint}){through}: {cause}")
-    return ListError(f"{where}: listing failed ({type(exc).__name__})")
+    code = getattr(exc, "error_code", None) or exc.reason
+    code = getattr(code, "value", code)  # an enum member: show Azure's own spelling
+    if exc.status_code in (401, 403):
+        return ListError(f"{where}: access denied (HTTP {exc.status_code}, {code}); check the credentials{used}")
+    return ListError(f"{where}: listing failed (HTTP {exc.status_code}, {code})")
+
+
+def _explain_unreached(exc: Exception, source: BlobSource, proxy: Proxy | None) -> ListError:
+    """:func:`_explain` for a request that got no answer: the proxy's refusal of the tunnel, if
+    that is what happened, else the network's cause (through the proxy, if any)."""
+    refused = _tunnel_refusal(exc) if proxy is not None else None
+    if proxy is not None and refused:
+        return ListError(f"proxy {proxy.shown} refused the tunnel to {source.endpoint}: HTTP {refused}")
+    through = f" through proxy {proxy.shown}" if proxy is not None else ""
+    cause = network_cause(exc) or type(exc).__name__
+    return ListError(f"cannot reach {host_port(source.endpoint)} ({source.endpoint}){through}: {cause}")
 
 
 @contextlib.contextmanager

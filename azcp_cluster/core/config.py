@@ -269,20 +269,36 @@ class Config:
     fanout_piece: int | None = None
 
     def validate(self) -> Config:
-        """Check ranges and combinations; raise :class:`UsageError` naming the option."""
-        if self.progress not in PROGRESS_MODES:
-            raise UsageError(f"--progress must be one of {', '.join(PROGRESS_MODES)}, not {self.progress!r}")
-        if self.compare not in COMPARE_MODES:
-            raise UsageError(f"--compare must be one of {', '.join(COMPARE_MODES)}, not {self.compare!r}")
-        if self.fanout not in FANOUT_METHODS:
-            raise UsageError(f"--fanout must be one of {', '.join(FANOUT_METHODS)}, not {self.fanout!r}")
+        """Check ranges and combinations; raise :class:`UsageError` naming the option.
+
+        The checks run in this order, each concern's in its own (the first broken rule is
+        the one reported): the modes, the sizes and counts, the local reader, the download,
+        the timeouts, the checks, then SOURCE, DEST and the report's path.
+        """
+        self._check_modes()
+        self._check_sizes()
+        self._check_counts()
+        self._check_local_reader()
+        self._check_download()
+        self._check_timeouts()
+        self._check_verify_and_lock()
+        self._check_paths()
+        return self
+
+    def _check_modes(self) -> None:
+        """The options that choose a mode are one of their choices; a chain's piece in range."""
+        _check_choice("--progress", self.progress, PROGRESS_MODES)
+        _check_choice("--compare", self.compare, COMPARE_MODES)
+        _check_choice("--fanout", self.fanout, FANOUT_METHODS)
         if self.fanout_piece is not None and not MIN_PIECE_OPTION <= self.fanout_piece <= MAX_PIECE_OPTION:
             raise UsageError(
                 f"--fanout-piece must be between {format_bytes(MIN_PIECE_OPTION)} and "
                 f"{format_bytes(MAX_PIECE_OPTION)} (got {_bytes_shown(self.fanout_piece)})"
             )
-        if self.auth not in AUTH_METHODS:
-            raise UsageError(f"--auth must be one of {', '.join(AUTH_METHODS)}, not {self.auth!r}")
+        _check_choice("--auth", self.auth, AUTH_METHODS)
+
+    def _check_sizes(self) -> None:
+        """The byte sizes in their ranges (the shard size has no upper bound)."""
         sizes = {
             "--block-size": (self.block_size, MIN_BLOCK_SIZE, MAX_BLOCK_SIZE),
             "--bcast-chunk": (self.chunk, MIN_BCAST_CHUNK, MAX_BCAST_CHUNK),
@@ -295,6 +311,9 @@ class Config:
                 raise UsageError(
                     f"{name} must be between {format_bytes(low)} and {format_bytes(high)} (got {_bytes_shown(size)})"
                 )
+
+    def _check_counts(self) -> None:
+        """The counts (requests, slots, threads, retries) in their ranges."""
         counts = {
             "--concurrency": (self.concurrency, 1, MAX_CONCURRENCY),
             "--bcast-pipeline": (self.bcast_pipeline, 1, MAX_BCAST_PIPELINE),
@@ -304,12 +323,18 @@ class Config:
         for name, (count, low, high) in counts.items():
             if not low <= count <= high:
                 raise UsageError(f"{name} must be between {low} and {high} (got {shown(count)})")
+
+    def _check_local_reader(self) -> None:
+        """A local SOURCE's readers: one named rank, or a count of them, never both."""
         if self.source_rank is not None and self.source_rank < 0:
             raise UsageError(f"--source-rank must be zero or more (got {shown(self.source_rank)})")
         if self.source_readers < 1:
             raise UsageError(f"--source-readers must be at least 1 (got {shown(self.source_readers)})")
         if self.source_readers > 1 and self.source_rank is not None:
             raise UsageError("--source-rank names one reader; it cannot be combined with --source-readers")
+
+    def _check_download(self) -> None:
+        """The download's workers, ranks and bandwidth cap in their ranges (None: auto, all, none)."""
         if self.download_workers is not None and not 1 <= self.download_workers <= MAX_DOWNLOAD_WORKERS:
             raise UsageError(
                 f"--download-workers must be auto or between 1 and {MAX_DOWNLOAD_WORKERS} "
@@ -322,6 +347,10 @@ class Config:
                 f"--max-bandwidth must be at least {MIN_BANDWIDTH} bytes per second (8Kbps) and at most "
                 f"{_RATE_LIMIT_TEXT} (got {shown(self.max_bandwidth)})"
             )
+
+    def _check_timeouts(self) -> None:
+        """Every timeout in its range: the peer timeout first (0 turns it off), then the others
+        (None: no limit)."""
         timeouts = {
             "--read-timeout": (self.read_timeout, MAX_READ_TIMEOUT),
             "connect_timeout": (self.connect_timeout, MAX_READ_TIMEOUT),
@@ -333,10 +362,17 @@ class Config:
                 raise UsageError(
                     f"{name} must be at least {MIN_TIMEOUT:g} and at most {longest:.0f} seconds (got {shown(seconds)})"
                 )
+
+    def _check_verify_and_lock(self) -> None:
+        """``--verify``: off ("") or one of its modes; ``--lock``: one of its modes. Shown with
+        :func:`shown`, since the API may pass anything (a number, a very long string)."""
         if not isinstance(self.verify, str) or (self.verify and self.verify not in VERIFY_MODES):
             raise UsageError(f"--verify must be one of {', '.join(VERIFY_MODES)}, not {shown(self.verify)}")
         if self.lock not in LOCK_MODES:
             raise UsageError(f"--lock must be one of {', '.join(LOCK_MODES)}, not {shown(self.lock)}")
+
+    def _check_paths(self) -> None:
+        """The report's path, SOURCE and DEST: none empty, no control character in the last two."""
         if self.json_path is not None and not self.json_path:
             raise UsageError("--json PATH is empty")
         if not self.source:
@@ -345,7 +381,6 @@ class Config:
             raise UsageError("DEST is empty")
         _check_no_control("SOURCE", self.source)
         _check_no_control("DEST", self.dest)
-        return self
 
     @property
     def chunk(self) -> int:
@@ -366,6 +401,12 @@ class Config:
                 f"download buffers need {format_bytes(need)} per rank, but only {format_bytes(available)} "
                 "of memory is available; lower --bcast-chunk, --bcast-pipeline or --concurrency"
             )
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    """Refuse a mode option ``name`` whose ``value`` is not one of ``choices``, listing them."""
+    if value not in choices:
+        raise UsageError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
 
 
 def _check_no_control(name: str, text: str) -> None:

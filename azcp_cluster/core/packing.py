@@ -308,18 +308,9 @@ def transfer_schedule(
     own = np.zeros(len(p.length), dtype=np.bool_)
     if tapered is not None:
         p, own = _taper(p, tapered)
-    # Pieces that open a transfer whatever came before: a root's first, new receivers, no
-    # packing, a piece that cannot share a slot with the one before (that one is at its
-    # slot's offset 0 or later), or one tapered (and the piece after it).
-    forced = np.ones(len(p.length), dtype=np.bool_)
-    if pack:
-        forced[1:] = (p.root[1:] != p.root[:-1]) | (p.group[1:] != p.group[:-1])
-        forced[1:] |= p.length[1:] > slot_size - p.length[:-1]  # (no sum: it could overflow int32)
-        forced |= own
-        forced[1:] |= own[:-1]
     direct = (p.length >= DIRECT_MIN) & ((p.offset & (ALIGN - 1)) == 0)  # aligned in the slot if it can be
-    opens, at = _pack(p.length, direct, forced, slot_size)
-    del forced, direct
+    opens, at = _pack(p.length, direct, _forced(p, own, slot_size, pack), slot_size)
+    del direct
     starts = np.flatnonzero(opens)
     del opens
     order, counts = _landing_order(p, starts, loads)
@@ -334,6 +325,20 @@ def transfer_schedule(
         columns[i] = column[places]
         del column
     return Transfers(t_root, t_group, tuples, bounds, ExtentColumns(*columns), ranks)
+
+
+def _forced(p: _Pieces, own: np.ndarray, slot_size: int, pack: bool) -> np.ndarray:
+    """The pieces that open a transfer whatever came before: every one without packing; else
+    a root's first, one with new receivers, one that cannot share a slot with the one before
+    (that one is at its slot's offset 0 or later), and one tapered (``own``) and the piece
+    after it."""
+    forced = np.ones(len(p.length), dtype=np.bool_)
+    if pack:
+        forced[1:] = (p.root[1:] != p.root[:-1]) | (p.group[1:] != p.group[:-1])
+        forced[1:] |= p.length[1:] > slot_size - p.length[:-1]  # (no sum: it could overflow int32)
+        forced |= own
+        forced[1:] |= own[:-1]
+    return forced
 
 
 def _landing_order(p: _Pieces, starts: np.ndarray, loads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

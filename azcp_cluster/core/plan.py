@@ -449,23 +449,46 @@ def plan_transfers(
     missing = [(i, off, length) for i, segs in partial.items() for off, length, by in segs if not by]
     plan = balanced_plan(sizes, azure, nranks, shard_size, owners, missing)
     # Peer pieces as (file, offset, size, owner), split below like the plan's.
-    peer: list[tuple[int, int, int, int]] = [
+    peer: list[_PeerPiece] = [
         (i, 0, sizes[i], min(holders[i]))
         for i in np.flatnonzero(held & whole).tolist()
         if len(set(holders[i])) < needed
     ]
-    to: dict[tuple[int, int], tuple[int, ...]] = {}
     everyone = tuple(range(nranks)) if receivers is None else tuple(sorted(receivers))
+    segments, to = _peer_segments(partial, needed, everyone, shard_size)
+    peer += segments
+    if not peer:  # a first copy: the plan's own shards, already in order
+        return plan
+    return _with_peer_shards(plan, peer, shard_size, nranks, to)
+
+
+# A piece a peer sends, (file, offset, size, owner), and the receivers of peer shards by (file, offset).
+_PeerPiece = tuple[int, int, int, int]
+_ShardReceivers = dict[tuple[int, int], tuple[int, ...]]
+
+
+def _peer_segments(
+    partial: Mapping[int, Sequence[tuple[int, int, tuple[int, ...]]]], needed: int, everyone: tuple[int, ...], cut: int
+) -> tuple[list[_PeerPiece], _ShardReceivers]:
+    """The segments of ``partial`` some copies hold and fewer than ``needed`` do, as pieces sent
+    by their lowest holder, and the receivers of each of their shards (of at most ``cut``
+    bytes): those of ``everyone`` that lack the segment."""
+    peer: list[_PeerPiece] = []
+    to: _ShardReceivers = {}
     for i, segs in partial.items():
         for start, size, by in segs:
             if not by or len(set(by)) >= needed:
-                continue
+                continue  # nobody's (in the plan, from the source), or every copy's (moves not at all)
             lacking = tuple(r for r in everyone if r not in by)
             peer.append((i, start, size, min(by)))
-            for offset, _ in split_ranges(size, shard_size):
+            for offset, _ in split_ranges(size, cut):
                 to[(i, start + offset)] = lacking
-    if not peer:  # a first copy: the plan's own shards, already in order
-        return plan
+    return peer, to
+
+
+def _with_peer_shards(plan: Plan, peer: list[_PeerPiece], shard_size: int, nranks: int, to: _ShardReceivers) -> Plan:
+    """``plan`` and the ``peer`` pieces, cut into shards as its own are and sent to ``to``, in
+    (file, offset) order."""
     ask = np.array(peer, dtype=np.int64).reshape(-1, 4)
     file_of, offset_of, length_of, count = split_columns(ask[:, 0], ask[:, 1], ask[:, 2], shard_size)
     owner_of = np.repeat(ask[:, 3], count)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from azcp_cluster.core.errors import UsageError
 
@@ -63,43 +63,10 @@ def parse_blob_url(text: str) -> BlobSource:
     The message never repeats the query string, which may hold a SAS signature.
     """
     shown = text.split("?", 1)[0]
-    try:
-        parts = urlsplit(text)
-        port = parts.port
-    except ValueError as exc:
-        raise UsageError(f"malformed SOURCE URL {shown!r}: {exc}") from None
-    scheme = parts.scheme.lower()
-    if scheme not in ("http", "https"):
-        raise UsageError(f"unsupported scheme {parts.scheme!r} in SOURCE {shown!r} (use https:// or http://)")
-    host = (parts.hostname or "").lower()
-    if not host:
-        raise UsageError(f"malformed SOURCE URL {shown!r}: no host")
-    if parts.fragment:
-        raise UsageError(f"malformed SOURCE URL {shown!r}: unexpected '#' fragment")
-    netloc = host if port is None else f"{host}:{port}"
-    if ":" in host and port is None:  # IPv6 literal
-        netloc = f"[{host}]"
-    elif ":" in host:
-        netloc = f"[{host}]:{port}"
+    parts, port = _url_parts(text, shown)
+    scheme, host = parts.scheme.lower(), (parts.hostname or "").lower()
     segments = parts.path.split("/")[1:] if parts.path else []
-    vhost = _VHOST_RE.match(host)
-    if vhost is None and ".blob." in host and not host.replace(".", "").isdigit():
-        account = host.split(".blob.", 1)[0]
-        raise UsageError(f"malformed SOURCE URL {shown!r}: {account!r} is not a storage account name")
-    if vhost:
-        account = vhost.group(1)
-        endpoint = f"{scheme}://{netloc}"
-    else:
-        if not segments or not segments[0]:
-            raise UsageError(
-                f"malformed SOURCE URL {shown!r}: missing account (path-style URLs are "
-                "http(s)://HOST:PORT/ACCOUNT/CONTAINER[/PREFIX])"
-            )
-        account = unquote(segments[0])
-        segments = segments[1:]
-        endpoint = f"{scheme}://{netloc}/{account}"
-        if not _ACCOUNT_RE.match(account):
-            raise UsageError(f"malformed SOURCE URL {shown!r}: {account!r} is not a storage account name")
+    account, endpoint, segments = _account(scheme, host, _netloc(host, port), segments, shown)
     if not segments or not segments[0]:
         raise UsageError(f"malformed SOURCE URL {shown!r}: missing container name")
     container = unquote(segments[0])
@@ -108,3 +75,47 @@ def parse_blob_url(text: str) -> BlobSource:
     prefix = unquote("/".join(segments[1:]))
     sas = parts.query or None
     return BlobSource(endpoint=endpoint, account=account, container=container, prefix=prefix, sas=sas)
+
+
+def _url_parts(text: str, shown: str) -> tuple[SplitResult, int | None]:
+    """``text`` split, and its port: refused unless it is an http(s) URL with a host and no
+    fragment (``shown``: the URL without its query, for the message)."""
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        raise UsageError(f"malformed SOURCE URL {shown!r}: {exc}") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise UsageError(f"unsupported scheme {parts.scheme!r} in SOURCE {shown!r} (use https:// or http://)")
+    if not parts.hostname:
+        raise UsageError(f"malformed SOURCE URL {shown!r}: no host")
+    if parts.fragment:
+        raise UsageError(f"malformed SOURCE URL {shown!r}: unexpected '#' fragment")
+    return parts, port
+
+
+def _netloc(host: str, port: int | None) -> str:
+    """The host and port as an endpoint writes them: an IPv6 literal in brackets."""
+    if ":" in host:  # IPv6 literal
+        return f"[{host}]" if port is None else f"[{host}]:{port}"
+    return host if port is None else f"{host}:{port}"
+
+
+def _account(scheme: str, host: str, netloc: str, segments: list[str], shown: str) -> tuple[str, str, list[str]]:
+    """The storage account, the endpoint and the path's segments after the account: from the host
+    (virtual-host style, ``ACCOUNT.blob.SUFFIX``) or from the first segment (path style)."""
+    vhost = _VHOST_RE.match(host)
+    if vhost is None and ".blob." in host and not host.replace(".", "").isdigit():
+        account = host.split(".blob.", 1)[0]
+        raise UsageError(f"malformed SOURCE URL {shown!r}: {account!r} is not a storage account name")
+    if vhost:
+        return vhost.group(1), f"{scheme}://{netloc}", segments
+    if not segments or not segments[0]:
+        raise UsageError(
+            f"malformed SOURCE URL {shown!r}: missing account (path-style URLs are "
+            "http(s)://HOST:PORT/ACCOUNT/CONTAINER[/PREFIX])"
+        )
+    account = unquote(segments[0])
+    if not _ACCOUNT_RE.match(account):
+        raise UsageError(f"malformed SOURCE URL {shown!r}: {account!r} is not a storage account name")
+    return account, f"{scheme}://{netloc}/{account}", segments[1:]

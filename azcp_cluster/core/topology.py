@@ -101,19 +101,11 @@ def group_ranks(
         raise UsageError(f"--source-rank {preferred_leader} is not a rank of this job (0..{size - 1})")
     if download_ranks is not None and download_ranks < 1:
         raise UsageError(f"--download-ranks must be at least 1 (got {download_ranks})")
-    index: dict[tuple[str, str], int] = {}
-    group_of = []
-    for place in places:
-        group_of.append(index.setdefault(place.node, len(index)))
-    members: list[list[int]] = [[] for _ in index]
-    for rank, group in enumerate(group_of):
-        members[group].append(rank)
+    group_of, members = _groups(places)
     leaders = [m[0] for m in members]
     for reader in (*readers, *(() if preferred_leader is None else (preferred_leader,))):
         leaders[group_of[reader]] = reader
-    # Round-robin over groups, each group's leader first.
-    ordered = [[leaders[g], *(r for r in members[g] if r != leaders[g])] for g in range(len(members))]
-    round_robin = [m[depth] for depth in range(max(len(m) for m in ordered)) for m in ordered if depth < len(m)]
+    round_robin = _round_robin(leaders, members)
     chosen = round_robin if download_ranks is None else round_robin[: min(download_ranks, size)]
     return Topology(
         group_of=tuple(group_of),
@@ -121,6 +113,27 @@ def group_ranks(
         downloaders=tuple(sorted(chosen)),
         hosts=len({place.host for place in places}),
     )
+
+
+def _groups(places: Sequence[Place]) -> tuple[list[int], list[list[int]]]:
+    """Each rank's group (numbered by first appearance of its :attr:`Place.node`) and each
+    group's ranks, ascending."""
+    index: dict[tuple[str, str], int] = {}
+    group_of = []
+    for place in places:
+        group_of.append(index.setdefault(place.node, len(index)))
+    members: list[list[int]] = [[] for _ in index]
+    for rank, group in enumerate(group_of):
+        members[group].append(rank)
+    return group_of, members
+
+
+def _round_robin(leaders: Sequence[int], members: Sequence[Sequence[int]]) -> list[int]:
+    """Every rank, round-robin over the groups: each group's leader first, then every group's
+    next rank, and so on; the first K are the downloaders of ``--download-ranks K``, spread
+    over the nodes."""
+    ordered = [[leaders[g], *(r for r in members[g] if r != leaders[g])] for g in range(len(members))]
+    return [m[depth] for depth in range(max(len(m) for m in ordered)) for m in ordered if depth < len(m)]
 
 
 def check_nesting(places: Sequence[Place], group_of: Sequence[int]) -> None:

@@ -187,42 +187,49 @@ def load(
     candidates = [i for i in candidates if files[i].path in named]  # the only ones worth a look
     if not candidates:
         return {}
+    expected = _expected(tree, [files[i] for i in candidates], origin)
+    if not expected:
+        return {}  # DEST cannot be looked at
+    claimed = resume.claims(journals, expected)
+    if not received:  # (--verify) only what came from the source itself, never another node's bytes
+        claimed = {path: [c for c in found if c.source] for path, found in claimed.items()}
+    todo = [i for i in candidates if claimed.get(files[i].path)]
+    jobs = [(files[i].path, expected[files[i].path].identity, claimed[files[i].path]) for i in todo]
+    kept = {}
+    for i, good in zip(todo, rehash.check_all(tree, jobs), strict=True):
+        spans = resume.spans_of(good, files[i].size)
+        if spans:
+            want = expected[files[i].path]
+            kept[i] = Kept(want.identity, want.generation, tuple(spans), tuple(good))
+    return kept
+
+
+def _expected(tree: DestTree, entries: Sequence[FileEntry], origin: str) -> dict[str, resume.Expected]:
+    """What a journal must say of each of ``entries`` for its ranges to count: the size, the
+    version (:func:`tag`) and its temporary file's identity and generation, both 0 unless that
+    file may be resumed (:func:`_resumable`) and is still there. Empty if DEST cannot be looked at."""
     temps = []
-    for i in candidates:
-        head, _, base = files[i].path.rpartition("/")
+    for entry in entries:
+        head, _, base = entry.path.rpartition("/")
         temps.append(f"{head}/{temp_name(base)}" if head else temp_name(base))
     try:
         stats = tree.lstat_all(temps)
     except OSError:
         return {}  # cannot look: nothing is kept (the copy says what is wrong when it writes)
     expected: dict[str, resume.Expected] = {}
-    for i, st in zip(candidates, stats, strict=True):
-        entry = files[i]
-        fit = (
-            st is not None
-            and stat.S_ISREG(st.st_mode)
-            and st.st_nlink == 1
-            and st.st_uid == os.geteuid()
-            and st.st_size == entry.size
-        )
-        ident = identity(st) if fit and st else 0
+    for entry, st in zip(entries, stats, strict=True):
+        ident = identity(st) if st is not None and _resumable(st, entry.size) else 0
         gen = _generation_of(tree, entry.path, ident) if ident else None
         if gen is None:
             ident = gen = 0  # gone, or replaced since the lstat: nothing of it is kept
         expected[entry.path] = resume.Expected(entry.size, tag(entry, origin), ident, gen)
-    claimed = resume.claims(journals, expected)
-    if not received:  # (--verify) only what came from the source itself, never another node's bytes
-        claimed = {path: [c for c in found if c.source] for path, found in claimed.items()}
-    todo = [i for i in candidates if claimed.get(files[i].path)]
-    jobs = [(files[i].path, expected[files[i].path].identity, claimed[files[i].path]) for i in todo]
-    checked = rehash.check_all(tree, jobs)
-    kept = {}
-    for i, good in zip(todo, checked, strict=True):
-        spans = resume.spans_of(good, files[i].size)
-        if spans:
-            want = expected[files[i].path]
-            kept[i] = Kept(want.identity, want.generation, tuple(spans), tuple(good))
-    return kept
+    return expected
+
+
+def _resumable(st: os.stat_result, size: int) -> bool:
+    """Whether a temporary file may hold a stopped run's bytes: a regular file of this user's
+    with one link (no other name may change it), at the listed ``size``."""
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid() and st.st_size == size
 
 
 def _dir(tree: DestTree, create: bool) -> int:

@@ -218,31 +218,69 @@ def lead(
     Raises the stage's error: the fan-out's, or this rank's own download error rather than a
     peer's failure when both happened.
     """
-    downloaded = 0.0
-    thread: DownloadThread | None = None
+    fetch = None  # this rank's own download, if it has blocks and could set it up
     if downloader is not None and blocks and failed is None:
-        fetcher = downloader
+        fetch = _TimedFetch(downloader, blocks, feed, since, rank)
+    thread = _download_aside(fetch, rank, stop, feed) if fetch is not None else None
+    fanout, dstats, failure = _fan_out_beside(broadcaster, schedule, hooks, feed, failed, kept, thread)
+    if failure is not None:
+        raise failure  # after every byte was sent: the download's own end failed
+    return Streamed(fetch.downloaded if fetch is not None else 0.0, dstats, fanout, dict(broadcaster.digests))
 
-        def fetch() -> DownloadStats:
-            nonlocal downloaded
-            try:
-                return fetcher.run(blocks)
-            except PeerFailed:
-                raise  # stopped: the fan-out stopped first
-            except BaseException as exc:
-                # The fan-out fails with it (a bug as much as a download error: a thread that
-                # just ended would leave its transfers waiting for ever).
-                feed.local_failed(as_azcp_error(exc, rank))
-                raise
-            finally:
-                downloaded = since()
 
-        thread = DownloadThread(fetch, rank, stop)
+class _TimedFetch:
+    """A leader's own download as its thread runs it: ``fetcher.run(blocks)``, with the stage's
+    seconds when it ended (:attr:`downloaded`, 0 until then), and any failure but a stop told
+    to ``feed``, so that the fan-out fails with it (a bug as much as a download error: a thread
+    that just ended would leave its transfers waiting for ever)."""
+
+    def __init__(
+        self, fetcher: Fetcher, blocks: Sequence[Block], feed: LandingFeed, since: Callable[[], float], rank: int
+    ) -> None:
+        self.fetcher, self.blocks, self.feed, self.since, self.rank = fetcher, blocks, feed, since, rank
+        self.downloaded = 0.0
+
+    def __call__(self) -> DownloadStats:
+        """Download the blocks (on the download thread)."""
         try:
-            thread.start()
-        except Exception as exc:  # no thread (a process limit): the fan-out fails, at its next agreement
-            feed.local_failed(as_azcp_error(exc, rank))
-            thread = None
+            return self.fetcher.run(self.blocks)
+        except PeerFailed:
+            raise  # stopped: the fan-out stopped first
+        except BaseException as exc:
+            self.feed.local_failed(as_azcp_error(exc, self.rank))
+            raise
+        finally:
+            self.downloaded = self.since()
+
+
+def _download_aside(
+    fetch: Callable[[], DownloadStats], rank: int, stop: threading.Event, feed: LandingFeed
+) -> DownloadThread | None:
+    """``fetch`` started on a thread of its own, or None where no thread can be started (a
+    process limit): ``feed`` is told, and the fan-out fails at its next agreement."""
+    thread = DownloadThread(fetch, rank, stop)
+    try:
+        thread.start()
+    except Exception as exc:
+        feed.local_failed(as_azcp_error(exc, rank))
+        return None
+    return thread
+
+
+def _fan_out_beside(
+    broadcaster: Broadcaster,
+    schedule: Sequence[Transfer],
+    hooks: StageHooks,
+    feed: LandingFeed,
+    failed: AzcpError | None,
+    kept: Kept | None,
+    thread: DownloadThread | None,
+) -> tuple[BroadcastStats | None, DownloadStats | None, BaseException | None]:
+    """The fan-out on this thread while ``thread`` (if any) downloads, then the download's end:
+    the fan-out's stats, the download's, and the download's error (its own, or PeerFailed).
+
+    A fan-out that fails stops the download and waits for it; a peer's failure is raised as
+    this rank's own download error if it has one (the cause here, not a peer's)."""
     fanout = None
     dstats = None
     failure: BaseException | None = None
@@ -261,9 +299,7 @@ def lead(
             if fanout is None:
                 thread.stop.set()  # the fan-out stopped (its error is the stage's): so does the download
             dstats, failure = thread.wait()
-    if failure is not None:
-        raise failure  # after every byte was sent: the download's own end failed
-    return Streamed(downloaded, dstats, fanout, dict(broadcaster.digests))
+    return fanout, dstats, failure
 
 
 def notify_while_downloading(

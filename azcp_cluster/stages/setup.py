@@ -233,20 +233,7 @@ def lock_dest(ctx: RunContext, leader: bool, t0: float, places: list[Place]) -> 
         outcome: StageOutcome[LockSeen] = StageOutcome()
         tried = cluster.clock()
         with cluster.stage(outcome):
-            held_by = None
-            if leader:
-                assert ctx.tree is not None
-                if ctx.tree.removed:  # the run that made DEST failed and removed it, empty: make it again
-                    if ctx.dest_lock is not None:
-                        ctx.dest_lock.close()
-                        ctx.dest_lock = None
-                    ctx.tree.close()
-                    open_dest(ctx)
-                    assert ctx.tree is not None
-                if ctx.dest_lock is None:
-                    ctx.dest_lock = DestLock(ctx.tree, me)
-                held_by = ctx.dest_lock.try_acquire()
-            outcome.stats = LockSeen(held_by, me, ctx.dest)
+            outcome.stats = LockSeen(_try_lock(ctx, me) if leader else None, me, ctx.dest)
         cluster.note("lock", tried)
         result = cluster.conclude(t0, outcome)
         seen = result.each(LockSeen(None, "", ""))
@@ -275,6 +262,21 @@ def lock_dest(ctx: RunContext, leader: bool, t0: float, places: list[Place]) -> 
         waited = True
         time.sleep(lock_backoff(attempt, rng))
         attempt += 1
+
+
+def _try_lock(ctx: RunContext, me: str) -> str | None:
+    """A leader's try at its DEST's lock: None if it holds it now, else who does."""
+    assert ctx.tree is not None
+    if ctx.tree.removed:  # the run that made DEST failed and removed it, empty: make it again
+        if ctx.dest_lock is not None:
+            ctx.dest_lock.close()
+            ctx.dest_lock = None
+        ctx.tree.close()
+        open_dest(ctx)
+        assert ctx.tree is not None
+    if ctx.dest_lock is None:
+        ctx.dest_lock = DestLock(ctx.tree, me)
+    return ctx.dest_lock.try_acquire()
 
 
 def shared_dest(here: Place, there: Place, other: int) -> str:
