@@ -36,8 +36,7 @@ SEND_AGAIN = 1
 
 def _attach(error: AzcpError, report: Report) -> AzcpError:
     error.report = report  # type: ignore[attr-defined]
-    report.exit_code = error.exit_code
-    report.error = error.one_line()
+    report.failed(error.exit_code, error.one_line())
     return error
 
 
@@ -78,21 +77,9 @@ def run(
         failed = _attach(exc, report)
         agreed = True
     finally:
-        cluster.interrupts.on_first = None  # the outcome is decided: the report below says it
-        try:
-            try:
-                ctx.close()
-                ctx.let_dest_be(remove=failed is not None)  # a failed run's DEST, made and still empty, goes
-            finally:
-                # Agreed: the last pulses, as every rank ends. Else this rank leaves alone (the
-                # CLI then ends the job with MPI_Abort): waiting for the others' would not end.
-                cluster.close(agreed)
-        finally:
-            ctx.heap.end()  # what the run froze goes back to the collector
-        report.stages["total"].seconds = clock() - started
-        report.timeline, report.timeline_origin = cluster.timeline, cluster.origins
-        # Every agreement carried each rank's peak memory, so a failed run reports it too.
-        report.peak_rss_bytes = cluster.peak_rss
+        _end(ctx, failed is not None, agreed)
+        # Every agreement carried each rank's timeline and peak memory: a failed run reports them too.
+        report.ended(clock() - started, cluster.timeline, cluster.origins, cluster.peak_rss)
     # Once DEST's lock is released and removed: a launcher that dies of a reader gone away
     # (`mpiexec ... | head`) finds nothing of the run left to clean up. The JSON report first,
     # then the lines (on a failure, those of the stages it reached; the CLI prints the error
@@ -104,6 +91,22 @@ def run(
     if failed is not None:
         raise failed from None
     return report
+
+
+def _end(ctx: RunContext, failed: bool, agreed: bool) -> None:
+    """Close the run on this rank, whatever happened: its handles, a failed run's DEST made and
+    still empty, the pulse (``agreed``: every rank ends here together), the collector's hold."""
+    ctx.cluster.interrupts.on_first = None  # the outcome is decided: the report says it
+    try:
+        try:
+            ctx.close()
+            ctx.let_dest_be(remove=failed)
+        finally:
+            # Agreed: the last pulses, as every rank ends. Else this rank leaves alone (the
+            # CLI then ends the job with MPI_Abort): waiting for the others' would not end.
+            ctx.cluster.close(agreed)
+    finally:
+        ctx.heap.end()  # what the run froze goes back to the collector
 
 
 def _report_at_signal(report: Report, path: str, cluster: Cluster, started: float) -> Callable[[int], None]:

@@ -154,6 +154,17 @@ class Report:
                 if figures.against_source is not None:
                     self.verified_against_source = figures.against_source
 
+    def ended(self, seconds: float, timeline: list[TimelineEntry], origins: list[float], peak_rss: int) -> None:
+        """The run's end, on every rank: its total time, the timeline every agreement gathered
+        (and each rank's start, Unix time), the largest peak memory of any rank."""
+        self.stages["total"].seconds = seconds
+        self.timeline, self.timeline_origin = timeline, origins
+        self.peak_rss_bytes = peak_rss
+
+    def failed(self, exit_code: int, error: str) -> None:
+        """The run failed: its exit code and one-line error."""
+        self.exit_code, self.error = exit_code, error
+
     def _record_compared(self, figures: fig.Compared) -> None:
         self.resumed_files, self.resumed_bytes = figures.resumed_files, figures.resumed_bytes
         self.stages["list"].seconds = figures.list_seconds

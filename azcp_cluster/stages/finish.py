@@ -67,47 +67,8 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
     t0 = cluster.clock()
     outcome: StageOutcome[ReadBack] = StageOutcome()
     files = moved.listed.listing.files
-    have = moved.diff.have
-    disk = ctx.cfg.verify == "disk"
     with cluster.stage(outcome):
-        digests: dict[int, str] = {}
-        crcs: dict[int, int] = {}
-        if place.leader:  # one copy per node
-            tree = ctx.dest_tree()
-            written = set(moved.here)
-            streamed = dict(moved.streamed_md5)
-            for i in moved.diff.transfer:
-                if files[i].size == 0:
-                    streamed[i] = EMPTY_MD5
-            # Read back: everything this node holds (disk), or what was not streamed past
-            # this rank. A file the schedule did not bring here (a subset) is not here.
-            held = [i for i in range(len(files)) if i in written or have[i]]
-            reread = [i for i in held if disk or i not in streamed]
-
-            def hash_copy(i: int) -> tuple[str, int]:
-                rel = files[i].path
-                try:
-                    opener = tree.opener(rel, temp=i in written)
-                    return manifest.digests_of(opener, direct=disk and ctx.cfg.bcast_direct)
-                except OSError as exc:
-                    where = tree.temp_shown(rel) if i in written else tree.shown(rel)
-                    raise VerifyError(f"cannot read the copy back: {exc.strerror or exc}", path=where) from None
-
-            with cluster.abandonable():  # local work: a signal stops it at once
-                both = dict(zip(reread, manifest.hash_files(hash_copy, reread), strict=True))
-            digests = {i: md5 for i, (md5, _) in both.items()}
-            # What was read back, else (--verify stream) what was hashed in flight.
-            crcs = {i: c for i, c in moved.stream_crcs.items() if i in streamed}
-            crcs.update((i, c) for i, (_, c) in both.items())
-            for i, digest in streamed.items():
-                if i not in digests:
-                    digests[i] = digest  # --verify stream
-                elif digests[i] != digest:
-                    raise VerifyError(
-                        "the copy on disk differs from the bytes this rank received (changed after they "
-                        "arrived: by the disk, the filesystem or another writer)",
-                        path=tree.shown(files[i].path),
-                    )
+        digests, crcs = _read_back(ctx, moved) if place.leader else ({}, {})  # one copy per node
         outcome.stats = ReadBack(digests, crcs, _pieces(ctx, moved))
     try:
 
@@ -125,6 +86,50 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
             journal.remove(ctx.dest_tree())
         raise
     return verified
+
+
+def _read_back(ctx: RunContext, moved: Transferred) -> tuple[dict[int, str], dict[int, int]]:
+    """A leader's copies read back (``--verify disk``: all; ``stream``: what no hash saw in
+    flight), each copy's MD5 and CRC-32C, and checked against what it hashed in flight."""
+    files = moved.listed.listing.files
+    have = moved.diff.have
+    disk = ctx.cfg.verify == "disk"
+    tree = ctx.dest_tree()
+    written = set(moved.here)
+    streamed = dict(moved.streamed_md5)
+    for i in moved.diff.transfer:
+        if files[i].size == 0:
+            streamed[i] = EMPTY_MD5
+    # Read back: everything this node holds (disk), or what was not streamed past
+    # this rank. A file the schedule did not bring here (a subset) is not here.
+    held = [i for i in range(len(files)) if i in written or have[i]]
+    reread = [i for i in held if disk or i not in streamed]
+
+    def hash_copy(i: int) -> tuple[str, int]:
+        rel = files[i].path
+        try:
+            opener = tree.opener(rel, temp=i in written)
+            return manifest.digests_of(opener, direct=disk and ctx.cfg.bcast_direct)
+        except OSError as exc:
+            where = tree.temp_shown(rel) if i in written else tree.shown(rel)
+            raise VerifyError(f"cannot read the copy back: {exc.strerror or exc}", path=where) from None
+
+    with ctx.cluster.abandonable():  # local work: a signal stops it at once
+        both = dict(zip(reread, manifest.hash_files(hash_copy, reread), strict=True))
+    digests = {i: md5 for i, (md5, _) in both.items()}
+    # What was read back, else (--verify stream) what was hashed in flight.
+    crcs = {i: c for i, c in moved.stream_crcs.items() if i in streamed}
+    crcs.update((i, c) for i, (_, c) in both.items())
+    for i, digest in streamed.items():
+        if i not in digests:
+            digests[i] = digest  # --verify stream
+        elif digests[i] != digest:
+            raise VerifyError(
+                "the copy on disk differs from the bytes this rank received (changed after they "
+                "arrived: by the disk, the filesystem or another writer)",
+                path=tree.shown(files[i].path),
+            )
+    return digests, crcs
 
 
 def _pieces(ctx: RunContext, moved: Transferred) -> np.ndarray:

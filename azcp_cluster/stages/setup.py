@@ -97,14 +97,7 @@ def setup(ctx: RunContext) -> Placement:
     cluster.note("roles", t1)
     made = cluster.conclude(t0, made_here)
     reader = readers[0] if ctx.local else 0
-    # DESTs side by side below directories this run made: whichever leader of the machine is
-    # the last to remove its own DEST (a failed run) removes the parents too, if empty.
-    ctx.dest_made.shared = {
-        path
-        for rank, paths in enumerate(made.each([]))
-        if rank != ctx.rank and places[rank].same_machine(places[ctx.rank])
-        for path in paths
-    }
+    _share_made(ctx, places, made.each([]))
     if not cfg.dry_run:
         lock_dest(ctx, leader, t0, places)
     # Collective on every rank; leaders get one communicator, ordered by group.
@@ -124,6 +117,15 @@ def setup(ctx: RunContext) -> Placement:
         proxy=proxy,
         downloaders_on_host=max(1, on_host),
     )
+
+
+def _share_made(ctx: RunContext, places: list[Place], made: list[list[str]]) -> None:
+    """DESTs side by side below directories this run made (``made``: each rank's): whichever
+    leader of the machine is the last to remove its own DEST (a failed run) removes the
+    parents too, if empty."""
+    here = places[ctx.rank]
+    beside = [paths for rank, paths in enumerate(made) if rank != ctx.rank and places[rank].same_machine(here)]
+    ctx.dest_made.shared = {path for paths in beside for path in paths}
 
 
 def _check_arguments(ctx: RunContext) -> tuple[Authorizer | None, Proxy | None, bool]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.crc import SourcePieces
 from azcp_cluster.core.errors import AzcpError, InternalError, SourceError
+from azcp_cluster.core.plan import Plan
 from azcp_cluster.core.waves import TAPER
 from azcp_cluster.dest.localsource import source_file
 from azcp_cluster.fanout.events import StageHooks
@@ -33,7 +34,7 @@ from azcp_cluster.stages.survey import Diff, Listed
 if TYPE_CHECKING:
     from azcp_cluster.core.blocks import Block
     from azcp_cluster.download.downloader import Downloader
-    from azcp_cluster.download.fetcher import DownloadStats, Fetcher
+    from azcp_cluster.download.fetcher import DownloadStats, Fetcher, LandingSink
     from azcp_cluster.download.workers import WorkerDownloader
     from azcp_cluster.download.writepool import WritePool
     from azcp_cluster.fanout.streaming import LandingFeed, Streamed
@@ -154,66 +155,79 @@ def downloader(
     would shorten the copy (workers.py). Its configuration is the shape's (a streamed copy's block size
     and requests in flight).
 
-    Its landing sink, composed here once for every part of it: each block's bytes to ``progress``, the block to
-    this rank's journal (if any), then to ``notice`` (streaming), and with ``--verify`` its CRC to the run's
-    source pieces. It stops once ``peer_failed()``.
-    """
-    from azcp_cluster.core.throttle import Pacer, share
+    Its landing sink, composed here once: each block's bytes to ``progress``, the block to this rank's journal
+    (if any), to ``notice`` (streaming), and with ``--verify`` its CRC to the source pieces. It stops once
+    ``peer_failed()``."""
     from azcp_cluster.download import workers as worker_processes
-    from azcp_cluster.download.downloader import Downloader
     from azcp_cluster.download.fetcher import LandingSink
 
     shape = prepared.shape
-    cfg = shape.fetch
-    auth = place.auth
-    assert auth is not None
-    rate = None
-    if cfg.max_bandwidth is not None:
-        busy = sum(1 for load in prepared.plan.loads() if load)  # ranks that download at all
-        rate = share(cfg.max_bandwidth, busy)
-    files = prepared.listed.listing.files
-    tree = ctx.dest_tree()
     io = ctx.io
-    journal, hashes = io.journal, prepared.pieces.add if cfg.verify else None
-    sink = LandingSink(progress, journal.written if journal is not None else None, notice, hashes=hashes)
+    hashes = prepared.pieces.add if shape.fetch.verify else None
+    sink = LandingSink(progress, io.journal.written if io.journal is not None else None, notice, hashes=hashes)
+    makers = _Makers(ctx, place, prepared, sink, peer_failed)
+    workers = shape.workers
+    if workers > 1 and shape.fetch.download_workers is None:
+        return worker_processes.AutoDownloader(
+            makers.alone, makers.processes, workers, shape.cpus_sharing, release=io.free_buffers
+        )
+    return makers.processes(workers) if workers > 1 else makers.alone()
 
-    def processes(count: int) -> WorkerDownloader:
-        return worker_processes.WorkerDownloader(
+
+class _Makers:
+    """How a rank's downloader is made: in the rank itself (:meth:`alone`) or on worker processes."""
+
+    def __init__(
+        self, ctx: RunContext, place: Placement, prepared: Prepared, sink: LandingSink, peer_failed: Callable[[], bool]
+    ) -> None:
+        self.ctx, self.place, self.sink, self.peer_failed = ctx, place, sink, peer_failed
+        self.cfg = prepared.shape.fetch
+        self.files = prepared.listed.listing.files
+        self.rate = _rate(self.cfg, prepared.plan)
+        assert place.auth is not None
+        self.auth = place.auth
+
+    def processes(self, count: int) -> WorkerDownloader:
+        """``count`` worker processes, writing the temporary files whose identities the rank hands them."""
+        from azcp_cluster.download.workers import WorkerDownloader
+
+        files, tree = self.files, self.ctx.dest_tree()
+        return WorkerDownloader(
             files,
-            ctx.dest,
+            self.ctx.dest,
             tree.made,
             lambda i: files[i].path,
-            auth,
-            cfg,
+            self.auth,
+            self.cfg,
             count,
-            peer_failed=peer_failed,
-            sink=sink,
-            rate=rate,
-            proxy=place.proxy,
+            peer_failed=self.peer_failed,
+            sink=self.sink,
+            rate=self.rate,
+            proxy=self.place.proxy,
         )
 
-    def alone(handover: Callable[[], bool | None] | None = None) -> Downloader:
-        pacer = Pacer.for_rate(rate, ctx.cluster.clock) if rate is not None else None
+    def alone(self, handover: Callable[[], bool | None] | None = None) -> Downloader:
+        """The rank itself, through the download's buffers and node writer that allocate made."""
+        from azcp_cluster.core.throttle import Pacer
+        from azcp_cluster.download.downloader import Downloader
+
+        io = self.ctx.io
+        pacer = Pacer.for_rate(self.rate, self.ctx.cluster.clock) if self.rate is not None else None
         if io.download_writer is None:
             raise InternalError("the download's writer was not made before its stage (allocate)")
         return Downloader(
-            files,
-            tree,
-            auth,
-            cfg,
-            peer_failed=peer_failed,
-            sink=sink,
+            self.files,
+            self.ctx.dest_tree(),
+            self.auth,
+            self.cfg,
+            peer_failed=self.peer_failed,
+            sink=self.sink,
             pacer=pacer,
             pool=io.pool,
             writer=io.download_writer,
-            proxy=place.proxy,
+            proxy=self.place.proxy,
             handover=handover,
         )
-
-    workers = shape.workers
-    if workers > 1 and cfg.download_workers is None:
-        return worker_processes.AutoDownloader(alone, processes, workers, shape.cpus_sharing, release=io.free_buffers)
-    return processes(workers) if workers > 1 else alone()
 
 
 def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
@@ -228,19 +242,15 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     from azcp_cluster.fanout.streaming import LandingFeed, Streamed, lead, notify_while_downloading
 
     cluster = ctx.cluster
-    topo = place.topo
     rank = ctx.rank
     t0 = cluster.clock()
     plan, schedule, broadcaster = prepared.plan, prepared.schedule, prepared.broadcaster
     transfers = schedule.transfers  # columns: a transfer is made when the fan-out reads it
-    downloaders = place.downloaders_here()
-    # Smaller blocks, fewer of them in flight, where a share would otherwise land all at once.
-    unit = prepared.shape.unit
-    blocks, landing = node_blocks(transfers, plan, place.group, downloaders, unit, TAPER)
+    unit = prepared.shape.unit  # as small as the transfers: each leaves as soon as its bytes landed
+    blocks, landing = node_blocks(transfers, plan, place.group, place.downloaders_here(), unit, TAPER)
     mine = [Block(*blocks.blocks[i]) for i in blocks.of_rank.get(rank, ())]
     index = {(f, o): i for i, (f, o, _) in enumerate(blocks.blocks)}
-    total = schedule.payload
-    progress = Progress("transfer", total, ctx.show_progress)
+    progress = Progress("transfer", schedule.payload, ctx.show_progress)
     progress.expect_download(sum(s.length for s in plan.owned_by(rank)))
     progress.expect_files(schedule.files)
     outcome: StageOutcome[RankFanout] = StageOutcome()
@@ -260,23 +270,17 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     with cluster.stage(outcome):
         done = Streamed(0.0)
         if place.leader:
-            # The node's communicator: the leader is its rank 0, the others follow in
-            # world-rank order (see setup). Exactly the downloaders that have blocks send
-            # notices and an END: one with nothing to fetch is not waited for.
-            members = [r for r in topo.members(place.group) if r != rank]
-            others = [1 + members.index(r) for r in downloaders if r != rank and blocks.of_rank.get(r)]
-            feed = here = LandingFeed(landing, ctx.group_comm, others)
+            feed = here = LandingFeed(landing, ctx.group_comm, _notifying(place, rank, blocks.of_rank))
             assert broadcaster is not None
             hooks = StageHooks(fanned.add, cluster.peer_failed, lambda: cluster.signal_failure(outcome))
             # Set by the fan-out when it stops: the leader's download stops too (its event
             # loop, on a thread of its own, makes no MPI call: no cluster.peer_failed there).
             stop = threading.Event()
-            own = None
-            early: AzcpError | None = None
-            try:
-                own = make_downloader(lambda b: here.local(index[(b.file, b.offset)]), stop.is_set) if mine else None
-            except Exception as exc:  # the fan-out still runs to its first agreement: nobody is left waiting
-                early = as_azcp_error(exc, rank)
+            own, early = (
+                _made(lambda: make_downloader(lambda b: here.local(index[(b.file, b.offset)]), stop.is_set), rank)
+                if mine
+                else (None, None)
+            )
             pool = _keep_landed(ctx, prepared.shape.fetch, mine, unit)
             done = lead(broadcaster, transfers, feed, own, mine, since, rank, stop, hooks, early, pool)
             digests.update(done.digests or {})
@@ -286,6 +290,33 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
             )
     _conclude_stream(ctx, t0, outcome, done, made, fanned, progress, prepared, feed)
     return FannedOut((), digests)
+
+
+def _rate(cfg: Config, plan: Plan) -> float | None:
+    """This rank's share of ``--max-bandwidth`` (bytes per second), over the ranks that download at all."""
+    from azcp_cluster.core.throttle import share
+
+    if cfg.max_bandwidth is None:
+        return None
+    return share(cfg.max_bandwidth, sum(1 for load in plan.loads() if load))
+
+
+def _notifying(place: Placement, rank: int, of_rank: Mapping[int, object]) -> list[int]:
+    """The node's downloaders a streaming leader waits for, by their rank in the node's
+    communicator (the leader is its rank 0, the others follow in world-rank order: see
+    setup). Exactly those with blocks send notices and an END: one with nothing to fetch
+    is not waited for."""
+    members = [r for r in place.topo.members(place.group) if r != rank]
+    return [1 + members.index(r) for r in place.downloaders_here() if r != rank and of_rank.get(r)]
+
+
+def _made(make: Callable[[], Fetcher], rank: int) -> tuple[Fetcher | None, AzcpError | None]:
+    """A leader's own downloader, or the error of making it: the fan-out still runs to its first
+    agreement then, so nobody is left waiting."""
+    try:
+        return make(), None
+    except Exception as exc:
+        return None, as_azcp_error(exc, rank)
 
 
 def _keep_landed(ctx: RunContext, fetch: Config, mine: list[Block], unit: int) -> WritePool | None:
