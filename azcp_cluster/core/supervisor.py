@@ -220,6 +220,8 @@ class Supervisor:
         seat.heard = event.at
         if event.kind in ALIVE_WORDS:
             return []
+        # Its own last word is its reason, also when it was killed for its silence meanwhile
+        # (a close, in _ended, keeps that reason).
         if event.kind == "error":
             seat.error = event.error or InternalError(f"download worker {event.worker} sent an error without one")
         elif event.kind == "stopped":
