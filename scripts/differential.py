@@ -28,11 +28,17 @@ from azcp_cluster.devtools import azurite  # noqa: E402
 from azcp_cluster.devtools.datasets import pseudo_random, tricky_tree, with_traps  # noqa: E402
 
 MiB = 1 << 20
-# Report fields that depend on timing or on the machine, not on behaviour.
-# Fields that depend on timing, not on behaviour: a streaming leader sends a block from the download's
-# buffers if they still hold it when its transfer comes (sent_from_memory_bytes differs between two
-# runs of one commit).
-TIMING = {"timeline", "timeline_origin", "download_rate", "peak_rss_bytes", "worker_bytes_by_rank", "sent_from_memory_bytes"}
+# Report fields that depend on timing or on the machine, not on behaviour. A streaming leader
+# sends a block from the download's buffers if they still hold it when its transfer comes:
+# sent_from_memory_bytes differs between two runs of one commit.
+TIMING = {
+    "timeline",
+    "timeline_origin",
+    "download_rate",
+    "peak_rss_bytes",
+    "worker_bytes_by_rank",
+    "sent_from_memory_bytes",
+}
 
 
 def scenarios(emu: azurite.Emulator, local: Path) -> list[tuple[str, int, list[str]]]:

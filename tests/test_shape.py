@@ -31,18 +31,8 @@ HAVE_RADON = importlib.util.find_spec("radon") is not None
 # Over the limits, each with the reason. Each entry must still be over its limit
 # (test_the_allowlist_holds_only_what_is_still_too_long): drop it once it is not.
 ALLOWED_MODULES: frozenset[str] = frozenset()
-# Being cut in issue 39 (the download workers' supervisor).
-ALLOWED_FUNCTIONS: frozenset[str] = frozenset(
-    {
-        "download/downloader.py::Downloader._stream_body",
-    }
-)
-# Being cut in issue 39 (stages, download supervisor), as ALLOWED_FUNCTIONS.
-ALLOWED_COMPLEX: frozenset[str] = frozenset(
-    {
-        "download/workers.py::WorkerDownloader._drive",
-    }
-)
+ALLOWED_FUNCTIONS: frozenset[str] = frozenset()
+ALLOWED_COMPLEX: frozenset[str] = frozenset()
 
 
 def function_lengths(source: str) -> dict[str, int]:

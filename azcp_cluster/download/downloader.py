@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import random
 import ssl
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
@@ -44,7 +43,7 @@ from azcp_cluster.download.fetcher import DownloadStats, LandingSink
 from azcp_cluster.download.http1 import ConnectFailed, Connection, Link, TunnelRefused
 from azcp_cluster.download.httpwire import Head, ProtocolError, request_bytes
 from azcp_cluster.download.watchdog import BodyWatch
-from azcp_cluster.download.writepool import WRITER_THREADS, BlockWrites, Both, UnitWrites, WritePool
+from azcp_cluster.download.writepool import WRITER_THREADS, RequestWrites, WritePool
 from azcp_cluster.run import collector
 
 # How often the event loop checks whether another rank failed.
@@ -365,58 +364,74 @@ class Downloader:
         if head.content_length != sum(block.length for block in request):
             raise Retryable("wrong length")
         path = self.tree.temp_shown(entry.path)
-        writes, writer = self._writes, self._writer
-        target = writer.open(request[0].file)
-        loop = asyncio.get_running_loop()
-        # The body is received straight into page-aligned buffers from the pool (no copy in
-        # Python), and each full buffer goes to the writer threads, which write it with
-        # O_DIRECT and put it back in the pool. A buffer never spans two blocks.
-        tracker = BlockWrites(loop, target)  # every write of the request: closes the file
-        landing: asyncio.Future[None] | None = None  # the last block's landing: each waits for the one before
-        lands: list[asyncio.Future[None]] = []
+        # Every write of the request, block by block; its wait closes the file.
+        writes = RequestWrites(asyncio.get_running_loop(), self._writer.open(request[0].file))
+        lands: list[asyncio.Future[None]] = []  # each block's landing, each after the one before
         gate = body.gate if body is not None else None
+
+        def land(block: Block, crc: int, written: asyncio.Future[BaseException | None]) -> None:
+            before = lands[-1] if lands else None
+            lands.append(asyncio.ensure_future(self._land(block, crc, written, before, landed, path, gate)))
+
         try:
-            for block in request:
-                unit = UnitWrites(loop)
-                crc = 0  # the block's CRC-32C as it arrives (journal: a rerun checks kept blocks by it)
-                left, offset = block.length, block.offset
-                while left:
-                    want = min(writes.size, left)
-                    full, crc = await self._receive(conn, want, offset - request[0].offset, slot, crc, body)
-                    writes.submit(writer, target, full, want, offset, Both(tracker, unit), block.file)
-                    self.received += want
-                    offset += want
-                    left -= want
-                unit.submitted()
-                landing = asyncio.ensure_future(self._land(block, crc, unit, landing, landed, path, gate))
-                lands.append(landing)
+            await self._receive_blocks(conn, request, slot, body, writes, land)
             if body is not None:
                 body.finish()
-        except BaseException:
+        except BaseException as exc:
             if body is not None:
                 body.abandon()
-            if isinstance(sys.exc_info()[1], asyncio.CancelledError):
+            if isinstance(exc, asyncio.CancelledError):
                 for task in lands:
                     task.cancel()
             raise
         finally:
-            # The blocks read whole land (or fail) before the request ends: a retry starts
-            # after the last that landed; the file is closed once every write is done, also
-            # when this wait is cancelled.
-            try:
-                outcomes = await asyncio.gather(*lands, return_exceptions=True)
-            finally:
-                await tracker.wait()
-                if tracker.target.refused:
-                    self.stats.direct_refused = path
-            # A write that failed is the request's error, before a network error it would
-            # otherwise be retried behind (onto a failing disk).
-            written = next((o for o in outcomes if isinstance(o, AzcpError)), None)
-            if written is not None:
-                raise written
+            outcomes = await self._settle(lands, writes, path)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
+
+    async def _receive_blocks(
+        self,
+        conn: Connection,
+        request: list[Block],
+        slot: Slot | None,
+        body: BodyCheck | None,
+        writes: RequestWrites,
+        land: Callable[[Block, int, asyncio.Future[BaseException | None]], None],
+    ) -> None:
+        """Receive each block of ``request`` buffer by buffer, each full buffer handed to the
+        writer threads (O_DIRECT; they give it back to the pool), then ``land`` it: its CRC-32C
+        and its writes' end. Straight into page-aligned buffers, no copy in Python; a buffer
+        never spans two blocks."""
+        pool, writer, target = self._writes, self._writer, writes.target
+        assert target is not None  # (the request's file, opened by _stream_body)
+        for block in request:
+            crc = 0  # the block's CRC-32C as it arrives (journal: a rerun checks kept blocks by it)
+            left, offset = block.length, block.offset
+            while left:
+                want = min(pool.size, left)
+                full, crc = await self._receive(conn, want, offset - request[0].offset, slot, crc, body)
+                pool.submit(writer, target, full, want, offset, writes, block.file)
+                self.received += want
+                offset += want
+                left -= want
+            land(block, crc, writes.block_submitted())
+
+    async def _settle(self, lands: list[asyncio.Future[None]], writes: RequestWrites, path: str) -> list[object]:
+        """The blocks read whole land (or fail) before the request ends: a retry starts after the
+        last that landed; the file is closed once every write is done, also when this wait is
+        cancelled. Their outcomes; a write that failed is raised first, before a network error
+        it would otherwise be retried behind (onto a failing disk)."""
+        try:
+            outcomes: list[object] = await asyncio.gather(*lands, return_exceptions=True)
+        finally:
+            await writes.wait()
+            if writes.target is not None and writes.target.refused:
+                self.stats.direct_refused = path
+        written = next((o for o in outcomes if isinstance(o, AzcpError)), None)
+        if written is not None:
+            raise written
+        return outcomes
 
     async def _receive(
         self, conn: Connection, want: int, at: int, slot: Slot | None, crc: int, body: BodyCheck | None
@@ -454,21 +469,22 @@ class Downloader:
         self,
         block: Block,
         crc: int,
-        unit: UnitWrites,
+        written: asyncio.Future[BaseException | None],
         before: asyncio.Future[None] | None,
         landed: list[Block],
         path: str,
         gate: asyncio.Future[None] | None = None,
     ) -> None:
-        """``block`` (its bytes' CRC-32C ``crc``) lands once its writes are done and the block
-        before it (``before``) has landed: progress, journal, streaming notice (the landing sink)."""
+        """``block`` (its bytes' CRC-32C ``crc``) lands once its writes are done (``written``: their
+        first error, or None) and the block before it (``before``) has landed: progress, journal,
+        streaming notice (the landing sink)."""
         if before is not None:
             await before
-        await unit.done
-        if isinstance(unit.error, OSError):  # a failed write first: never hidden behind a retry
-            raise fs_error(unit.error, path, "write")
-        if unit.error is not None:
-            raise unit.error
+        error = await written
+        if isinstance(error, OSError):  # a failed write first: never hidden behind a retry
+            raise fs_error(error, path, "write")
+        if error is not None:
+            raise error
         if gate is not None:  # the body's MD5 (answers.BodyCheck): none of it lands before it matched
             await gate
         landed.append(block)

@@ -12,7 +12,10 @@ buffers and writer threads, and reports over a private socket pair: bytes and la
 blocks as they come (the rank passes them to the progress bar and the streaming engine),
 then its counters, or its error. The rank sends it what it cannot know alone: a fresh
 bearer token (one token cache per rank: the workers never ask the credential themselves,
-so no token storm), and "stop" when another rank or another worker failed.
+so no token storm), and "stop" when another rank or another worker failed. When to stop,
+whom to kill and why, and which error the run ends with are decided by the pure
+:class:`~azcp_cluster.core.supervisor.Supervisor`; :meth:`WorkerDownloader._drive` only reads
+the sockets, feeds it what happened and carries out what it says.
 
 Safety is what a non-leader downloader already has: the worker opens DEST by its real path
 and writes only into the temporary files whose identities the rank hands it (those its
@@ -32,6 +35,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -40,9 +44,25 @@ from azcp_cluster.azure.credentials import Authorizer, Credential
 from azcp_cluster.azure.proxies import Proxy
 from azcp_cluster.core.blocks import SPARE_BUFFERS, Block, deal_requests, requests_for
 from azcp_cluster.core.config import Config
-from azcp_cluster.core.errors import AzcpError, DownloadError, InternalError
+from azcp_cluster.core.errors import DownloadError
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.source import BlobSource
+from azcp_cluster.core.supervisor import (
+    STOP_GRACE_SECONDS,
+    Done,
+    Drop,
+    Ended,
+    Instruction,
+    Kill,
+    PeerFailure,
+    Refresh,
+    Said,
+    SendToken,
+    Supervisor,
+    Tell,
+    Tick,
+    Token,
+)
 from azcp_cluster.download.fetcher import DownloadStats, Fetcher, LandingSink
 
 if TYPE_CHECKING:
@@ -51,8 +71,6 @@ if TYPE_CHECKING:
 
 # How often the rank looks at the other ranks and at its token while its workers run.
 TICK_SECONDS = 0.1
-# How long stopped workers get to end on their own before they are killed.
-STOP_GRACE_SECONDS = 10.0
 # A send to (or a message from) a worker that takes longer than this counts as its end.
 SEND_TIMEOUT_SECONDS = 10.0
 # A worker says it is alive this often; one that says nothing for its read timeout plus
@@ -62,6 +80,8 @@ SILENCE_MARGIN_SECONDS = 10.0
 # What a worker process costs beyond its buffers (an interpreter with numpy), for the memory check.
 WORKER_MEMORY = 96 * 1024 * 1024
 _FRAME = struct.Struct("!I")
+# Where a worker's last message carries its figures (DownloadStats, or None).
+_FIGURES_AT = {"done": 1, "stopped": 1, "error": 3}
 
 
 def send(sock: socket.socket, message: Any) -> None:
@@ -114,16 +134,17 @@ class Job:
 
 
 class _Worker:
-    __slots__ = ("done", "error", "heard", "index", "proc", "sock", "told")
+    """A worker process and its socket, as the driver handles them (what it did to it: ``done``, ``told``)."""
+
+    __slots__ = ("done", "heard", "index", "proc", "sock", "told")
 
     def __init__(self, index: int, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
         self.index = index
         self.proc = proc
         self.sock = sock
-        self.done = False  # it said its last (or is gone)
+        self.done = False  # it said its last (or is gone): no longer listened to
         self.told = False  # it was told to stop
-        self.heard = time.monotonic()  # when it last said anything
-        self.error: AzcpError | None = None
+        self.heard = time.monotonic()  # when it was started (the supervisor counts its silence from then)
 
 
 class WorkerDownloader:
@@ -173,14 +194,12 @@ class WorkerDownloader:
         try:
             for index, part in enumerate(parts):
                 running.append(self._start(index, part, len(parts)))
-            self._drive(running)
+            done = self._drive(running)
         finally:
             self._end(running)
-        errors = [w.error for w in running if w.error is not None]
-        real = [e for e in errors if not isinstance(e, _Stopped)]
-        if real:
-            raise real[0]
-        if errors:
+        if done.error is not None:
+            raise done.error
+        if done.stopped:
             from azcp_cluster.run.cluster import PeerFailed
 
             raise PeerFailed()
@@ -261,81 +280,79 @@ class WorkerDownloader:
                 worker.proc.wait()
             worker.sock.close()
 
-    # -- while they run -------------------------------------------------------------------
+    # -- while they run: the driver of core/supervisor.py's machine -----------------------
 
-    def _drive(self, running: list[_Worker]) -> None:
-        """Pass the workers' messages on until each has said its last; once any failed (or
-        another rank did), stop them all, and kill those that do not end within the grace."""
-        selector = selectors.DefaultSelector()
-        try:
+    def _drive(self, running: list[_Worker]) -> Done:
+        """Carry out the supervisor's instructions and feed it what happened, until it says Done."""
+        tokens = self.auth.tokens
+        machine = Supervisor(
+            [w.proc.pid for w in running],
+            [w.heard for w in running],
+            self.cfg.read_timeout + SILENCE_MARGIN_SECONDS,
+            token=tokens.get() if tokens is not None else None,
+        )
+        with selectors.DefaultSelector() as selector:
             for worker in running:
                 selector.register(worker.sock, selectors.EVENT_READ, worker)
-            live = len(running)
-            token = self.auth.tokens.get() if self.auth.tokens is not None else None
-            stop_by: float | None = None  # once stopping: when the grace ends
-            while live:
-                for key, _ in selector.select(TICK_SECONDS):
-                    worker = key.data
-                    worker.heard = time.monotonic()
-                    message = receive(worker.sock)
-                    if message is None or self._handle(worker, message):
-                        selector.unregister(worker.sock)
-                        live -= 1
-                        if message is None and not worker.done:
-                            self._ended(worker, stopped=stop_by is not None or self.peer_failed())
-                        worker.done = True
-                        if worker.error is not None and stop_by is None:
-                            stop_by = time.monotonic() + STOP_GRACE_SECONDS
-                if stop_by is None and self.peer_failed():
-                    stop_by = time.monotonic() + STOP_GRACE_SECONDS
-                silent = self._silent([w for w in running if not w.done])
-                if silent is not None and stop_by is None:
-                    silent.error = DownloadError(
-                        f"download worker {silent.index} (pid {silent.proc.pid}) said nothing for "
-                        f"{time.monotonic() - silent.heard:.0f} s (frozen, or stuck starting); stopped it"
-                    )
-                    silent.proc.kill()
-                    stop_by = time.monotonic() + STOP_GRACE_SECONDS
-                if stop_by is not None:
-                    self._tell([w for w in running if not w.done and not w.told], ("stop",))
-                    if time.monotonic() >= stop_by:  # told, and still there: not waited for longer
-                        for late in [w for w in running if not w.done]:
-                            late.proc.kill()
-                            late.proc.wait()
-                            late.error = late.error or _Stopped(f"download worker {late.index} killed")
-                            late.done = True
-                            selector.unregister(late.sock)
-                            live -= 1
-                    continue
-                if self.auth.tokens is not None:
-                    fresh = self.auth.tokens.get()  # refreshed here when due, once for all workers
-                    if fresh != token:
-                        token = fresh
-                        self._tell([w for w in running if not w.done], ("token", fresh))
-        finally:
-            selector.close()
+            todo = deque(machine.start())
+            while True:
+                while todo:
+                    step = todo.popleft()
+                    if isinstance(step, Done):
+                        return step
+                    todo.extend(self._carry_out(step, running, selector, machine))
+                todo.extend(self._turn(selector, machine))
 
-    def _silent(self, workers: list[_Worker]) -> _Worker | None:
-        """A worker that has said nothing, not even that it is alive, for too long."""
-        limit = self.cfg.read_timeout + SILENCE_MARGIN_SECONDS
-        now = time.monotonic()
-        return next((w for w in workers if now - w.heard > limit), None)
+    def _turn(self, selector: selectors.BaseSelector, machine: Supervisor) -> list[Instruction]:
+        """One turn: the workers' messages (up to a tick's wait), another rank's failure, the tick."""
+        out: list[Instruction] = []
+        for key, _ in selector.select(TICK_SECONDS):
+            out += self._read(key.data, machine)
+        if not machine.stopping and self.peer_failed():
+            out += machine.feed(PeerFailure(time.monotonic()))
+        return out + machine.feed(Tick(time.monotonic()))
 
-    def _ended(self, worker: _Worker, stopped: bool) -> None:
-        """A worker's socket closed before its last word: it died (or stopped, when told to)."""
+    def _read(self, worker: _Worker, machine: Supervisor) -> list[Instruction]:
+        """The next message of a worker whose socket is readable, passed on and told to the machine."""
+        at = time.monotonic()
+        message = receive(worker.sock)
+        if message is not None:
+            return machine.feed(self._pass_on(worker, message, at))
+        # Its socket closed before its last word. Asked before the wait, as the machine's
+        # stop would have been: a peer's failure makes its end a stop, not its own failure.
+        peer = not machine.stopping and self.peer_failed()
+        code = self._reap(worker)
+        at = time.monotonic()
+        out = machine.feed(PeerFailure(at)) if peer else []
+        return out + machine.feed(Ended(worker.index, code, at))
+
+    def _reap(self, worker: _Worker) -> int:
+        """The exit code of a worker whose socket closed (one that lives on is killed after the grace)."""
         try:
-            code = worker.proc.wait(timeout=STOP_GRACE_SECONDS)
+            return worker.proc.wait(timeout=STOP_GRACE_SECONDS)
         except subprocess.TimeoutExpired:  # closed its socket but lives on: not waited for
             worker.proc.kill()
-            code = worker.proc.wait()
-        if worker.error is not None:  # already said why (stopped for its silence)
-            return
-        if stopped:  # a signal to the group, or another failure: that is the one to report
-            worker.error = _Stopped(f"download worker {worker.index} ended (exit code {code})")
-            return
-        worker.error = DownloadError(
-            f"download worker {worker.index} (pid {worker.proc.pid}) ended without finishing (exit code {code})"
-        )
+            return worker.proc.wait()
+
+    def _carry_out(
+        self, step: Instruction, running: list[_Worker], selector: selectors.BaseSelector, machine: Supervisor
+    ) -> list[Instruction]:
+        """Do what ``step`` says; what the machine asks next (after the token cache's answer)."""
+        if isinstance(step, Tell):
+            self._tell([running[i] for i in step.workers], ("stop",))
+        elif isinstance(step, SendToken):
+            self._tell([running[i] for i in step.workers], ("token", step.token))
+        elif isinstance(step, Kill):
+            running[step.worker].proc.kill()
+            if step.wait:
+                running[step.worker].proc.wait()
+        elif isinstance(step, Drop):
+            running[step.worker].done = True
+            selector.unregister(running[step.worker].sock)
+        elif isinstance(step, Refresh):
+            assert self.auth.tokens is not None  # asked only where the workers were given a token
+            return machine.feed(Token(self.auth.tokens.get()))  # refreshed here when due, once for all workers
+        return []
 
     def _tell(self, workers: list[_Worker], message: Any) -> None:
         for worker in workers:
@@ -344,34 +361,24 @@ class WorkerDownloader:
             with contextlib.suppress(OSError):
                 send(worker.sock, message)
 
-    def _handle(self, worker: _Worker, message: Any) -> bool:
-        """Act on one message; True when the worker has said its last."""
+    def _pass_on(self, worker: _Worker, message: Any, at: float) -> Said:
+        """Pass a message's bytes, landed blocks and figures on; what it says, for the machine."""
         kind = message[0]
-        if kind == "alive":
-            pass
-        elif kind == "bytes":
+        if kind == "bytes":
             self.sink.add_bytes(message[1])
         elif kind == "landed":
             self.sink.landed(message[1], message[2])
-        elif kind == "done":
-            self._add(worker, message[1])
-            return True
-        elif kind == "error":
-            from azcp_cluster.run.cluster import error_from_payload
+        elif kind in _FIGURES_AT:
+            at_index = _FIGURES_AT[kind]
+            self._add(worker, message[at_index] if len(message) > at_index else None)
+        if kind != "error":
+            return Said(worker.index, kind, at)
+        from azcp_cluster.run.cluster import error_from_payload
 
-            worker.error = error_from_payload(message[1])
-            if len(message) > 2 and message[2]:
-                worker.error.no_space = True  # type: ignore[attr-defined]
-            self._add(worker, message[3] if len(message) > 3 else None)
-            return True
-        elif kind == "stopped":
-            worker.error = _Stopped(f"download worker {worker.index} stopped")
-            self._add(worker, message[1] if len(message) > 1 else None)
-            return True
-        else:
-            worker.error = InternalError(f"download worker {worker.index} sent {kind!r}")
-            return True
-        return False
+        error = error_from_payload(message[1])
+        if len(message) > 2 and message[2]:
+            error.no_space = True  # type: ignore[attr-defined]
+        return Said(worker.index, kind, at, error)
 
     def _add(self, worker: _Worker, stats: DownloadStats | None) -> None:
         """A worker's figures into the rank's (also a failed or stopped one's: the report has what it did)."""
@@ -383,10 +390,6 @@ class WorkerDownloader:
         self.stats.retry_causes.update(stats.retry_causes)
         self.stats.direct_refused = self.stats.direct_refused or stats.direct_refused
         self.stats.worker_bytes[worker.index] = stats.bytes
-
-
-class _Stopped(AzcpError):
-    """A worker that stopped because it was told to (another failure is the one to report)."""
 
 
 # A part of an auto download: the rank's own Downloader, then its worker processes.

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import threading
 from collections import deque
+from typing import TypeVar
 
 import numpy as np
 
@@ -36,75 +37,76 @@ from azcp_cluster.dest.nodewriter import NodeWriter
 # about 750 to about 820 MiB/s against a disk that does about 900 alone).
 WRITER_THREADS = 4
 
+_T = TypeVar("_T")
 
-class UnitWrites:
-    """Completion of a run of writes, signalled from the writer threads: :attr:`done` resolves
-    once every write is finished after :meth:`submitted` (no more will come).
 
-    On its own, one block among several that one request fetches: it tells when the block's
-    bytes are all written, so that it lands before the request ends. The request's writes are
-    a :class:`BlockWrites`, which also closes the file.
+class RequestWrites:
+    """Completion of one request's writes into ``target``, block by block, signalled from the
+    writer threads (the request's one tracker).
+
+    A request's blocks are received in order: :meth:`started` counts a write into the block
+    being received; :meth:`block_submitted` says that block's last write is queued and gives
+    the future its landing awaits, which resolves (with the block's first write error, or None)
+    once all of the block's writes are done; :meth:`wait` waits for every write of the request
+    and closes ``target``. The event loop is woken once per block and once at the end, never
+    once per write.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, target: DirectFile | None = None) -> None:
         self.loop = loop
+        self.target = target
         self.lock = threading.Lock()
-        self.outstanding = 0
-        self.closed = False  # every write submitted
-        self.error: BaseException | None = None
-        self.done: asyncio.Future[None] = loop.create_future()
+        self.outstanding = 0  # the request's writes in flight
+        self.submitted = False  # wait() began: every write is submitted
+        self.abandoned = False  # the request stopped waiting: the last write closes the file
+        self.done: asyncio.Future[None] = loop.create_future()  # every write finished, once submitted
+        self._block = 0  # the block being received: its writes are counted under this number
+        self._pending: dict[int, int] = {}  # block -> its writes in flight (dropped once it is complete)
+        self._errors: dict[int, BaseException] = {}  # block -> its first failed write's error
+        self._landings: dict[int, asyncio.Future[BaseException | None]] = {}  # submitted blocks still written
 
-    def started(self) -> None:
+    def started(self) -> int:
+        """A write into the block being received is queued; the block's number, for :meth:`finished`."""
         with self.lock:
             self.outstanding += 1
+            self._pending[self._block] = self._pending.get(self._block, 0) + 1
+            return self._block
 
-    def finished(self, error: BaseException | None) -> None:
+    def finished(self, block: int, error: BaseException | None) -> None:
+        """From a writer thread: a write into ``block`` ended (``error``: why it failed)."""
+        landing = None
         with self.lock:
             self.outstanding -= 1
-            if error is not None and self.error is None:
-                self.error = error
-            wake = self.closed and self.outstanding == 0
-            close = self._abandoned_last()
-        if close:
+            self._pending[block] -= 1
+            if error is not None:
+                self._errors.setdefault(block, error)
+            if self._pending[block] == 0 and block in self._landings:  # the block's last write
+                del self._pending[block]
+                landing = self._landings.pop(block)
+                error = self._errors.pop(block, None)
+            close = self.abandoned and self.outstanding == 0
+            whole = self.submitted and self.outstanding == 0
+        if landing is not None:
+            self._wake(landing, error)
+        if close:  # the last write of an abandoned wait: nobody else will close the file
             self._close()
-        elif wake:
-            with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
-                self.loop.call_soon_threadsafe(self._resolve)
+        elif whole:
+            self._wake(self.done, None)
 
-    def _abandoned_last(self) -> bool:
-        """Under the lock: whether this write was the last one of an abandoned wait (a file to close)."""
-        return False
-
-    def _close(self) -> None:
-        """What the last write of an abandoned wait does (nothing here)."""
-
-    def _resolve(self) -> None:
-        if not self.done.done():
-            self.done.set_result(None)
-
-    def submitted(self) -> bool:
-        """Every write is submitted; whether some are still in flight (:attr:`done` resolves when they end)."""
+    def block_submitted(self) -> asyncio.Future[BaseException | None]:
+        """The block being received has all its writes queued: the future of their end (their
+        first error, or None); the next writes count into the next block. On the event loop."""
+        landing: asyncio.Future[BaseException | None] = self.loop.create_future()
         with self.lock:
-            self.closed = True
-            pending = self.outstanding > 0
-        if not pending:
-            self._resolve()
-        return pending
-
-
-class BlockWrites(UnitWrites):
-    """Completion of one request's writes into ``target``, which :meth:`wait` closes."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, target: DirectFile) -> None:
-        super().__init__(loop)
-        self.target = target
-        self.abandoned = False  # the request stopped waiting: the last write closes the file
-
-    def _abandoned_last(self) -> bool:
-        return self.abandoned and self.outstanding == 0
-
-    def _close(self) -> None:
-        self.target.close()
+            block = self._block
+            self._block += 1
+            if self._pending.get(block, 0) > 0:
+                self._landings[block] = landing
+                return landing
+            self._pending.pop(block, None)
+            error = self._errors.pop(block, None)
+        landing.set_result(error)  # written already (or it had no write)
+        return landing
 
     async def wait(self) -> None:
         """Wait until every write submitted for the request has finished, then close the file.
@@ -112,33 +114,38 @@ class BlockWrites(UnitWrites):
         Cancelled while writes are in flight, it leaves the file to the last of them: closing
         it now would pull the descriptor from under a writer thread.
         """
+        with self.lock:
+            self.submitted = True
+            pending = self.outstanding > 0
         try:
-            if self.submitted():
+            if pending:
                 await self.done
         except BaseException:
             with self.lock:
                 self.abandoned = True
                 close = self.outstanding == 0
             if close:
-                self.target.close()
+                self._close()
             raise
-        self.target.close()
+        self._close()
+
+    def _close(self) -> None:
+        if self.target is not None:
+            self.target.close()
+
+    def _wake(self, future: asyncio.Future[_T], result: _T) -> None:
+        """From a writer thread: resolve ``future`` on the event loop (a cancelled one stays so)."""
+
+        def resolve() -> None:
+            if not future.done():
+                future.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # the loop has ended: nobody is left to wake
+            self.loop.call_soon_threadsafe(resolve)
 
 
-class Both:
-    """A write counted by two trackers: its request's (the file) and its block's."""
-
-    def __init__(self, request: BlockWrites, block: UnitWrites) -> None:
-        self.request = request
-        self.block = block
-
-    def started(self) -> None:
-        self.request.started()
-        self.block.started()
-
-    def finished(self, error: BaseException | None) -> None:
-        self.block.finished(error)
-        self.request.finished(error)
+# The names of the three trackers this one replaced (issue 39), as tests/test_writepool.py uses them.
+UnitWrites = BlockWrites = RequestWrites
 
 
 class WritePool:
@@ -286,19 +293,19 @@ class WritePool:
         buf: np.ndarray,
         length: int,
         offset: int,
-        tracker: BlockWrites | Both,
+        tracker: RequestWrites,
         file: int | None = None,
     ) -> None:
         """Queue ``buf[:length]`` on ``writer`` for writing at ``offset`` (of file ``file``); ``buf``
         comes back to the pool once written, or is kept (:meth:`keep_landed`)."""
-        tracker.started()
+        block = tracker.started()
 
         def done(error: BaseException | None) -> None:
             # Kept before the tracker hears of it: the block lands (and its transfer may be
             # read) only after this.
             if error is not None or file is None or not self._keep(file, offset, length, buf):
                 self._returned(buf)
-            tracker.finished(error)
+            tracker.finished(block, error)
 
         try:
             writer.write(target, buf[:length], offset, done)
