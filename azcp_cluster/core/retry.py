@@ -31,7 +31,8 @@ def backoff_delay(
 
     Exponential backoff with equal jitter (a delay drawn from the upper half of the
     current ceiling), so that many clients hit by the same 503 do not
-    come back in lockstep; never shorter than the server's Retry-After.
+    come back in lockstep; never shorter than the server's Retry-After, up to five times
+    ``cap`` (a server that asks for longer is tried again after that: a run's retries stay bounded).
     """
     ceiling = min(cap, base * 2 ** min(attempt, 64))  # 2**1024 and up would not convert to float
     delay = rng.uniform(ceiling / 2, ceiling)

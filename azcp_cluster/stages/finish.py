@@ -36,7 +36,8 @@ class ReadBack(NamedTuple):
 
 
 def sync(ctx: RunContext, place: Placement, moved: Transferred) -> None:
-    """fsync every file this node wrote, once every rank has every byte (counted in the bcast stage)."""
+    """Make every file this node wrote durable (DestTree.sync_all: one syncfs, or an fdatasync each),
+    once every rank has every byte (counted in the bcast stage)."""
     cluster = ctx.cluster
     t0 = cluster.clock()
     outcome: StageOutcome[None] = StageOutcome()

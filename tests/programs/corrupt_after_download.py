@@ -24,8 +24,8 @@ _download = transfer.download
 _sync = finish.sync
 
 
-def download_then_corrupt(ctx: Any, place: Any, listed: Any, plan: Any) -> None:
-    _download(ctx, place, listed, plan)
+def download_then_corrupt(ctx: Any, place: Any, *rest: Any) -> None:
+    _download(ctx, place, *rest)
     if place.leader:
         path = temp_path(ctx.dest, os.environ["AZCP_CORRUPT_FILE"])
         at = int(os.environ.get("AZCP_CORRUPT_OFFSET", "0"))
