@@ -158,7 +158,9 @@ def stage(
     cfg = make_config(source, dest, options)
     if comm is None:
         from azcp_cluster.run.mpi import world
+        from azcp_cluster.run.rails import bind_before_mpi
 
+        bind_before_mpi(cfg.rails)  # before MPI starts, if this call starts it (--rails)
         comm = world()
     sink = io.StringIO() if quiet else out
     return run(cfg, comm, out=sink, credential=credential)  # it writes the JSON report (rank 0)

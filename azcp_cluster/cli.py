@@ -142,6 +142,9 @@ def _main(argv: Sequence[str] | None, interrupts: Interrupts, mpi: MpiRuntime) -
             else:
                 _let_rank_0_speak()
             return exc.exit_code
+        from azcp_cluster.run.rails import bind_before_mpi
+
+        bind_before_mpi(cfg.rails)  # what MPI reads when it starts: this rank's fabric NIC (--rails)
         comm = mpi.comm()
         mismatch = launcher_mismatch(os.environ, comm.Get_size(), library_version)
         if mismatch is not None:

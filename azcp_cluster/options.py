@@ -37,6 +37,7 @@ from azcp_cluster.core.config import (
     MIN_SHARD_SIZE,
     MIN_TIMEOUT,
     PROGRESS_MODES,
+    RAIL_MODES,
     UNITS,
     VERIFY_MODES,
     Config,
@@ -178,6 +179,11 @@ OPTIONS: tuple[Option, ...] = (
            "messages along the hosts, every link carrying each byte once, whatever the node count), "
            "'ibcast' (MPI's broadcast); default auto: the chain, unless a probe at start-up finds the "
            "broadcast faster", "METHOD", FANOUT_METHODS),
+    Option("--rails", "rails", GROUPS[2], "choice",
+           "several ranks per node, several fabric NICs: 'auto' (default) binds local rank i to the node's "
+           "i-th active fabric device (InfiniBand ports, else ib* interfaces) before MPI starts, where no "
+           "UCX_NET_DEVICES, FI_TCP_IFACE or OMPI_MCA_btl_tcp_if_* binds it already; 'off' leaves MPI "
+           "alone", "MODE", RAIL_MODES),
     Option("--source-rank", "source_rank", GROUPS[2], "int",
            "local SOURCE: the rank that reads it (default: the lowest that sees it); no other opens it",
            "RANK", source=LOCAL),

@@ -43,6 +43,8 @@ VERIFY_MODES = ("disk", "stream")
 LOCK_MODES = ("wait", "fail")
 # --progress: the bar on a terminal, status lines elsewhere (auto); either; nothing.
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
+# --rails: bind each local rank to one of the node's fabric devices before MPI starts (run/rails.py), or not.
+RAIL_MODES = ("auto", "off")
 
 # The range of every numeric option, checked by Config.validate (the CLI and the API alike).
 # Below these minimums a run makes absurdly many requests or MPI calls (64 KiB in 1-byte
@@ -267,6 +269,8 @@ class Config:
     # chain's piece size (None: from the bytes and the nodes, chain.piece_size).
     fanout: str = "auto"
     fanout_piece: int | None = None
+    # Each local rank bound to one fabric NIC before MPI starts ("auto", where nothing binds it) or "off".
+    rails: str = "auto"
 
     def validate(self) -> Config:
         """Check ranges and combinations; raise :class:`UsageError` naming the option.
@@ -296,6 +300,7 @@ class Config:
                 f"{format_bytes(MAX_PIECE_OPTION)} (got {_bytes_shown(self.fanout_piece)})"
             )
         _check_choice("--auth", self.auth, AUTH_METHODS)
+        _check_choice("--rails", self.rails, RAIL_MODES)
 
     def _check_sizes(self) -> None:
         """The byte sizes in their ranges (the shard size has no upper bound)."""

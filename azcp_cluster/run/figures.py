@@ -46,6 +46,8 @@ class Roles:
     download_ranks: int
     source_rank: int | None
     source_readers: tuple[int, ...]
+    # Per rank, the fabric device it is bound to (its AZCP_RAIL_DEVICE, run/rails.py; "" none known).
+    rail_devices: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

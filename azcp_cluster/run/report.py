@@ -71,6 +71,7 @@ class Report:
     source_rank: int | None = None  # the rank that read a local SOURCE (the first, with --source-readers)
     source_readers: list[int] = field(default_factory=list)  # every rank that read it
     source_bytes_by_rank: list[int] = field(default_factory=list)  # bytes each rank read from it
+    rail_devices: list[str] = field(default_factory=list)  # per rank, the fabric device it is bound to ("" none)
     files: int = 0
     bytes: int = 0
     skipped_files: int = 0
@@ -128,6 +129,7 @@ class Report:
             case fig.Roles():
                 self.nodes, self.writers, self.download_ranks = figures.nodes, figures.writers, figures.download_ranks
                 self.source_rank, self.source_readers = figures.source_rank, list(figures.source_readers)
+                self.rail_devices = list(figures.rail_devices)
             case fig.Listed():
                 self.files, self.bytes = figures.files, figures.bytes
                 self.markers_skipped, self.filtered_out = figures.markers_skipped, figures.filtered_out
