@@ -1,7 +1,7 @@
 """Raw fan-out patterns, no disk and no tool: run under mpiexec with one rank per host.
 
     mpiexec ... python benchmarks/raw_fanout.py --pattern ibcast|chain|ring --bytes N --piece P
-                                                [--inflight K] --json OUT
+                                                [--inflight K] [--chains R] --json OUT
 
 * ibcast: rank 0's ``--bytes`` in ``--piece`` pieces, each a nonblocking ``MPI_Ibcast``, up
   to ``--inflight`` at once (the oldest completed before the next is posted): the pattern the
@@ -15,6 +15,10 @@
   what its predecessor sends except what its successor started. Every link carries
   S(N-1)/N: the streaming fan-out's bound, S(N-1)/(N B), and this machine's ceiling for it
   (no disk, no download, no tool).
+
+``--chains R`` (R ranks per host, each bound to its own rail): R patterns at once, local rank
+i of every host in the i-th, each over 1/R of the bytes (a chain per rail: every rail carries
+its share once, S/(R·B)).
 
 Rank 0 writes the seconds between two barriers (the slowest rank's) as JSON.
 """
@@ -105,11 +109,19 @@ def main() -> int:
     parser.add_argument("--bytes", type=int, required=True)
     parser.add_argument("--piece", type=int, default=4 << 20)
     parser.add_argument("--inflight", type=int, default=4)
+    parser.add_argument("--chains", type=int, default=1, help="R patterns at once, one per rail")
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
-    comm = MPI.COMM_WORLD
+    world = comm = MPI.COMM_WORLD
+    total, local = args.bytes, 0
+    if args.chains > 1:  # local rank i of every host in the i-th pattern, over the i-th share of the bytes
+        local = world.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+        if local >= args.chains:
+            raise SystemExit(f"--chains {args.chains}: local rank {local}; launch as many ranks per host as chains")
+        comm = world.Split(local, world.Get_rank())
+        args.bytes = total // args.chains + (1 if local < total % args.chains else 0)
     rank, size = comm.Get_rank(), comm.Get_size()
-    whole = np.frombuffer(np.random.default_rng(1).bytes(args.bytes), dtype=np.uint8)
+    whole = np.frombuffer(np.random.default_rng(1 + local).bytes(args.bytes), dtype=np.uint8)
     buf = np.zeros(args.bytes, dtype=np.uint8)
     if args.pattern == "ring":
         if args.bytes % (8 * size):
@@ -123,18 +135,19 @@ def main() -> int:
         cut = args.bytes
     pieces = [(off, min(args.piece, cut - off)) for off in range(0, cut, args.piece)]
     run = {"ibcast": ibcast, "chain": chain, "ring": ring}[args.pattern]
-    comm.Barrier()
+    world.Barrier()
     started, cpu = time.perf_counter(), time.process_time()
     run(comm, buf, pieces, args.inflight)
-    comm.Barrier()
-    seconds = comm.allreduce(time.perf_counter() - started, op=MPI.MAX)
+    world.Barrier()
+    seconds = world.allreduce(time.perf_counter() - started, op=MPI.MAX)
     # Every rank's CPU time: an MPI that busy-polls while it waits takes all it is given.
-    cpu_seconds = comm.allreduce(time.process_time() - cpu, op=MPI.SUM)
+    cpu_seconds = world.allreduce(time.process_time() - cpu, op=MPI.SUM)
     # Every rank holds the whole (a pattern that lost or reordered a piece is no ceiling).
-    same = comm.allreduce(int(np.array_equal(buf, whole)), op=MPI.MIN) == 1
-    if comm.Get_rank() == 0:
-        figures = {"pattern": args.pattern, "bytes": args.bytes, "piece": args.piece, "inflight": args.inflight,
-                   "ranks": comm.Get_size(), "seconds": seconds, "cpu_s": cpu_seconds, "intact": same}  # fmt: skip
+    same = world.allreduce(int(np.array_equal(buf, whole)), op=MPI.MIN) == 1
+    if world.Get_rank() == 0:
+        figures = {"pattern": args.pattern, "bytes": total, "piece": args.piece, "inflight": args.inflight,
+                   "ranks": world.Get_size(), "chains": args.chains, "seconds": seconds, "cpu_s": cpu_seconds,
+                   "intact": same}  # fmt: skip
         Path(args.json).write_text(json.dumps(figures) + "\n")
     return 0
 

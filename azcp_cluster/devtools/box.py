@@ -2,7 +2,11 @@
 
 Each host is a network namespace with two interfaces: ``front`` on the frontend bridge, where
 the storage emulator listens as "Azure" (in a namespace of its own, so the bytes it serves
-are counted on its link), and ``fabric`` on the fabric bridge, which MPI is told to use. Every
+are counted on its link), and ``fabric`` on the fabric bridge, which MPI is told to use. With
+``rails`` R > 1 a host has R fabric NICs instead, ``ib0`` to ``ibR-1``, each on a bridge (a rail)
+of its own with its own subnet, each shaped like the one fabric NIC: launch R ranks per host
+and bind local rank i to ``ib<i>`` before MPI starts (the tool's ``--rails auto`` does; for
+other programs the box's ``rail`` wrapper, a site's way). Every
 veth is shaped on both ends (``tbf``: the bridge side shapes what the host receives, the
 namespace side what it sends, so each NIC is full duplex at its rate), and ``netem`` delays
 what leaves a host (host-to-host round trip: twice the delay). A cluster is bound by these
@@ -30,21 +34,24 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-import shlex
-import shutil
-import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.netns import PREFIX, leftovers, netem_available, sweep, unavailable
+from azcp_cluster.devtools.netns import free_subnets as _free_subnets
+from azcp_cluster.devtools.netns import remove as _remove
+from azcp_cluster.devtools.netns import run as _run
+from azcp_cluster.devtools.netns import start_time as _start_time
 
-PREFIX = "azb"  # every name a box makes starts with it, then the owner's pid in six hex digits
+__all__ = ["Box", "Host", "Link", "flavour_of", "leftovers", "netem_available", "openmpi_env", "sweep", "unavailable"]
+
 FRONT = "front"  # each host's frontend NIC (to "Azure"), as named inside its namespace
-FABRIC = "fabric"  # each host's fabric NIC (MPI)
+FABRIC = "fabric"  # each host's fabric NIC (MPI), with one rail
+RAIL = "ib"  # with several rails: each host's fabric NICs ib0, ib1, ...
 EMULATOR = "az"  # the emulator's namespace: TAG + this
 OPENMPI_ENV = azurite.REPO_ROOT / "scripts" / "openmpi.env"
 
@@ -55,6 +62,16 @@ while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
 host="$1"; shift
 ns=$(cat "$(dirname "$0")/hosts/$host")
 exec ip netns exec "$ns" unshare --uts /bin/sh -c "hostname $ns; $*"
+"""
+
+# A site's binding wrapper, for programs that do not bind themselves (the raw patterns): local
+# rank i (hydra's, Open MPI's, srun's, PMIx's variable) on rail i mod R, for libfabric tcp and
+# Open MPI's tcp BTL. RAILS is replaced by the box's R.
+RAIL_WRAPPER = """#!/bin/sh
+local_rank=${MPI_LOCALRANKID:-${OMPI_COMM_WORLD_LOCAL_RANK:-${SLURM_LOCALID:-${PMIX_LOCAL_RANK:-0}}}}
+nic=ib$((local_rank % RAILS))
+export FI_TCP_IFACE=$nic OMPI_MCA_btl_tcp_if_include=$nic
+exec "$@"
 """
 
 
@@ -73,148 +90,12 @@ class Link:
 
 @dataclass(frozen=True)
 class Host:
-    """One host of the box: its namespace (also its hostname) and its two addresses."""
+    """One host of the box: its namespace (also its hostname) and its addresses (``fabric``: rail 0's)."""
 
     name: str
     front: str
     fabric: str
-
-
-def unavailable() -> str | None:
-    """Why a box cannot be built here (a test's skip reason), or None."""
-    if os.geteuid() != 0:
-        return "needs root to make network namespaces, bridges and qdiscs"
-    missing = [tool for tool in ("ip", "tc", "unshare") if not shutil.which(tool)]
-    if missing:
-        return f"needs {', '.join(missing)} (iproute2, util-linux)"
-    return None
-
-
-def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=60)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(args)}: {proc.stderr.strip() or proc.returncode}")
-    return proc
-
-
-def _start_time(pid: int) -> str | None:
-    """A process's start time in clock ticks since boot (field 22 of /proc/PID/stat), None if it is gone.
-
-    With the pid it names one process: a pid reused by another process has another start time.
-    """
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2 :].split()[19]
-
-
-def _tag_of(name: str) -> str | None:
-    """The box tag a name starts with (``azb`` and six hex digits), or None."""
-    tag = name[: len(PREFIX) + 6]
-    digits = tag[len(PREFIX) :]
-    if tag.startswith(PREFIX) and len(digits) == 6 and all(ch in "0123456789abcdef" for ch in digits):
-        return tag
-    return None
-
-
-def _owner_alive(tag: str) -> bool:
-    """Whether the process that made box ``tag`` still runs (by its pid and recorded start time)."""
-    pid = int(tag[len(PREFIX) :], 16)
-    started = _start_time(pid)
-    if started is None:
-        return False
-    owner = Path(tempfile.gettempdir()) / f"azcp-box-{tag}" / "owner"
-    try:
-        recorded = owner.read_text().split()
-    except OSError:
-        return True  # no record: the pid alone says it may be alive; leave its things be
-    return recorded == [str(pid), started]
-
-
-def _kill_in(namespace: str) -> None:
-    """SIGKILL every process in a network namespace (what a box left running there), and wait for them."""
-    for _ in range(50):
-        pids = [int(p) for p in _run("ip", "netns", "pids", namespace, check=False).stdout.split()]
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
-
-
-def _unmount_below(directory: Path) -> None:
-    """Unmount whatever is mounted at or below ``directory`` (a tmpfs DEST), deepest first."""
-    here = str(directory)
-    mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
-    for mount in sorted((m for m in mounts if m == here or m.startswith(here + "/")), key=len, reverse=True):
-        if _run("umount", mount, check=False).returncode != 0:
-            _run("umount", "-l", mount, check=False)
-
-
-def _remove(tag: str) -> None:
-    """Remove everything of box ``tag``: its processes, namespaces, links, mounts and directory."""
-    namespaces = [line.split()[0] for line in _run("ip", "netns", "list", check=False).stdout.splitlines() if line]
-    for ns in namespaces:
-        if _tag_of(ns) == tag:
-            _kill_in(ns)
-            _run("ip", "netns", "del", ns, check=False)  # takes its ends of the veths, and so the pairs
-    for link in _links():
-        if _tag_of(link) == tag:
-            _run("ip", "link", "del", link, check=False)
-    directory = Path(tempfile.gettempdir()) / f"azcp-box-{tag}"
-    if directory.exists():
-        _unmount_below(directory)
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def _links() -> list[str]:
-    """The names of this namespace's network interfaces."""
-    return sorted(os.listdir("/sys/class/net"))
-
-
-def leftovers(tag: str | None = None) -> list[str]:
-    """What boxes (or box ``tag``) left behind: namespaces, links and directories (for a test to assert on)."""
-    namespaces = [line.split()[0] for line in _run("ip", "netns", "list", check=False).stdout.splitlines() if line]
-    dirs = [p.name for p in Path(tempfile.gettempdir()).glob("azcp-box-azb*")]
-    found = [*namespaces, *_links(), *(d.removeprefix("azcp-box-") for d in dirs)]
-    return sorted(n for n in found if _tag_of(n) is not None and (tag is None or _tag_of(n) == tag))
-
-
-def sweep() -> list[str]:
-    """Remove what boxes whose owner has died left behind; returns their tags."""
-    tags = {_tag_of(name) for name in leftovers()}
-    dead = sorted(t for t in tags if t is not None and not _owner_alive(t))
-    for tag in dead:
-        _remove(tag)
-    return dead
-
-
-def _free_subnets(count: int, seed: int) -> list[ipaddress.IPv4Network]:
-    """``count`` /24 networks in 10.232.0.0/14 that no interface of this namespace uses (two boxes at once differ)."""
-    used = _run("ip", "-o", "-4", "addr", "show", check=False).stdout
-    taken = {ipaddress.IPv4Interface(word).network for word in used.split() if "/" in word and word[0].isdigit()}
-    space = list(ipaddress.IPv4Network("10.232.0.0/14").subnets(new_prefix=24))
-    found: list[ipaddress.IPv4Network] = []
-    for i in range(len(space)):
-        net = space[(seed + i) % len(space)]
-        if not any(net.overlaps(t) for t in taken):
-            found.append(net)
-            if len(found) == count:
-                return found
-    raise RuntimeError("no free /24 left in 10.232.0.0/14")
-
-
-def netem_available() -> bool:
-    """Whether this kernel has netem, the qdisc that delays packets (some kernels are built without it)."""
-    probe = f"{PREFIX}probe{os.getpid()}"
-    _run("ip", "netns", "add", probe)
-    try:
-        return _run("tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
-                    check=False).returncode == 0  # fmt: skip
-    finally:
-        _run("ip", "netns", "del", probe, check=False)
+    rails: tuple[str, ...] = ()  # its address on each rail, rail 0's first (``fabric``)
 
 
 def _shape(dev: str, link: Link, namespace: str | None = None, delay: bool = False) -> None:
@@ -240,6 +121,7 @@ class Box:
     ``front``, ``fabric``: every host's NIC on that network; ``azure``: the emulator's own NIC
     (the storage account's egress limit; unshaped by default). ``tmpfs_dest``: the hosts'
     DESTs on a tmpfs of the box's own (the disk taken out, to show whether it binds).
+    ``rails``: fabric NICs per host, each on its own bridge and subnet, each shaped as ``fabric``.
     """
 
     def __init__(
@@ -250,15 +132,18 @@ class Box:
         fabric: Link = Link(),
         azure: Link = Link(),
         tmpfs_dest: bool = False,
+        rails: int = 1,
     ) -> None:
-        self.hosts_count = hosts
+        if rails < 1:
+            raise ValueError(f"rails must be 1 or more, not {rails}")
+        self.hosts_count, self.rails = hosts, rails
         self.front, self.fabric, self.azure = front, fabric, azure
         self.tmpfs_dest = tmpfs_dest
         self.tag = ""  # PREFIX and the owner's pid, once started
         self.dir = Path()  # the box's directory (the ssh stand-in, the host map, DEST)
         self.hosts: list[Host] = []
         self.front_net = ipaddress.IPv4Network("10.232.0.0/24")  # chosen free at start
-        self.fabric_net = ipaddress.IPv4Network("10.232.1.0/24")
+        self.rail_nets = [ipaddress.IPv4Network(f"10.232.{1 + r}.0/24") for r in range(rails)]  # chosen free at start
         self._made = False
 
     def __enter__(self) -> Box:
@@ -286,9 +171,31 @@ class Box:
         return self.tag + "fe"
 
     @property
+    def fabric_net(self) -> ipaddress.IPv4Network:
+        """The fabric's subnet (rail 0's)."""
+        return self.rail_nets[0]
+
+    @property
     def fabric_bridge(self) -> str:
-        """The fabric bridge (mpiexec's own address for its hosts is on it)."""
-        return self.tag + "fab"
+        """The fabric bridge (rail 0's; mpiexec's own address for its hosts is on it)."""
+        return self.rail_bridge(0)
+
+    def rail_bridge(self, rail: int) -> str:
+        """The bridge of fabric rail ``rail`` (0: the fabric bridge)."""
+        return self.tag + ("fab" if rail == 0 else f"fab{rail}")
+
+    def rail_nic(self, rail: int) -> str:
+        """A host's fabric NIC on rail ``rail``, as named inside its namespace: ``fabric``, or ``ib<rail>``."""
+        return FABRIC if self.rails == 1 else f"{RAIL}{rail}"
+
+    def _rail_veth(self, host: int, rail: int) -> str:
+        """The bridge's end of host ``host``'s veth on rail ``rail`` (rail 0: as with one rail)."""
+        return f"{self.tag}b{host}" + ("" if rail == 0 else f"r{rail}")
+
+    @property
+    def rail_wrapper(self) -> str:
+        """A site's binding wrapper (``wrapper PROGRAM ARGS...``): local rank i on rail i mod R."""
+        return str(self.dir / "rail")
 
     @property
     def dest_template(self) -> str:
@@ -324,7 +231,7 @@ class Box:
             raise
 
     def _build(self) -> None:
-        self.front_net, self.fabric_net = _free_subnets(2, os.getpid())
+        self.front_net, *self.rail_nets = _free_subnets(1 + self.rails, os.getpid())
         (self.dir / "hosts").mkdir()
         (self.dir / "dest").mkdir()
         if self.tmpfs_dest:
@@ -332,7 +239,12 @@ class Box:
         script = self.dir / "nsexec"
         script.write_text(NSEXEC)
         script.chmod(0o755)
-        for bridge, net in ((self.front_bridge, self.front_net), (self.fabric_bridge, self.fabric_net)):
+        wrapper = Path(self.rail_wrapper)
+        wrapper.write_text(RAIL_WRAPPER.replace("RAILS", str(self.rails)))
+        wrapper.chmod(0o755)
+        bridges = [(self.front_bridge, self.front_net)]
+        bridges += [(self.rail_bridge(r), net) for r, net in enumerate(self.rail_nets)]
+        for bridge, net in bridges:
             _run("ip", "link", "add", bridge, "type", "bridge")
             _run("ip", "addr", "add", f"{net.network_address + 1}/{net.prefixlen}", "dev", bridge)
             _run("ip", "link", "set", bridge, "up")
@@ -341,10 +253,13 @@ class Box:
                      self.front_net, self.azure)  # fmt: skip
         for i in range(self.hosts_count):
             ns = f"{self.tag}h{i}"
-            host = Host(ns, str(self.front_net.network_address + 10 + i), str(self.fabric_net.network_address + 10 + i))
+            rails = tuple(str(net.network_address + 10 + i) for net in self.rail_nets)
+            host = Host(ns, str(self.front_net.network_address + 10 + i), rails[0], rails)
             self._namespace(ns)
             self._attach(ns, f"{self.tag}f{i}", FRONT, self.front_bridge, host.front, self.front_net, self.front)
-            self._attach(ns, f"{self.tag}b{i}", FABRIC, self.fabric_bridge, host.fabric, self.fabric_net, self.fabric)
+            for r, (address, net) in enumerate(zip(rails, self.rail_nets, strict=True)):
+                self._attach(ns, self._rail_veth(i, r), self.rail_nic(r), self.rail_bridge(r), address, net,
+                             self.fabric)  # fmt: skip
             (self.dir / "hosts" / host.fabric).write_text(ns)
             (self.dir / "hosts" / host.name).write_text(ns)
             self.hosts.append(host)
@@ -385,8 +300,17 @@ class Box:
         return self._counter(self.tag + "az", "rx")  # the bridge's end receives what the emulator sends
 
     def fabric_bytes(self) -> int:
-        """Bytes the hosts have received on their fabric NICs so far."""
-        return sum(self._counter(f"{self.tag}b{i}", "tx") for i in range(len(self.hosts)))
+        """Bytes the hosts have received on their fabric NICs so far (every rail's)."""
+        return sum(self.rail_bytes())
+
+    def rail_bytes(self) -> list[int]:
+        """Per rail, the bytes the hosts have received on their NIC of that rail so far."""
+        return [sum(row) for row in zip(*self.rail_bytes_by_host(), strict=True)] or [0] * self.rails
+
+    def rail_bytes_by_host(self) -> list[list[int]]:
+        """Per host, per rail, the bytes its fabric NIC of that rail has received so far: what the
+        bridge's end of its veth sent it (the namespace's NIC's rx_bytes, but for what it dropped)."""
+        return [[self._counter(self._rail_veth(i, r), "tx") for r in range(self.rails)] for i in range(len(self.hosts))]
 
     def front_bytes(self) -> int:
         """Bytes the hosts have received on their frontend NICs so far."""
@@ -415,8 +339,11 @@ class Box:
         """The command that runs ``argv`` on ``per_host`` ranks of every host, MPI over the fabric.
 
         ``flavour``: "mpich" (hydra; ofi/tcp on the fabric NIC) or "openmpi" (PRRTE; the TCP BTL on
-        the fabric network). Run it with :meth:`env` added to the environment.
+        the fabric network). Run it with :meth:`env` added to the environment. With several rails,
+        ``per_host`` is a multiple of them (each rail gets as many ranks of a host).
         """
+        if per_host % self.rails:
+            raise ValueError(f"{per_host} ranks per host on {self.rails} rails: make it a multiple of the rails")
         script = str(self.dir / "nsexec")
         hosts = ",".join(f"{h.fabric}:{per_host}" for h in self.hosts)
         count = str(per_host * len(self.hosts))
@@ -434,15 +361,19 @@ class Box:
         shared memory between the namespaces: they are one machine). Open MPI: ob1 with the TCP
         BTL on the fabric network, and PRRTE's own connections there too, a rank yielding its
         core while it waits (the hosts share the machine's cores); plus scripts/openmpi.env
-        (root, oversubscription, start-up).
+        (root, oversubscription, start-up). With several rails nothing binds a rank to a NIC
+        (``FI_TCP_IFACE``, ``OMPI_MCA_btl_tcp_if_include``): the tool's ``--rails auto``, or the
+        :attr:`rail_wrapper`, binds each; the launcher's own connections are on rail 0.
         """
         net = str(self.fabric_net)
         if flavour == "mpich":
-            return {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": FABRIC}
+            env = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+            return env if self.rails > 1 else {**env, "FI_TCP_IFACE": FABRIC}
         if flavour == "openmpi":
             env = openmpi_env()
+            if self.rails == 1:
+                env["OMPI_MCA_btl_tcp_if_include"] = net
             env.update({
-                "OMPI_MCA_btl_tcp_if_include": net,
                 "PRTE_MCA_oob_tcp_if_include": net,
                 "PMIX_MCA_ptl_tcp_if_include": net,
                 # Fill each host's slots in turn (openmpi.env's oversubscription put every rank on the first).

@@ -44,3 +44,21 @@ def with_traps(tree: dict[str, bytes], prefix: str = "ckpt") -> dict[str, bytes]
     traps[f"{prefix}x.bin"] = b"sibling name"
     traps[f"{prefix}/nested/"] = b""  # directory marker
     return traps
+
+
+CHECKPOINT_SMALL = 1600  # a checkpoint's small files: config, tokenizer, metadata, per-layer indices
+
+
+def checkpoint(size: int, small: int = CHECKPOINT_SMALL, prefix: str = "") -> dict[str, bytes]:
+    """``size`` bytes laid out as a real checkpoint is: one file with most of them and ``small``
+    small ones (64 B to 4 KiB each, about 2 KiB on average: config, tokenizer, metadata), the small
+    ones scaled down to at most a quarter of ``size`` where it is too small for them."""
+    sizes = [64 + (i * 2654435761) % 4032 for i in range(small)]  # spread, reproducible
+    room = size // 4
+    if sum(sizes) > room:
+        sizes = [n * room // sum(sizes) for n in sizes]
+    names = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    names += [f"metadata/layer-{i:04d}.json" for i in range(small - len(names))]
+    tree = {f"{prefix}{name}": pseudo_random(n, f"checkpoint-{name}") for name, n in zip(names, sizes, strict=False)}
+    tree[f"{prefix}model.safetensors"] = pseudo_random(size - sum(len(d) for d in tree.values()), "checkpoint-model")
+    return tree
