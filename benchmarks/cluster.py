@@ -2,6 +2,7 @@
 
     python -m benchmarks.cluster [--quick] [--hosts 2,4,8] [--bytes N] [--front MBIT] [--fabric MBIT]
                                  [--ranks-per-host K] [--repeats R] [--cases ...] [--tmpfs] [--json FILE]
+                                 [--rails R] [--bind auto|wrapper] [--layout shards|checkpoint]
                                  [--tool-args "--fanout ibcast ..."]
 
 Each host is a network namespace of a box (azcp_cluster/devtools/box.py) with a frontend NIC
@@ -20,6 +21,9 @@ files, on the emulator and in a local directory. The cases, on every host count 
 * ``ring``: the raw fan-out of S bytes spread over the hosts (1/N each, as a sharded download
   leaves them) around a pipelined ring: bound S·(N−1)/(N·B), the streaming fan-out's; its
   ratio is what this machine's CPUs allow that pattern, with no disk and no download.
+* ``rail-chain`` (with ``--rails`` R > 1): the raw fan-out of S bytes as R pipelined chains at
+  once, one per rail, local rank i of every host in chain i (bound to ``ib<i>`` by the box's
+  wrapper), each carrying S/R: bound S/(R·B).
 * ``every-node``: the way users do it today, every host downloading everything itself through
   the same emulator (the tool alone on each host, one process each, no MPI between them):
   bound S/fe, and the emulator sends N·S.
@@ -48,6 +52,16 @@ stage from its first rank's start to its last rank's end, ``run_start`` (the fir
 run started: interpreter, imports, MPI) and ``run_end`` (rank 0's report's total). Medians
 of ``--repeats`` runs (the cases alternate); every sample is kept. After each run of the
 tool, off its clock, every host's copy is checked byte for byte against the dataset.
+
+``--rails R``: each host has R fabric NICs of ``--fabric`` Mbit/s each, on R bridges, so the
+tool's cases and ``rail-chain`` are bound with R·B per host (one reader S/(R·B), spread data
+S(N−1)/(N·R·B); the download S/(N·fe) as before); ``--ranks-per-host`` must be a multiple of R.
+The raw ``ibcast``, ``chain`` and ``ring`` stay one rank per host, on rail 0 (bound with B).
+The tool binds its ranks itself (``--rails auto``; ``--bind wrapper``: the box's wrapper binds
+them as a site would, and the tool uses that). Every row has ``rail_bytes``, what the hosts
+received on each rail (their NICs' counters), and ``rail_spread``, the busiest rail over the
+mean, minus 1. ``--layout checkpoint``: S as one large file and 1,600 small ones (config,
+tokenizer, metadata) instead of four equal shards.
 
 ``--quick``: 32 MiB, one run each (about 2 minutes). The full run: 128 MiB, 3 runs each.
 Needs root (network namespaces).
@@ -78,34 +92,42 @@ from azcp_cluster.dest.localfs import pwritev_all
 from azcp_cluster.devtools import azurite, box
 from azcp_cluster.devtools.box import Box, Link
 from azcp_cluster.devtools.bytecode import compile_package
-from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.devtools.datasets import checkpoint, pseudo_random
 from benchmarks.run import mpiexec
 
 REPO = Path(__file__).resolve().parents[1]
-CASES = ("local", "stream", "two-phase", "ibcast", "chain", "ring", "every-node")
-RAW = ("ibcast", "chain", "ring")  # raw fan-outs (benchmarks/raw_fanout.py), no tool
+CASES = ("local", "stream", "two-phase", "ibcast", "chain", "ring", "rail-chain", "every-node")
+RAW = ("ibcast", "chain", "ring", "rail-chain")  # raw fan-outs (benchmarks/raw_fanout.py), no tool
+ON_EVERY_RAIL = ("local", "stream", "two-phase", "rail-chain")  # bound with R·B per host
 MPI_TOOL = ("local", "stream", "two-phase")  # the tool as one MPI job over the hosts
 CONTAINER = "bench"
 FILES = 4
 TIMEOUT = 600
 
 
-def dataset(size: int) -> dict[str, bytes]:
-    """S bytes in FILES files (checkpoint shards), incompressible."""
+def dataset(size: int, layout: str = "shards") -> dict[str, bytes]:
+    """S bytes in FILES files (checkpoint shards), incompressible; ``checkpoint``: one large file
+    and 1,600 small ones (devtools/datasets.checkpoint)."""
+    if layout == "checkpoint":
+        return checkpoint(size)
     sizes = [size // FILES + (1 if i < size % FILES else 0) for i in range(FILES)]
     return {f"model-{i:05d}-of-{FILES:05d}.bin": pseudo_random(n, f"cluster-{i}") for i, n in enumerate(sizes)}
 
 
-def bounds(case: str, size: int, hosts: int, front: Link, fabric: Link, disk: float | None = None) -> dict[str, float]:
-    """The physical bound of a case (``bound_s``) and its parts, from the link rates and
+def bounds(
+    case: str, size: int, hosts: int, front: Link, fabric: Link, disk: float | None = None, rails: int = 1
+) -> dict[str, float]:
+    """The physical bound of a case (``bound_s``) and its parts, from the link rates (``rails``
+    fabric NICs per host: R·B per host for the cases that use every rail, ON_EVERY_RAIL) and
     ``disk``, the bytes per second the box's one disk took from all its hosts' writers at once
     (:func:`disk_rate`; None: not measured). The tool's cases write S on every host, all to
     that disk (a cluster's nodes each have their own): ``disk_s`` = N·S / disk, a part of
     the bound like the links'. The raw patterns write nothing."""
     fe, b = front.bytes_per_s, fabric.bytes_per_s
     assert fe is not None and b is not None
+    b *= rails if case in ON_EVERY_RAIL else 1
     parts: dict[str, float]
-    if case in ("local", "ibcast", "chain"):
+    if case in ("local", "ibcast", "chain", "rail-chain"):
         parts = {"link_s": size / b}
     elif case == "ring":
         parts = {"fanout_s": size * (hosts - 1) / (hosts * b)}
@@ -276,8 +298,8 @@ class Bench:
         env["PATH"] = f"{Path(self.mpiexec).parent}:{env.get('PATH', '')}"
         return env
 
-    def counters(self) -> tuple[int, int, int]:
-        return self.bx.emulator_sent(), self.bx.fabric_bytes(), self.bx.front_bytes()
+    def counters(self) -> tuple[int, int, int, list[int]]:
+        return self.bx.emulator_sent(), self.bx.fabric_bytes(), self.bx.front_bytes(), self.bx.rail_bytes()
 
     def run(self, case: str) -> dict[str, Any]:
         """One run of ``case``: its figures (a sample of the row)."""
@@ -303,8 +325,9 @@ class Bench:
         sample.update(cpu.shares(*window))
         after = self.counters()
         sample["egress_bytes"], sample["fabric_bytes"], sample["front_bytes"] = (
-            a - b for a, b in zip(after, before, strict=True)
+            a - b for a, b in zip(after[:3], before[:3], strict=True)
         )
+        sample["rail_bytes"] = [a - b for a, b in zip(after[3], before[3], strict=True)]
         return sample
 
     def tool(self, case: str, launched: float) -> dict[str, Any]:
@@ -313,6 +336,8 @@ class Bench:
         extra = ["--no-overlap"] if case == "two-phase" else []
         argv = [sys.executable, "-m", "azcp_cluster", source, self.bx.dest_template, "--json", str(report),
                 "--no-progress", *extra, *shlex.split(self.args.tool_args)]  # fmt: skip
+        if self.args.bind == "wrapper" and self.bx.rails > 1:  # the site binds; the tool's --rails auto leaves it
+            argv.insert(0, self.bx.rail_wrapper)
         cmd = self.bx.mpiexec(self.mpiexec, self.flavour, argv, per_host=self.args.ranks_per_host)
         proc = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
         if proc.returncode != 0:
@@ -333,13 +358,19 @@ class Bench:
             "downloaded_bytes": doc.get("downloaded_bytes", 0),
             "sent_from_memory_bytes": doc.get("sent_from_memory_bytes", 0),
             "worker_bytes_by_rank": doc.get("worker_bytes_by_rank", []),
+            "rail_devices": doc.get("rail_devices", []),
         }
 
     def raw(self, case: str) -> dict[str, Any]:
         out = self.work / "raw.json"
-        argv = [sys.executable, str(REPO / "benchmarks" / "raw_fanout.py"), "--pattern", case, "--bytes",
-                str(self.size), "--piece", str(self.args.piece), "--json", str(out)]  # fmt: skip
-        cmd = self.bx.mpiexec(self.mpiexec, self.flavour, argv, per_host=1)
+        rails = self.bx.rails if case == "rail-chain" else 1  # chains at once, one per rail
+        pattern = "chain" if case == "rail-chain" else case
+        argv = [sys.executable, str(REPO / "benchmarks" / "raw_fanout.py"), "--pattern", pattern, "--bytes",
+                str(self.size), "--piece", str(self.args.piece), "--chains", str(rails),
+                "--json", str(out)]  # fmt: skip
+        if self.bx.rails > 1:  # nothing binds in the box's environment: the site's wrapper does (rail 0 alone)
+            argv.insert(0, self.bx.rail_wrapper)
+        cmd = self.bx.mpiexec(self.mpiexec, self.flavour, argv, per_host=rails)
         proc = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, timeout=TIMEOUT, cwd=REPO)
         if proc.returncode != 0:
             raise RuntimeError(f"{case} on {len(self.bx.hosts)} hosts: exit {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -386,11 +417,15 @@ def row(
     front, fabric = Link(args.front), Link(args.fabric)
     median = statistics.median(s["tool_s"] for s in samples)
     chosen = min(samples, key=lambda s: abs(s["tool_s"] - median))  # the sample closest to the median
-    bound = bounds(case, size, hosts, front, fabric, disk)
+    bound = bounds(case, size, hosts, front, fabric, disk, args.rails)
+    rails = chosen.get("rail_bytes") or [0]
     return {
         "case": case,
         "hosts": hosts,
-        "ranks_per_host": args.ranks_per_host if case in MPI_TOOL else 1,
+        "ranks_per_host": args.ranks_per_host if case in MPI_TOOL else args.rails if case == "rail-chain" else 1,
+        "rails": args.rails,
+        "layout": args.layout,
+        "bind": args.bind if case in MPI_TOOL and args.rails > 1 else "",
         "bytes": size,
         "front_mbit": args.front,
         "fabric_mbit": args.fabric,
@@ -405,6 +440,10 @@ def row(
         "egress_ratio": round(chosen["egress_bytes"] / size, 3),
         "fabric_bytes": chosen["fabric_bytes"],
         "front_bytes": chosen["front_bytes"],
+        "rail_bytes": rails,
+        # The busiest rail over the mean, minus 1 (0.0: every rail carried as much).
+        "rail_spread": round(max(rails) / statistics.mean(rails) - 1, 3) if any(rails) else 0.0,
+        "rail_devices": chosen.get("rail_devices", []),
         "wall_s": chosen["wall_s"],
         "total_s": chosen.get("total_s"),
         "outside_s": chosen.get("outside_s"),
@@ -428,7 +467,7 @@ def bench_hosts(hosts: int, files: dict[str, bytes], source: Path, args: argpars
     size = sum(len(d) for d in files.values())
     rows = []
     with (
-        Box(hosts, front=Link(args.front), fabric=Link(args.fabric), tmpfs_dest=args.tmpfs) as bx,
+        Box(hosts, front=Link(args.front), fabric=Link(args.fabric), tmpfs_dest=args.tmpfs, rails=args.rails) as bx,
         bx.emulator() as emu,
     ):
         azurite.upload(emu, CONTAINER, files)
@@ -461,6 +500,7 @@ STYLE = {  # case: (label, marker); the bounds are dashed in the colour of their
     "ibcast": ("raw pipelined Ibcast", "^"),
     "chain": ("raw point-to-point chain", "v"),
     "ring": ("raw ring, data spread (streaming's pattern)", "<"),
+    "rail-chain": ("raw chain per rail", ">"),
     "every-node": ("every host downloads it all (today)", "x"),
 }
 
@@ -508,10 +548,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bytes", type=int, help="S (default 128 MiB; --quick 32 MiB)")
     parser.add_argument("--front", type=float, default=100.0, help="each host's frontend NIC, Mbit/s (fe)")
     parser.add_argument("--fabric", type=float, default=400.0, help="each host's fabric NIC, Mbit/s (B)")
+    parser.add_argument("--rails", type=int, default=1, help="fabric NICs per host, each of --fabric Mbit/s (R)")
+    parser.add_argument("--bind", choices=("auto", "wrapper"), default="auto",
+                        help="with rails: the tool binds its ranks (--rails auto), or the box's wrapper")  # fmt: skip
+    parser.add_argument("--layout", choices=("shards", "checkpoint"), default="shards",
+                        help="four equal files, or one large file and 1,600 small ones")  # fmt: skip
     parser.add_argument("--ranks-per-host", type=int, default=1)
     parser.add_argument("--piece", type=int, default=4 * MiB, help="the raw patterns' piece size")
     parser.add_argument("--repeats", type=int)
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", help="default: every case (rail-chain with --rails above 1 only)")
     parser.add_argument("--tool-args", default="", help="more options for the tool's cases, e.g. '--fanout ibcast'")
     parser.add_argument("--tmpfs", action="store_true", help="each host's DEST on a tmpfs (the disk taken out)")
     parser.add_argument("--mpiexec", help="the MPI launcher (default: the one next to this interpreter)")
@@ -526,13 +571,16 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"benchmarks.cluster: {reason}", file=sys.stderr)
         return 2
-    args.cases = [c for c in args.cases.split(",") if c]
+    if args.rails < 1 or args.ranks_per_host % args.rails:
+        parser.error(f"--ranks-per-host {args.ranks_per_host} must be a multiple of --rails {args.rails}")
+    default = [c for c in CASES if c != "rail-chain" or args.rails > 1]
+    args.cases = [c for c in (args.cases or ",".join(default)).split(",") if c]
     unknown = set(args.cases) - set(CASES)
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
     args.repeats = args.repeats or (1 if args.quick else 3)
     size = args.bytes or (32 * MiB if args.quick else 128 * MiB)
-    files = dataset(size)
+    files = dataset(size, args.layout)
     started = time.time()
     if not compile_package():
         raise SystemExit("the package did not compile")
@@ -540,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         source = Path(tmp) / "src"
         source.mkdir()
         for name, data in files.items():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
             (source / name).write_bytes(data)
         rows = []
         for hosts in (int(h) for h in args.hosts.split(",")):
@@ -550,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         via = (r["fanout"] or {}).get("method", "") if r["fanout"] else ""
         print(f"{r['hosts']} hosts {r['case']:>10}: {r['tool_s']:6.2f} s, bound {r['bound_s']:5.2f} s, "
               f"ratio {r['ratio']:5.2f}, egress {r['egress_ratio']:.2f} x S, "
-              f"CPUs busy {r['cpu_busy']}, stolen {r['cpu_steal']} {via}")  # fmt: skip
+              f"CPUs busy {r['cpu_busy']}, stolen {r['cpu_steal']}, rails {r['rail_bytes']} {via}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     if args.plot:

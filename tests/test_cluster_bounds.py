@@ -105,3 +105,16 @@ def test_a_copy_missing_or_differing_on_any_host_fails_the_run(tmp_path: Path) -
     (bx.dest_of(bx.hosts[1]) / "b.bin").unlink()
     with pytest.raises(RuntimeError, match=r"h1: b\.bin"):
         check_copies(bx, files)  # type: ignore[arg-type]
+
+
+def test_with_rails_the_tools_cases_and_the_chain_per_rail_are_bound_with_every_rail() -> None:
+    rails = 2
+    assert bounds("local", S, 4, FRONT, FABRIC, rails=rails)["bound_s"] == pytest.approx(S / (rails * 400e6 / 8))
+    assert bounds("rail-chain", S, 4, FRONT, FABRIC, rails=rails)["bound_s"] == pytest.approx(S / (rails * 400e6 / 8))
+    stream = bounds("stream", S, 4, FRONT, FABRIC, rails=rails)
+    assert stream["fanout_s"] == pytest.approx(S * 3 / 4 / (rails * 400e6 / 8))
+    assert stream["download_s"] == pytest.approx(S / 4 / (100e6 / 8))  # the frontend is one NIC still
+    for one_rank_per_host in ("chain", "ibcast", "ring", "every-node"):  # on rail 0 alone, or no fabric
+        assert bounds(one_rank_per_host, S, 4, FRONT, FABRIC, rails=rails) == bounds(
+            one_rank_per_host, S, 4, FRONT, FABRIC
+        )

@@ -340,10 +340,10 @@ class Box:
 
         ``flavour``: "mpich" (hydra; ofi/tcp on the fabric NIC) or "openmpi" (PRRTE; the TCP BTL on
         the fabric network). Run it with :meth:`env` added to the environment. With several rails,
-        ``per_host`` is a multiple of them (each rail gets as many ranks of a host).
+        ``per_host`` is a multiple of them (each rail gets as many ranks of a host), or 1 (rail 0 alone).
         """
-        if per_host % self.rails:
-            raise ValueError(f"{per_host} ranks per host on {self.rails} rails: make it a multiple of the rails")
+        if per_host % self.rails and per_host != 1:
+            raise ValueError(f"{per_host} ranks per host on {self.rails} rails: make it a multiple of the rails (or 1)")
         script = str(self.dir / "nsexec")
         hosts = ",".join(f"{h.fabric}:{per_host}" for h in self.hosts)
         count = str(per_host * len(self.hosts))
