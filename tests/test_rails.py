@@ -83,7 +83,31 @@ def test_an_unknown_mode_is_a_bug() -> None:
 
 def test_no_local_rank_or_no_device_binds_nothing() -> None:
     assert choose("auto", IB, {}) == Binding(why="no launcher's local rank")
-    assert choose("auto", [], {"SLURM_LOCALID": "0"}) == Binding(why="no active fabric device")
+    assert choose("auto", [], {"SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2(x1)"}) == Binding(
+        why="no active fabric device"
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "alone"),
+    [
+        ({"MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"}, True),
+        ({"MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}, False),
+        ({"OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, True),
+        ({"PMIX_LOCAL_RANK": "0", "PMIX_LOCAL_SIZE": "8"}, False),
+        ({"SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "1(x4)", "SLURM_NODEID": "3"}, True),
+        ({"SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "1(x2),8", "SLURM_NODEID": "2"}, False),
+        ({"SLURM_LOCALID": "0", "SLURM_TASKS_PER_NODE": "8,1", "SLURM_NODEID": "1"}, True),
+        ({"SLURM_LOCALID": "0"}, True),  # no size known: local rank 0 counts as alone
+        ({"SLURM_LOCALID": "1"}, False),  # a local rank 1 has company
+    ],
+)
+def test_one_rank_on_its_node_is_left_to_mpi_several_are_each_bound(env: dict[str, str], alone: bool) -> None:
+    """One rank per node is the common launch: binding it to one device could only take devices
+    from an MPI that stripes over several (a default must never lose where it cannot win)."""
+    binding = choose("auto", IB, env)
+    assert (binding == Binding(why="one rank on this node")) is alone
+    assert bool(binding.set) is not alone
 
 
 # -- which device ----------------------------------------------------------------------------
@@ -91,14 +115,14 @@ def test_no_local_rank_or_no_device_binds_nothing() -> None:
 
 @pytest.mark.parametrize("rank", range(17))
 def test_local_rank_i_gets_infiniband_port_i_mod_count(rank: int) -> None:
-    binding = choose("auto", IB, {"SLURM_LOCALID": str(rank)})
+    binding = choose("auto", IB, {"SLURM_LOCALID": str(rank), "SLURM_TASKS_PER_NODE": "17"})
     label = f"mlx5_{rank % 8}:1"
     assert binding == Binding(device=label, set={"UCX_NET_DEVICES": label})
 
 
 @pytest.mark.parametrize("rank", range(5))
 def test_local_rank_i_gets_netdev_i_mod_count_for_libfabric_and_open_mpi(rank: int) -> None:
-    binding = choose("auto", NETDEVS, {"MPI_LOCALRANKID": str(rank)})
+    binding = choose("auto", NETDEVS, {"MPI_LOCALRANKID": str(rank), "MPI_LOCALNRANKS": "5"})
     name = f"ib{rank % 2}"
     assert binding == Binding(device=name, set={"FI_TCP_IFACE": name, "OMPI_MCA_btl_tcp_if_include": name})
 
@@ -120,7 +144,7 @@ def test_devices_are_ordered_by_numa_node_then_by_name_naturally() -> None:
 
 def test_a_variable_set_for_another_reason_is_never_overwritten() -> None:
     # Only one of the two netdev variables binds the rank here... but the other is the user's own.
-    env = {"MPI_LOCALRANKID": "0", "OMPI_MCA_btl_tcp_if_include": ""}
+    env = {"MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2", "OMPI_MCA_btl_tcp_if_include": ""}
     assert choose("auto", NETDEVS, env).set == {"FI_TCP_IFACE": "ib0"}
 
 
@@ -184,11 +208,11 @@ def no_mpi_yet(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bind_sets_the_variables_and_records_the_device(tmp_path: Path, no_mpi_yet: None) -> None:
     _netdev(tmp_path, "ib0", "up")
     _netdev(tmp_path, "ib1", "up")
-    env = {"MPI_LOCALRANKID": "3", RAIL_DEVICE_ENV: "stale"}
+    env = {"MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "4", RAIL_DEVICE_ENV: "stale"}
     binding = bind_before_mpi("auto", env, tmp_path)
     assert binding is not None and binding.device == "ib1"
-    assert env == {"MPI_LOCALRANKID": "3", "FI_TCP_IFACE": "ib1", "OMPI_MCA_btl_tcp_if_include": "ib1",
-                   RAIL_DEVICE_ENV: "ib1"}  # fmt: skip
+    assert env == {"MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "4", "FI_TCP_IFACE": "ib1",
+                   "OMPI_MCA_btl_tcp_if_include": "ib1", RAIL_DEVICE_ENV: "ib1"}  # fmt: skip
 
 
 def test_bind_records_the_users_own_device_and_sets_nothing(tmp_path: Path, no_mpi_yet: None) -> None:

@@ -31,6 +31,8 @@ RAIL_DEVICE_ENV = "AZCP_RAIL_DEVICE"  # the device this rank is bound to ("" non
 BINDING_VARS = ("UCX_NET_DEVICES", "FI_TCP_IFACE", "OMPI_MCA_btl_tcp_if_include", "OMPI_MCA_btl_tcp_if_exclude")
 # The launcher's local rank: hydra (MPICH, Intel MPI), Open MPI's mpirun, srun, PMIx.
 LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "PMIX_LOCAL_RANK")
+# How many ranks the launcher started on this node: hydra, Open MPI's mpirun, PMIx, srun (per node).
+LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMIX_LOCAL_SIZE")
 NETDEV_PREFIX = "ib"  # network interfaces of a TCP fabric (IPoIB's names; the box's rails)
 
 
@@ -78,6 +80,27 @@ def local_rank(env: Mapping[str, str]) -> int | None:
     return None
 
 
+def _slurm_tasks_here(env: Mapping[str, str]) -> int | None:
+    """srun's tasks on this node: ``SLURM_TASKS_PER_NODE`` ("2(x3),1") at ``SLURM_NODEID``."""
+    counts: list[int] = []
+    for part in env.get("SLURM_TASKS_PER_NODE", "").split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    node = env.get("SLURM_NODEID", "0").strip()
+    return counts[int(node)] if node.isdigit() and int(node) < len(counts) else None
+
+
+def local_size(env: Mapping[str, str]) -> int | None:
+    """How many ranks the launcher started on this node, or None (no launcher says)."""
+    for var in LOCAL_SIZE_VARS:
+        value = env.get(var, "").strip()
+        if value.isascii() and value.isdigit():
+            return int(value)
+    return _slurm_tasks_here(env)
+
+
 def bound_by(env: Mapping[str, str]) -> str | None:
     """The variable that binds the rank already (the first of :data:`BINDING_VARS` set), or None."""
     return next((var for var in BINDING_VARS if env.get(var, "").strip()), None)
@@ -97,7 +120,8 @@ def choose(mode: str, devices: Sequence[Device], env: Mapping[str, str]) -> Bind
     """The binding of this rank: ``mode`` (:data:`RAIL_MODES`), the node's ``devices``, its environment.
 
     Nothing is set with ``off``, where a variable already binds the rank (then its value names the
-    device, an exclusion list none), without the launcher's local rank, or without a device.
+    device, an exclusion list none), without the launcher's local rank, with one rank on the node
+    (the launcher's local size; unknown: a local rank 0 counts as alone), or without a device.
     Otherwise local rank i gets device i mod count, and no variable the environment has is set.
     """
     if mode not in RAIL_MODES:
@@ -111,6 +135,11 @@ def choose(mode: str, devices: Sequence[Device], env: Mapping[str, str]) -> Bind
     rank = local_rank(env)
     if rank is None:
         return Binding(why="no launcher's local rank")
+    # One rank on the node: binding it to one device can only take devices away from it (an
+    # MPI left alone may stripe over several); with several, each its own is what spreads them.
+    size = local_size(env)
+    if (size if size is not None else rank + 1) < 2:
+        return Binding(why="one rank on this node")
     candidates = ordered(devices)
     if not candidates:
         return Binding(why="no active fabric device")
