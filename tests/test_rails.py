@@ -245,3 +245,24 @@ def test_the_option_defaults_to_auto_and_takes_off() -> None:
     assert config_from_args(["/src", "/dst", "--rails", "off"]).rails == "off"
     with pytest.raises(UsageError, match="--rails"):
         config_from_args(["/src", "/dst", "--rails", "on"])
+
+
+# -- the report --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rails", ["auto", "off"])
+def test_the_report_names_each_ranks_device_and_a_users_binding_is_kept(tmp_path: Path, rails: str) -> None:
+    """Under mpiexec, two ranks on one host: the user's own binding (FI_TCP_IFACE, here the
+    loopback) is kept and is what each rank reports as its device, with auto as with off."""
+    from tests.conftest import run_cli
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"a" * 5000)
+    result = run_cli(
+        [str(tmp_path / "src"), str(tmp_path / "d" / "{rank}"), "--no-progress", "--rails", rails],
+        n=2,
+        env={"FI_TCP_IFACE": "lo"},
+        json_path=tmp_path / "r.json",
+    )
+    assert result.returncode == 0 and result.json is not None, result.output
+    assert result.json["rail_devices"] == ["lo", "lo"]

@@ -24,6 +24,7 @@ from azcp_cluster.dest.localsource import check_overlap
 from azcp_cluster.run import figures
 from azcp_cluster.run.cluster import StageOutcome
 from azcp_cluster.run.console import say
+from azcp_cluster.run.rails import RAIL_DEVICE_ENV
 from azcp_cluster.stages.context import RunContext
 
 if TYPE_CHECKING:
@@ -68,24 +69,25 @@ def setup(ctx: RunContext) -> Placement:
     """
     cluster = ctx.cluster
     cfg = ctx.cfg
-    outcome: StageOutcome[tuple[tuple[str, ...], bool]] = StageOutcome()
+    outcome: StageOutcome[tuple[tuple[str, ...], bool, str]] = StageOutcome()
     t0 = cluster.clock()
     auth: Authorizer | None = None
     proxy: Proxy | None = None
     sees = False
     with cluster.stage(outcome):
         auth, proxy, sees = _check_arguments(ctx)
-        outcome.stats = (place_of(ctx), sees)
+        # The fabric device --rails bound this rank to before MPI started (run/rails.py), for the report.
+        outcome.stats = (place_of(ctx), sees, ctx.env.get(RAIL_DEVICE_ENV, ""))
     result = cluster.conclude(t0, outcome, stage="setup")
-    seen = result.each(((), False))
-    places = [Place(*place) for place, _ in seen]
+    seen = result.each(((), False, ""))
+    places = [Place(*place) for place, _, _ in seen]
     made_here: StageOutcome[list[str]] = StageOutcome()
     t1 = cluster.clock()
     readers: list[int] = []
     topo = Topology(group_of=(0,), leaders=(0,), downloaders=(0,), hosts=1)
     leader = False
     with cluster.stage(made_here):
-        readers, topo = _roles(ctx, [sees for _, sees in seen], places)
+        readers, topo = _roles(ctx, [sees for _, sees, _ in seen], places)
         leader = topo.is_leader(ctx.rank)
         if ctx.local:  # on every rank: each knows only its own DEST
             check_overlap(os.path.realpath(ctx.source_root), ctx.dest_identity)
@@ -105,7 +107,7 @@ def setup(ctx: RunContext) -> Placement:
     # Each node's own ranks, its leader first: the leader hands its downloaders the
     # identities of the temporary files it made (they write into no other file).
     ctx.split(node_comm, cluster.comm.Split(topo.group_of[ctx.rank], 0 if leader else ctx.rank + 1))
-    _report_roles(ctx, topo, reader, readers)
+    _report_roles(ctx, topo, reader, readers, tuple(device for _, _, device in seen))
     on_host = sum(1 for r in topo.downloaders if places[r][0] == ctx.host)
     return Placement(
         topo=topo,
@@ -174,10 +176,11 @@ def _roles(ctx: RunContext, sees_all: list[bool], places: list[Place]) -> tuple[
     return readers, topo
 
 
-def _report_roles(ctx: RunContext, topo: Topology, reader: int, readers: list[int]) -> None:
-    """The roles in the run's report."""
+def _report_roles(ctx: RunContext, topo: Topology, reader: int, readers: list[int], devices: tuple[str, ...]) -> None:
+    """The roles in the run's report (``devices``: per rank, the fabric device it is bound to)."""
     download_ranks = 0 if ctx.local else len(topo.downloaders)
-    ctx.record(figures.Roles(topo.hosts, topo.groups, download_ranks, reader if ctx.local else None, tuple(readers)))
+    source_rank = reader if ctx.local else None
+    ctx.record(figures.Roles(topo.hosts, topo.groups, download_ranks, source_rank, tuple(readers), devices))
 
 
 def open_dest(ctx: RunContext) -> None:
