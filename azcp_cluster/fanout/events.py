@@ -1,7 +1,7 @@
 """The fan-out driver's vocabulary: what happens (typed events, each one call of the pure
 :class:`azcp_cluster.core.fanout.FanOut`), what a streaming download tells it (:class:`Landed`),
 what it tells its stage (:class:`StageHooks`) and what one rank's fan-out did
-(:class:`BroadcastStats`)."""
+(:class:`FanOutStats`)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from azcp_cluster.run.cluster import redact
 
 
 @dataclass
-class BroadcastStats:
-    """What one rank's broadcast did."""
+class FanOutStats:
+    """What one rank's fan-out did."""
 
     sent_bytes: int = 0
     received_bytes: int = 0
@@ -65,7 +65,7 @@ def _nobody() -> None:
 @dataclass(frozen=True)
 class StageHooks:
     """What one fan-out run tells the stage that runs it, and asks it: composed once by the
-    stage and given to :meth:`~azcp_cluster.fanout.broadcast.Broadcaster.run` (the broadcaster
+    stage and given to :meth:`~azcp_cluster.fanout.driver.FanOutDriver.run` (the driver
     is made earlier, at allocation; the stage's progress bar and outcome exist only once the
     stage has begun). Called on the driver's (the MPI) thread.
     """

@@ -31,7 +31,7 @@ from azcp_cluster.fanout.events import Kept
 class ReadAhead:
     """Reads one rank's transfers into their slots, one file kept open across its extents.
 
-    Used by one thread at a time (the broadcast's read-ahead thread); :meth:`close` when done.
+    Used by one thread at a time (the fan-out's read-ahead thread); :meth:`close` when done.
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 """The fan-out's link between the node leaders: every call it makes to another rank, behind one small protocol.
 
-The driver (:class:`azcp_cluster.fanout.broadcast.Broadcaster`) needs four things of the
+The driver (:class:`azcp_cluster.fanout.driver.FanOutDriver`) needs four things of the
 ranks it fans out to, and nothing else:
 
 * ``post(data, root, receivers)``: start one transfer. The root's ``data`` goes to each

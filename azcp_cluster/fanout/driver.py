@@ -40,10 +40,10 @@ from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.fanout.events import (
     NO_HOOKS,
     Agreed,
-    BroadcastStats,
     CallDone,
     Event,
     Failed,
+    FanOutStats,
     Kept,
     Landed,
     LandedHere,
@@ -97,7 +97,7 @@ class _Run:
     inflight: deque[_InFlight] = field(default_factory=deque)  # in posting order
 
 
-class Broadcaster:
+class FanOutDriver:
     """Drives one rank's :class:`FanOut` over a schedule: read ahead (root), MPI (all), write behind."""
 
     def __init__(
@@ -140,7 +140,7 @@ class Broadcaster:
         # this rank like a local one, so the next agreement stops every rank together.
         self.stop_requested = stop_requested
         self._announced = False  # the stage's hooks were told this rank failed (StageHooks.announce)
-        self.stats = BroadcastStats()
+        self.stats = FanOutStats()
         # The first ``populated`` slots mapped now, the rest at first use (allocate.POPULATED_SLOTS).
         self.slots = [Slot(slot_size, populate=i < populated) for i in range(pipeline)]
         self.writer_count = writers  # writer jobs one transfer's extents are spread over
@@ -176,7 +176,7 @@ class Broadcaster:
         landed: Landed | None = None,
         failed: AzcpError | None = None,
         kept: Kept | None = None,
-    ) -> BroadcastStats:
+    ) -> FanOutStats:
         """Carry out every transfer this rank takes part in; raise the first local error after all ranks stopped.
 
         ``hooks``: the stage's. ``landed``: streaming, the download still running (see
@@ -496,4 +496,4 @@ class Broadcaster:
         self._serve(run.hashes, update, WriteDone, "hashing")
 
 
-__all__ = ["Broadcaster"]
+__all__ = ["FanOutDriver"]
