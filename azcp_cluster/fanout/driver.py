@@ -16,7 +16,7 @@ landed, a failure) becomes a typed event, one call of the machine.
 Errors never leave a rank behind in a collective: a rank that fails keeps taking part (without touching the disk) until
 the next agreement, where all ranks stop together; an instruction that cannot be carried out fails the rank the same
 way, its calls to the other ranks still made. Streaming (the download still running) adds one input: which transfers'
-bytes have landed on this node (see :class:`Landed`).
+bytes have landed on this node (see :class:`LandingFeed`).
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from azcp_cluster.fanout.events import (
     Event,
     Failed,
     FanOutStats,
-    Kept,
-    Landed,
+    HeldBlocks,
     LandedHere,
+    LandingFeed,
     ReadDone,
     StageHooks,
     WriteDone,
@@ -87,7 +87,7 @@ class _Run:
     schedule: Sequence[Transfer]
     machine: FanOut
     hooks: StageHooks
-    landed: Landed | None
+    feed: LandingFeed | None
     reader: ReadAhead
     digests: StreamDigests
     threads: list[threading.Thread] = field(default_factory=list)
@@ -173,19 +173,19 @@ class FanOutDriver:
         self,
         schedule: Sequence[Transfer],
         hooks: StageHooks = NO_HOOKS,
-        landed: Landed | None = None,
+        feed: LandingFeed | None = None,
         failed: AzcpError | None = None,
-        kept: Kept | None = None,
+        held: HeldBlocks | None = None,
     ) -> FanOutStats:
         """Carry out every transfer this rank takes part in; raise the first local error after all ranks stopped.
 
-        ``hooks``: the stage's. ``landed``: streaming, the download still running (see
-        :class:`Landed`); ``kept``: its buffers, a root's transfers copied from them. ``failed``:
+        ``hooks``: the stage's. ``feed``: streaming, the download still running (see
+        :class:`LandingFeed`); ``held``: its buffers, a root's transfers copied from them. ``failed``:
         this rank failed before the fan-out began (its download could not be set up): it takes
         part without reading or writing until the first agreement, where all ranks stop, as it
         does when anything else fails before its first post here (its threads cannot start).
         """
-        run = self._begin(schedule, hooks, landed, failed, kept)
+        run = self._begin(schedule, hooks, feed, failed, held)
         try:
             finish = self._drive(run)
         finally:
@@ -200,9 +200,9 @@ class FanOutDriver:
         self,
         schedule: Sequence[Transfer],
         hooks: StageHooks,
-        landed: Landed | None,
+        feed: LandingFeed | None,
         failed: AzcpError | None,
-        kept: Kept | None,
+        held: HeldBlocks | None,
     ) -> _Run:
         """The machine for ``schedule``, the read-ahead, hasher and writer threads started, the first instructions."""
         self._schedule = schedule
@@ -222,7 +222,7 @@ class FanOutDriver:
             writes,
             hashes=hashed.__contains__,
             writers=self.writer_count,
-            waits_landing=landed.waits if landed is not None else (lambda seq: False),
+            waits_landing=feed.waits if feed is not None else (lambda seq: False),
         )
         reader = ReadAhead(
             self.files,
@@ -234,10 +234,10 @@ class FanOutDriver:
             direct=self.direct,
             hint_window=4 * len(self.slots),
             changed=self.changed,
-            kept=kept,
+            held=held,
             source_pieces=self.source_pieces,
         )
-        run = _Run(schedule, machine, hooks, landed, reader, StreamDigests(self.digests, self.stream_crcs))
+        run = _Run(schedule, machine, hooks, feed, reader, StreamDigests(self.digests, self.stream_crcs))
         try:
             self._start_threads(run, hashed=bool(hashed))
         except Exception as exc:  # no thread (a process limit): fail here, but never leave the others
@@ -397,7 +397,7 @@ class FanOutDriver:
 
     def _events_now(self, run: _Run) -> list[Instruction]:
         """What happened since the last look: thread events, a signal, landings, a peer's failure."""
-        machine, landed = run.machine, run.landed
+        machine, feed = run.machine, run.feed
         out: list[Instruction] = []
         while True:
             try:
@@ -408,12 +408,12 @@ class FanOutDriver:
         try:
             if machine.error is None:
                 stop = self.stop_requested()
-                if stop is None and landed is not None:
-                    stop = landed.failed()
+                if stop is None and feed is not None:
+                    stop = feed.failed()
                 if stop is not None:
                     out.extend(machine.failed(stop))
-            if landed is not None and not machine.finished:
-                for seq in landed.poll():
+            if feed is not None and not machine.finished:
+                for seq in feed.poll():
                     out.extend(self._handle(machine, LandedHere(seq)))
                 if not machine.failing and run.hooks.peer_failed():
                     out.extend(machine.failed(None))

@@ -1,5 +1,5 @@
 """The fan-out driver's vocabulary: what happens (typed events, each one call of the pure
-:class:`azcp_cluster.core.fanout.FanOut`), what a streaming download tells it (:class:`Landed`),
+:class:`azcp_cluster.core.fanout.FanOut`), what a streaming download tells it (:class:`LandingFeed`),
 what it tells its stage (:class:`StageHooks`) and what one rank's fan-out did
 (:class:`FanOutStats`)."""
 
@@ -27,17 +27,21 @@ class FanOutStats:
     direct_refused: str = ""  # a path whose filesystem refused O_DIRECT, if any
 
 
-class Kept(Protocol):
-    """Streaming: blocks this rank's own download landed and still holds in its buffers
-    (``writepool.WritePool``); called on the read-ahead thread."""
+class HeldBlocks(Protocol):
+    """Streaming: blocks this rank's own download wrote and still holds in its buffers
+    (``writepool.WritePool``), for the read-ahead to copy instead of reading the disk; called on
+    the read-ahead thread. *Held* is memory only: what a stopped run left on the disk is
+    ``dest.journal.Kept``."""
 
-    def copy_landed(self, file: int, offset: int, out: np.ndarray) -> bool:
+    def copy_held(self, file: int, offset: int, out: np.ndarray) -> bool:
         """Copy ``len(out)`` bytes of ``file`` from ``offset`` into ``out``; False when they are not
         all held (they are read from the disk)."""
 
 
-class Landed(Protocol):
-    """Streaming: what the download has put on this node so far (polled on the MPI thread)."""
+class LandingFeed(Protocol):
+    """Streaming: the feed of what the download has put on this node so far, transfer by
+    transfer (polled on the MPI thread). A block *lands* when its bytes are written on this node;
+    this says which transfers rooted here have all theirs."""
 
     def waits(self, seq: int) -> bool:
         """Whether transfer ``seq`` (rooted here) must wait for downloaded bytes."""

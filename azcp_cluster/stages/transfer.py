@@ -281,7 +281,7 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
                 if mine
                 else (None, None)
             )
-            pool = _keep_landed(ctx, prepared.shape.fetch, mine, unit)
+            pool = _hold_written(ctx, prepared.shape.fetch, mine, unit)
             done = lead(driver, transfers, feed, own, mine, since, rank, stop, hooks, early, pool)
             digests.update(done.digests or {})
         elif mine:
@@ -319,19 +319,19 @@ def _made(make: Callable[[], Fetcher], rank: int) -> tuple[Fetcher | None, AzcpE
         return None, as_azcp_error(exc, rank)
 
 
-def _keep_landed(ctx: RunContext, fetch: Config, mine: list[Block], unit: int) -> WritePool | None:
+def _hold_written(ctx: RunContext, fetch: Config, mine: list[Block], unit: int) -> WritePool | None:
     """A streaming leader's download buffers, told to keep what it writes for the fan-out to send
     from memory (``mine``: its blocks, ``unit``: its transfers' size); None if it downloads none.
 
     What this rank downloads in its own process lands in the pool's buffers: the pool keeps
     what the requests in flight and its spares leave, if that holds a whole transfer (worker
     processes' buffers are theirs: those blocks are read back from the disk)."""
-    from azcp_cluster.core.blocks import keepable, requests_for
+    from azcp_cluster.core.blocks import holdable, requests_for
 
     pool = ctx.io.pool if mine else None
     if pool is not None:
         in_flight = min(fetch.concurrency, len(requests_for(mine, fetch.block_size)))
-        pool.keep_landed(keepable(pool.count, in_flight, -(-unit // pool.size)))
+        pool.hold_written(holdable(pool.count, in_flight, -(-unit // pool.size)))
     return pool
 
 
