@@ -46,8 +46,8 @@ IN_FLIGHT = 8  # directories listed at once (and the connections of a listing's 
 # Key ranges (keyspace.py): the service version that takes startFrom, the cuts made at once,
 # and how many times a range is cut again.
 START_FROM_VERSION = "2026-02-06"
-SPLIT = 16
-MAX_SPLIT = 3
+SPLIT = 16  # ranges per cut: enough to spread a huge directory over the listing ranks
+MAX_SPLIT = 3  # cuts go three levels deep at most; a range deeper is listed uncut, from its marker
 
 
 class Refused(Exception):

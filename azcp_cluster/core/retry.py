@@ -16,8 +16,8 @@ RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # (--max-bandwidth), a buffer or the disk does not count: only time waiting for the server.
 MIN_BODY_RATE = 4096
 
-BASE_DELAY = 0.5
-MAX_DELAY = 30.0
+BASE_DELAY = 0.5  # the first retry's bound: a blip passes, a throttled service is not hammered
+MAX_DELAY = 30.0  # the longest wait between tries: a run never sleeps through minutes
 
 
 def backoff_delay(

@@ -33,8 +33,7 @@ from azcp_cluster.dest.nodewriter import NodeWriter
 # The pool's sizes (BUFFER_BYTES, SPARE_BUFFERS, pool_buffers...) are pure arithmetic: core/blocks.py.
 # O_DIRECT writes are synchronous: a few threads keep several in flight. Four, not two: a
 # thread whose write has finished waits for the GIL while the event loop runs, and the
-# disk idles unless others have writes queued (2 -> 4 took the benchmark's download from
-# about 750 to about 820 MiB/s against a disk that does about 900 alone).
+# disk idles unless others have writes queued (docs/benchmarks.md: two against four).
 WRITER_THREADS = 4
 
 _T = TypeVar("_T")

@@ -52,7 +52,7 @@ from azcp_cluster.fanout.transport import Request, Transport
 # Seconds between looks at the chains while the driver waits (``wait``, an agreement): the
 # first short (MPI moves bytes only inside its calls), growing while nothing completes.
 WAIT_NAP = 0.0001
-MAX_WAIT_NAP = 0.001
+MAX_WAIT_NAP = 0.001  # a piece's transfer time on a fast link: a wait costs at most that
 
 
 class Wire(Protocol):

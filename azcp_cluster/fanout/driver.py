@@ -59,13 +59,11 @@ from azcp_cluster.run.cluster import PeerFailed
 from azcp_cluster.run.interrupts import shield
 
 # Seconds between tests of a transfer in flight: from POLL_NAP, doubling while nothing
-# happens, up to MAX_NAP. MPI moves a transfer only inside MPI calls, so the first naps are
-# short; a long wait (a root's bytes still downloading) then costs little CPU, which the
-# download running on the same cores needs (the streaming benchmark, 2 ranks as 2 nodes on
-# 2 cores: the streamed stage 1.59 -> 1.51 s). A 16 MiB transfer takes about 10 ms here, so
-# 2 ms is a small delay.
+# happens, up to MAX_NAP (core/naps.py). MPI moves a transfer only inside MPI calls, so the
+# first naps are short; a long wait (a root's bytes still downloading) then costs little of
+# the CPU the download on the same cores needs (docs/benchmarks.md has the figures).
 POLL_NAP = 0.0002
-MAX_NAP = 0.002
+MAX_NAP = 0.002  # a small delay beside a slot's transfer time (milliseconds)
 # Seconds between looks at signals, landings and peers while nothing is in flight.
 IDLE_NAP = 0.005
 _Job = TypeVar("_Job", Read, Hash)  # what a thread of the driver serves (the read-ahead, the hasher)

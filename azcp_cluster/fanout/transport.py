@@ -37,7 +37,7 @@ from azcp_cluster.core.schedule import call_slices
 # Seconds between looks at an agreement while a rank waits in it, growing while nothing
 # completes: a short wait stays short, a long one costs the working ranks no CPU.
 AGREE_NAP = 0.0001
-MAX_AGREE_NAP = 0.002
+MAX_AGREE_NAP = 0.002  # as the driver's MAX_NAP: a waiting rank is late by milliseconds at most
 
 # The tag of point-to-point transfers on the broadcast communicator (collectives never match it).
 P2P_TAG = 11

@@ -249,7 +249,7 @@ def record_fanout(ctx: RunContext, result: StageResult[dict[str, object]]) -> No
 
 # Fan-out slots mapped in this stage; the others at first use. The first transfer's slot is
 # ready when the fan-out starts; the rest fault in while it goes, on a fabric-bound stage
-# with CPU to spare (eight hosts in the box: the stage's slot mapping 0.21 -> 0.04 s).
+# with CPU to spare (docs/benchmarks.md: what mapping them all cost).
 POPULATED_SLOTS = 1
 
 
