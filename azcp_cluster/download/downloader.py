@@ -32,7 +32,7 @@ from azcp_cluster.core.blocks import Block, requests_for
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import AzcpError, DownloadError
 from azcp_cluster.core.model import FileEntry
-from azcp_cluster.core.retry import RETRYABLE_STATUS, backoff_delay
+from azcp_cluster.core.retry import RETRYABLE_STATUS, Retries
 from azcp_cluster.core.source import API_VERSION
 from azcp_cluster.core.throttle import Booking, Pacer
 from azcp_cluster.dest.desttree import DestTree
@@ -211,7 +211,7 @@ class Downloader:
         """One ranged GET for ``request`` (consecutive blocks of one file), retried from its
         first block that has not landed."""
         entry = self.files[request[0].file]
-        attempt = 0
+        retries = Retries(self.cfg.max_retries, self.rng, asyncio.sleep)
         while True:
             length = sum(block.length for block in request)
             booking = None
@@ -244,16 +244,15 @@ class Downloader:
             if not request:
                 return  # (the error came once every block had landed)
             first, length = request[0], sum(block.length for block in request)
-            if attempt >= self.cfg.max_retries:
+            if retries.exhausted:
                 raise DownloadError(
-                    f"giving up after {attempt} retries of bytes {first.offset}-{first.offset + length - 1}: "
+                    f"giving up after {retries.attempt} retries of bytes {first.offset}-{first.offset + length - 1}: "
                     f"last cause {cause}" + (f" ({detail})" if detail else ""),
                     path=entry.name,
                 )
             self.stats.retries += 1
             self.stats.retry_causes[cause] += 1
-            await asyncio.sleep(backoff_delay(attempt, retry_after, self.rng))
-            attempt += 1
+            await retries.pause(retry_after)
 
     async def _get_once(
         self, link: Link, blocks: list[Block], entry: FileEntry, booking: Booking | None, landed: list[Block]

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,6 +33,7 @@ from azcp_cluster.core.digests import StreamDigests
 from azcp_cluster.core.errors import AzcpError, InternalError
 from azcp_cluster.core.fanout import Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
 from azcp_cluster.core.model import FileEntry
+from azcp_cluster.core.naps import Naps
 from azcp_cluster.core.schedule import Extent, Transfer, completions, streamed_files
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.nodewriter import NodeWriter
@@ -272,7 +272,7 @@ class FanOutDriver:
     def _drive(self, run: _Run) -> Finish:
         """Carry out the machine's instructions and feed it what happened, until it says Finish."""
         todo = run.todo
-        nap = POLL_NAP
+        naps = Naps(POLL_NAP, MAX_NAP)
         while True:
             while todo:
                 step = todo.popleft()
@@ -282,24 +282,23 @@ class FanOutDriver:
                     todo.extend(self._handle(run.machine, event))
             todo.extend(self._events_now(run))
             if todo:
-                nap = POLL_NAP
+                naps.reset()
                 continue
             if run.inflight and self.transport.test(run.inflight[0].request):
                 for event in self._completed(run):
                     todo.extend(self._handle(run.machine, event))
-                nap = POLL_NAP
+                naps.reset()
                 continue
             # Nothing to do until a thread, the transport or the download moves: nap, then
             # look again, testing the transfer in flight (MPI moves only inside MPI calls)
             # often. A nap, not a timed wait on the events queue: a signal landing in that
             # wait can hang it (see interrupts.shield).
-            time.sleep(nap if run.inflight else IDLE_NAP)
-            nap = min(nap * 2, MAX_NAP)
+            naps.nap(None if run.inflight else IDLE_NAP)
             try:
                 event = self._events.get_nowait()
             except queue.Empty:
                 continue
-            nap = POLL_NAP
+            naps.reset()
             todo.extend(self._handle(run.machine, event))
 
     def _handle(self, machine: FanOut, event: Event) -> list[Instruction]:

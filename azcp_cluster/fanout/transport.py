@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from azcp_cluster.core.comm import Comm
+from azcp_cluster.core.naps import nap_until
 from azcp_cluster.core.schedule import call_slices
 
 # Seconds between looks at an agreement while a rank waits in it, growing while nothing
@@ -112,12 +113,7 @@ class MpiTransport:
 
     def agree(self, failed: bool, between: Callable[[], None] | None = None) -> bool:
         request = self.iagree(failed)
-        nap = AGREE_NAP
-        while not self.done(request):
-            if between is not None:
-                between()
-            time.sleep(nap)
-            nap = min(nap * 2, MAX_AGREE_NAP)
+        nap_until(lambda: self.done(request), AGREE_NAP, MAX_AGREE_NAP, between)
         return self.answer(request)
 
     # -- the point-to-point wire of a chain (fanout/chain.py) --------------------------------
