@@ -47,7 +47,7 @@ from azcp_cluster.core.fanout import Agree, Post, Write
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.fanout.chain import ChainTransport, decide, probe, transport_for
-from azcp_cluster.fanout.events import BroadcastStats
+from azcp_cluster.fanout.events import FanOutStats
 from azcp_cluster.fanout.transport import LoopbackError, LoopbackHub, LoopbackTransport, Request
 from tests.conftest import REPO, assert_copies, mpi_flavour, run_cli, tree_of
 from tests.test_transport import assert_nothing_wrong, fail_at_every_instruction, fan_out, md5, world
@@ -493,7 +493,7 @@ def test_chains_give_every_rank_byte_identical_copies_each_link_carrying_each_by
     out = fan_out(w, "run", transports=transports)
     expected = {f.path: d for f, d in zip(w.files, w.data, strict=True)}
     for rank, result in enumerate(out.results):
-        assert isinstance(result, BroadcastStats), f"rank {rank}: {result!r}"
+        assert isinstance(result, FanOutStats), f"rank {rank}: {result!r}"
         assert tree_of(out.dests[rank]) == expected, f"rank {rank}"
         digests = out.drivers[rank].digests
         assert digests and all(digest == md5(w.data[file]) for file, digest in digests.items())
@@ -524,7 +524,7 @@ def test_the_real_driver_over_windowed_chains_copies_every_byte_within_the_windo
     out = fan_out(w, "run", transports=transports)
     expected = {f.path: d for f, d in zip(w.files, w.data, strict=True)}
     for rank, result in enumerate(out.results):
-        assert isinstance(result, BroadcastStats), f"rank {rank}: {result!r}"
+        assert isinstance(result, FanOutStats), f"rank {rank}: {result!r}"
         assert tree_of(out.dests[rank]) == expected, f"rank {rank}"
     most = max(n for wire in wires.values() for n in wire.most.values())
     assert 2 * PIECE <= most <= 3 * PIECE, {r: dict(wire.most) for r, wire in wires.items()}
@@ -543,7 +543,7 @@ def test_a_failure_at_any_instruction_of_a_chain_ends_every_rank_together(
     """As test_transport's, over chains, the victim in the middle (1) or at the end (2) of the chain."""
     w = world(tmp_path, 3, local=True)
     clean = fan_out(w, "clean", transports=RecordedChain)
-    assert all(isinstance(r, BroadcastStats) for r in clean.results)
+    assert all(isinstance(r, FanOutStats) for r in clean.results)
     assert {Post, Write, Agree} <= {type(s) for s in clean.drivers[victim].carried}
     fail_at_every_instruction(w, clean, victim, RecordedChain, sample=sample)
 

@@ -24,7 +24,7 @@ class _Held:
         self.held = held
         self.asked: list[tuple[int, int, int]] = []
 
-    def copy_landed(self, file: int, offset: int, out: np.ndarray) -> bool:
+    def copy_held(self, file: int, offset: int, out: np.ndarray) -> bool:
         self.asked.append((file, offset, len(out)))
         data = self.held.pop((file, offset), None)
         if data is None or len(data) != len(out):
@@ -47,7 +47,7 @@ def _reader(tree: DestTree, held: _Held | None) -> ReadAhead:
     schedule = [Transfer(0, 0, (1,), (Extent(0, 0, SIZE, 0, True),), True),
                 Transfer(1, 0, (1,), (Extent(1, 0, SIZE, 0, True),), True)]  # fmt: skip
     return ReadAhead(files, tree, schedule, 0, have=[False, True], source_of=lambda i: None,
-                     direct=False, hint_window=4, changed=set(), kept=held)  # fmt: skip
+                     direct=False, hint_window=4, changed=set(), held=held)  # fmt: skip
 
 
 def _fill(tree: DestTree, tmp_path: Path) -> None:
@@ -90,7 +90,7 @@ def test_a_file_whose_last_extent_is_held_is_closed_after_its_earlier_ones_came_
     files = [FileEntry("got.bin", "got.bin", SIZE), FileEntry("had.bin", "had.bin", SIZE)]
     transfer = Transfer(0, 0, (1,), (Extent(0, 0, half, 0, False), Extent(0, half, half, half, True)), True)
     reader = ReadAhead(files, tree, [transfer], 0, have=[False, True], source_of=lambda i: None,
-                       direct=False, hint_window=4, changed=set(), kept=held)  # fmt: skip
+                       direct=False, hint_window=4, changed=set(), held=held)  # fmt: skip
     slot = np.zeros(SIZE + 1, dtype=np.uint8)
     reader.read(transfer, slot)
     assert bytes(slot[:SIZE]) == b"D" * half + b"M" * half and reader.memory_bytes == half

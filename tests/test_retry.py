@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from email.utils import formatdate
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azcp_cluster.core.retry import BASE_DELAY, MAX_DELAY, RETRYABLE_STATUS, backoff_delay, parse_retry_after
+from azcp_cluster.core.retry import BASE_DELAY, MAX_DELAY, RETRYABLE_STATUS, Retries, backoff_delay, parse_retry_after
 
 NOW = 1_700_000_000.0  # a fixed "now" (2023-11-14), so the tests never read the clock
 
@@ -130,3 +131,47 @@ def test_parse_retry_after_never_raises(value: str) -> None:
     """Whatever a server or proxy sends, the answer is a non-negative delay or None."""
     result = parse_retry_after(value, NOW)
     assert result is None or (isinstance(result, float) and result >= 0)
+
+
+# ---------------------------------------------------------------------------------------
+# Retries: the one helper of the download's and the listing's retry loops
+
+
+def _retries(limit: int, seed: int) -> tuple[Retries, list[float]]:
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    return Retries(limit, random.Random(seed), sleep), slept
+
+
+@given(limit=st.integers(0, 12), seed=st.integers(0, 2**32), after=st.one_of(st.none(), st.floats(0, 500)))
+@settings(max_examples=200)
+def test_retries_wait_backoff_delays_in_turn_and_stop_at_the_limit(limit: int, seed: int, after: float | None) -> None:
+    """Exactly ``limit`` pauses before ``exhausted``, each the delay backoff_delay gives for its
+    attempt from the same random stream (Retry-After passed through)."""
+    retries, slept = _retries(limit, seed)
+    rng = random.Random(seed)
+    expected = []
+    while not retries.exhausted:
+        asyncio.run(retries.pause(after))
+        expected.append(backoff_delay(len(expected), after, rng))
+    assert retries.attempt == limit == len(slept)
+    assert slept == expected
+
+
+def test_retries_honour_retry_after_and_count_attempts() -> None:
+    retries, slept = _retries(3, 0)
+    assert not retries.exhausted and retries.attempt == 0
+    asyncio.run(retries.pause(20.0))  # the first ceiling is BASE_DELAY: Retry-After wins
+    assert slept == [20.0] and retries.attempt == 1
+    asyncio.run(retries.pause(10 * MAX_DELAY))  # bounded at five times the cap
+    assert slept[-1] == 5 * MAX_DELAY
+    asyncio.run(retries.pause())
+    assert BASE_DELAY * 2 <= slept[-1] <= BASE_DELAY * 4 and retries.exhausted
+
+
+def test_no_retries_is_exhausted_at_once() -> None:
+    retries, slept = _retries(0, 0)
+    assert retries.exhausted and slept == []

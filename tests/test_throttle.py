@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from azcp_cluster.core.config import GiB, MiB, parse_rate
 from azcp_cluster.core.errors import UsageError
-from azcp_cluster.core.throttle import MIN_BODY_RATE, Pacer, Slot, share
+from azcp_cluster.core.throttle import MIN_BODY_RATE, Booking, Pacer, share
 
 
 class FakeClock:
@@ -48,9 +48,9 @@ def test_a_short_copy_takes_its_time_at_the_cap() -> None:
     clock = FakeClock()
     pacer = Pacer.for_rate(8 * MiB, clock)
     assert pacer.burst == pytest.approx(0.8 * MiB) and pacer.piece == int(0.8 * MiB)
-    slots = [pacer.book(16 * MiB), pacer.book(15 * MiB)]
-    assert pacer.delay(slots[1], 15 * MiB) == pytest.approx(31 / 8 - 0.1)
-    assert pacer.delay(slots[1], pacer.piece) == pytest.approx(2.0)  # its request goes at 2 s, not at once
+    bookings = [pacer.book(16 * MiB), pacer.book(15 * MiB)]
+    assert pacer.delay(bookings[1], 15 * MiB) == pytest.approx(31 / 8 - 0.1)
+    assert pacer.delay(bookings[1], pacer.piece) == pytest.approx(2.0)  # its request goes at 2 s, not at once
 
 
 def test_a_pacer_too_slow_for_the_service_pays_each_block_before_its_request() -> None:
@@ -60,8 +60,8 @@ def test_a_pacer_too_slow_for_the_service_pays_each_block_before_its_request() -
     clock = FakeClock()
     pacer = Pacer.for_rate(MIN_BODY_RATE - 1, clock)
     assert pacer.piece >= 1 << 40
-    slot = pacer.book(MiB)
-    assert pacer.delay(slot, min(MiB, pacer.piece)) == pytest.approx((MiB - pacer.burst) / pacer.rate)
+    booking = pacer.book(MiB)
+    assert pacer.delay(booking, min(MiB, pacer.piece)) == pytest.approx((MiB - pacer.burst) / pacer.rate)
     assert Pacer.for_rate(MIN_BODY_RATE, clock).piece == int(0.1 * MIN_BODY_RATE)
 
 
@@ -79,28 +79,28 @@ def test_pacer_rejects_nonsense() -> None:
 def _simulate(
     rate: float, burst: float, bookings: list[tuple[float, int]], late: list[float]
 ) -> tuple[list[float], list[tuple[float, int]], list[int]]:
-    """Book each (time, size) in turn; read every slot a piece at a time, each piece once it is
+    """Book each (time, size) in turn; read every booking a piece at a time, each piece once it is
     due and its reader is there (the booking's time, then the last piece's read, plus that
     piece's lateness). Returns the bookings' times, every read as (time, bytes), and the
-    index of each slot's first read."""
+    index of each booking's first read."""
     clock = FakeClock()
     pacer = Pacer(rate, burst, clock)
     asked: list[float] = []
-    slots: list[Slot] = []
+    booked: list[Booking] = []
     for at, size in bookings:
         clock.now = max(clock.now, at)
         asked.append(clock.now)
-        slots.append(pacer.book(size))
+        booked.append(pacer.book(size))
     reads: list[tuple[float, int]] = []
     firsts: list[int] = []
     k = 0
-    for when, slot in zip(asked, slots, strict=True):
+    for when, booking in zip(asked, booked, strict=True):
         firsts.append(len(reads))
         ready, done = when, 0
-        while done < slot.length:
-            take = min(pacer.piece, slot.length - done)
+        while done < booking.length:
+            take = min(pacer.piece, booking.length - done)
             clock.now = ready
-            ready += pacer.delay(slot, done + take) + late[k % len(late)]
+            ready += pacer.delay(booking, done + take) + late[k % len(late)]
             k += 1
             done += take
             reads.append((ready, take))
@@ -131,7 +131,7 @@ def test_bytes_due_never_exceed_rate_times_elapsed_plus_burst(
     bookings: list[tuple[float, int]], rate: float, burst: float, late: list[float], unit: int
 ) -> None:
     """Whenever the readers come (late or not), whether pieces or whole blocks: from any booking
-    on, the bytes of that slot and the later ones read by any time t are at most
+    on, the bytes of that booking and the later ones read by any time t are at most
     rate x (t - the booking's time) + burst."""
     # (A burst of 0 reads a byte at a time: its sizes stay small.)
     bookings = _scaled(bookings[:4], 1) if burst == 0 else _scaled(bookings, unit)
@@ -179,8 +179,8 @@ def test_every_copy_of_two_seconds_or_more_stays_within_five_percent(rate: float
     takes at least (bytes - burst) / rate, so over 2 s or more it is within 5 % of the rate."""
     clock = FakeClock()
     pacer = Pacer.for_rate(rate, clock)
-    slots = [pacer.book(n) for n in sizes]
-    last = pacer.delay(slots[-1], sizes[-1])
+    bookings = [pacer.book(n) for n in sizes]
+    last = pacer.delay(bookings[-1], sizes[-1])
     total = sum(sizes)
     assert last == pytest.approx(max(0.0, (total - pacer.burst) / rate))
     if last >= 2.0:

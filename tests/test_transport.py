@@ -1,6 +1,6 @@
 """The fan-out's real driver in process: ranks as threads over the loopback transport, DESTs on tmp_path.
 
-:class:`Broadcaster` (its read-ahead, writers, hasher and dispatcher) runs unchanged; only
+:class:`FanOutDriver` (its read-ahead, writers, hasher and dispatcher) runs unchanged; only
 the calls between the ranks go through :class:`LoopbackTransport` instead of MPI, matched
 as MPI matches them and in the most synchronous order MPI allows. Each rank has its own
 DEST prepared as the allocate stage prepares a leader's (small files it only receives made
@@ -36,9 +36,9 @@ from azcp_cluster.dest.localfs import TEMP_SUFFIX, temp_path
 from azcp_cluster.dest.localsource import local_etag
 from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.devtools.datasets import pseudo_random
-from azcp_cluster.fanout.broadcast import Broadcaster
 from azcp_cluster.fanout.chain import ChainTransport
-from azcp_cluster.fanout.events import BroadcastStats
+from azcp_cluster.fanout.driver import FanOutDriver
+from azcp_cluster.fanout.events import FanOutStats
 from azcp_cluster.fanout.readahead import ReadAhead
 from azcp_cluster.fanout.transport import LoopbackError, LoopbackHub, LoopbackTransport, Request, Transport
 from azcp_cluster.run.cluster import PeerFailed
@@ -121,7 +121,7 @@ class Recorded(LoopbackTransport):
         return super().agree(failed, between)
 
 
-class Counting(Broadcaster):
+class Counting(FanOutDriver):
     """The real driver, which records every instruction it carries out and fails at the ``fail_at``-th."""
 
     def __init__(self, *args: Any, fail_at: int | None = None, **kwargs: Any) -> None:
@@ -142,7 +142,7 @@ class Counting(Broadcaster):
 class Outcome:
     """What every rank's run ended with."""
 
-    results: list[BroadcastStats | BaseException | None]
+    results: list[FanOutStats | BaseException | None]
     drivers: list[Counting]
     dests: list[Path]
     written: list[list[tuple[int, int, int]]] = field(default_factory=list)
@@ -164,7 +164,7 @@ def fan_out(
     """Every rank's fan-out of ``w`` at once (one thread each); renamed, as the stage does, only
     if every rank succeeded. A rank still running after JOIN_TIMEOUT fails the test: it hung."""
     hub = LoopbackHub(w.ranks, timeout=HUB_TIMEOUT)
-    results: list[BroadcastStats | BaseException | None] = [None] * w.ranks
+    results: list[FanOutStats | BaseException | None] = [None] * w.ranks
     written: list[list[tuple[int, int, int]]] = [[] for _ in range(w.ranks)]
     dests = [w.tmp / name / str(rank) for rank in range(w.ranks)]
     trees = [prepare(w, dests[rank], rank) for rank in range(w.ranks)]
@@ -211,7 +211,7 @@ def fan_out(
         assert not thread.is_alive(), f"rank {rank} hung (fail_at={fail_at})"
     for writer in writers:  # the run's to close, after their queued writes
         writer.close()
-    if all(isinstance(r, BroadcastStats) for r in results):  # the stage's agreement, then its rename
+    if all(isinstance(r, FanOutStats) for r in results):  # the stage's agreement, then its rename
         for tree in trees:
             tree.rename_all([f.path for f in w.files])
     for tree in trees:
@@ -294,7 +294,7 @@ def test_an_agreement_is_the_or_of_every_rank() -> None:
 
 @pytest.mark.parametrize("chained", [False, True], ids=["loopback", "chain"])
 def test_a_rank_waiting_in_an_agreement_runs_between_until_the_last_joins(chained: bool) -> None:
-    # What a rank does meanwhile (Broadcaster: tell the others of a signal at once) runs while
+    # What a rank does meanwhile (FanOutDriver: tell the others of a signal at once) runs while
     # it waits, not once the last rank has joined.
     hub = LoopbackHub(2, timeout=5)
     calls: list[float] = []
@@ -347,7 +347,7 @@ def test_every_rank_ends_with_byte_identical_copies(tmp_path: Path, ranks: int, 
     out = fan_out(w, "run")
     expected = {f.path: d for f, d in zip(w.files, w.data, strict=True)}
     for rank, result in enumerate(out.results):
-        assert isinstance(result, BroadcastStats), f"rank {rank}: {result!r}"
+        assert isinstance(result, FanOutStats), f"rank {rank}: {result!r}"
         assert tree_of(out.dests[rank]) == expected, f"rank {rank}"
         assert result.chunks == sum(1 for t in w.schedule if t.involves(rank))
         digests = out.drivers[rank].digests
@@ -373,7 +373,7 @@ def test_a_failure_at_any_instruction_ends_every_rank_together(tmp_path: Path, v
     w = world(tmp_path, 3, local=True)
     assert len(w.schedule) > 2 * CHECK_EVERY, "too few transfers for agreements between them"
     clean = fan_out(w, "clean")
-    assert all(isinstance(r, BroadcastStats) for r in clean.results)
+    assert all(isinstance(r, FanOutStats) for r in clean.results)
     assert {Read, Post, Write, Hash, Agree} <= {type(s) for s in clean.drivers[victim].carried}
     fail_at_every_instruction(w, clean, victim, sample=sample)
 

@@ -31,7 +31,7 @@ from azcp_cluster.azure.netfailure import network_cause
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.keyspace import ascending, cut_points, in_piece, order
 from azcp_cluster.core.naming import RawEntry
-from azcp_cluster.core.retry import RETRYABLE_STATUS, backoff_delay, parse_retry_after
+from azcp_cluster.core.retry import RETRYABLE_STATUS, Retries, parse_retry_after
 from azcp_cluster.core.source import API_VERSION, BlobSource
 
 if TYPE_CHECKING:
@@ -46,8 +46,8 @@ IN_FLIGHT = 8  # directories listed at once (and the connections of a listing's 
 # Key ranges (keyspace.py): the service version that takes startFrom, the cuts made at once,
 # and how many times a range is cut again.
 START_FROM_VERSION = "2026-02-06"
-SPLIT = 16
-MAX_SPLIT = 3
+SPLIT = 16  # ranges per cut: enough to spread a huge directory over the listing ranks
+MAX_SPLIT = 3  # cuts go three levels deep at most; a range deeper is listed uncut, from its marker
 
 
 class Refused(Exception):
@@ -356,7 +356,7 @@ class Lister:
         auth = self.auth.list_query() if listing else self.auth.query()
         if auth:
             url += ("&" if "?" in url else "?") + auth
-        attempt = 0
+        retries = Retries(self.cfg.max_retries, self.rng, asyncio.sleep)
         failures = self._failures()
         while True:
             headers = {"x-ms-version": version, **self.auth.headers()}
@@ -366,11 +366,10 @@ class Lister:
                 if status in ok:
                     return status, got, body
                 code = got.get("x-ms-error-code", "") or reason
-                if status not in RETRYABLE_STATUS or attempt >= self.cfg.max_retries:
+                if status not in RETRYABLE_STATUS or retries.exhausted:
                     raise Refused(status, code)
                 retry_after = parse_retry_after(got.get("Retry-After"), time.time())
             except failures as exc:
-                if attempt >= self.cfg.max_retries:
+                if retries.exhausted:
                     raise Unreachable(network_cause(exc) or type(exc).__name__) from None
-            await asyncio.sleep(backoff_delay(attempt, retry_after, self.rng))
-            attempt += 1
+            await retries.pause(retry_after)

@@ -171,14 +171,14 @@ def pool_buffers_for(concurrency: int, blocks: int) -> int:
     return min(pool_buffers(concurrency), blocks + SPARE_BUFFERS)
 
 
-def keepable(buffers: int, requests: int, per_transfer: int) -> int:
-    """How many written buffers a streaming leader's pool may keep for its fan-out to send from
-    memory (``WritePool.keep_landed``): what ``requests`` in flight, one buffer each, and half
+def holdable(buffers: int, requests: int, per_transfer: int) -> int:
+    """How many written buffers a streaming leader's pool may hold for its fan-out to send from
+    memory (``WritePool.hold_written``): what ``requests`` in flight, one buffer each, and half
     the spares leave of ``buffers``, if that holds a whole transfer (``per_transfer`` buffers);
     else none, since a transfer held in part is read from the disk all the same (a share of
     256 MiB or more streams 16 MiB transfers, 8 buffers, and 4 are spare).
 
-    What is kept returns when the fan-out copies it; meanwhile the download has fewer spares,
+    What is held returns when the fan-out copies it; meanwhile the download has fewer spares,
     and a request that finds none waits for a write to end, never for the fan-out."""
     if buffers < 0 or requests < 0 or per_transfer < 1:
         raise ValueError("buffers and requests must not be negative, per_transfer at least 1")
@@ -213,7 +213,7 @@ __all__ = [
     "deal",
     "deal_requests",
     "fanout_slots",
-    "keepable",
+    "holdable",
     "node_blocks",
     "pool_buffers",
     "pool_buffers_for",

@@ -41,30 +41,25 @@ TAG_BASE = 64
 # fills for nothing.
 MIN_PIECE = 256 * KiB
 MAX_PIECE = 4 * MiB
-DEFAULT_PIECE = 1 * MiB
-FILL_SHARE = 0.02
-# The piece size --fanout-piece accepts.
+DEFAULT_PIECE = 1 * MiB  # when the payload is unknown: inside the bounds, fill small at 8 nodes
+FILL_SHARE = 0.02  # the pipe fill a chain may cost: 2 % of the fan-out
+# The piece size --fanout-piece accepts: wider than the chosen bounds, for experiments.
 MIN_PIECE_OPTION = 4 * KiB
 MAX_PIECE_OPTION = 256 * MiB
 # --fanout auto: no probe below this many bytes to fan out (it would cost more than any
 # choice saves; the chain, at the bound on every fabric measured, is taken), nor on two
 # nodes (a chain of two is one point-to-point transfer, as a broadcast between two is).
 PROBE_MIN_PAYLOAD = 256 * MiB
-# The probe: this many bytes sent once by each method (about 0.1 s in all on a 400 Mbit/s
-# fabric of eight nodes, milliseconds on InfiniBand), cut into PROBE_PIECE pieces for the
-# chain, so that its pipe fill ((N - 2) pieces) stays under its bytes at eight nodes. It is
-# paid once per run, inside it: on the box's eight hosts 4 MiB in 512 KiB pieces cost the
-# allocate stage 0.33 s, 2 MiB in 256 KiB pieces took 0.15 to 0.17 s itself (3 % of a 256 MiB
-# copy's bound), and with 1 MiB in 128 KiB pieces the whole stage took 0.10 to 0.13 s. The
-# 2 MiB probe found the broadcast 1.7 to 2.1 x the chain's time for its bytes, the 1 MiB one
-# 1.45 to 1.56 x (the chain is kept unless the broadcast is faster by PROBE_MARGIN).
+# The probe: this many bytes sent once by each method, paid once per run inside it: the
+# smallest that still ranks the two methods (docs/benchmarks.md, *Why the constants are what
+# they are*: the sizes tried).
 PROBE_BYTES = 1 * MiB
+# The probe's chain pieces: small enough that its pipe fill ((N - 2) pieces) stays under its
+# bytes at eight nodes.
 PROBE_PIECE = 128 * KiB
 # Under an MPI that interleaves (FanoutChoice.window) the probe's chain keeps at most this
-# many bytes in flight to the next rank: as many pieces as a run's first window holds of its
-# own (2 MiB of 512 KiB pieces). With the run's 2 MiB the whole probe was in flight at once,
-# the very pattern the window exists to avoid, and the chain was timed at 2 to 6.5 x MPICH's on
-# the same links (the box, 8 hosts), the broadcast then only 1.15 x slower by the probe.
+# many bytes in flight to the next rank, as a run's first window does, so that the probe
+# times the pattern the run will use (docs/benchmarks.md: without it the chain timed slow).
 PROBE_WINDOW = 4 * PROBE_PIECE
 # The chain is kept unless the broadcast would be faster by more than this share, for the
 # payload, from the probe (Probe.expected; a tie is the chain's: its time does not grow
@@ -72,24 +67,19 @@ PROBE_WINDOW = 4 * PROBE_PIECE
 PROBE_MARGIN = 0.10
 
 # Sends in flight from a rank to the rank after it, under an MPI that moves the messages in
-# flight to a peer together (FanoutChoice.window): SendWindow. Open MPI's ob1 (its TCP path)
-# pushes the fragments of every rendezvous message in flight to a peer in turn, so with a
-# transfer's every piece posted at once no piece arrives before nearly all have, and each
-# node forwards late (the box, Open MPI 5.0.11, a raw chain of 128 MiB in 512 KiB pieces: 64
-# in flight 1.59 and 2.77 x S/B at 4 and 8 hosts, 4 in flight 1.11 and 1.44). MPICH sends
-# them in order, and there a window cost time (8 hosts streamed 256 MiB, alternating: a
-# median of 7.55 s against 7.13 without): none.
+# flight to a peer together (FanoutChoice.window): SendWindow. Open MPI's TCP path pushes
+# the fragments of every message in flight to a peer in turn, so with a transfer's every
+# piece posted at once each node forwards late; MPICH sends in order and needs no window
+# (docs/benchmarks.md has the figures of both).
 # The window starts at WINDOW_MIN_BYTES (WINDOW_MIN_PIECES pieces or more) and grows to
 # what the link took in WINDOW_COVER seconds, measured over WINDOW_SAMPLE seconds or more:
-# a fast link (InfiniBand) drains a small window between two looks of the driver (naps up
-# to 2 ms), a slow one (a 400 Mbit/s link takes 2 MiB in 42 ms) never does. What sits in the
-# window when a sample starts (sent to socket buffers, not yet across) adds at most the
-# window over a sample, a quarter of it to the next limit (the sample is four covers), so a
-# link under 3/4 x WINDOW_MIN_BYTES / WINDOW_COVER (about 1.3 Gbit/s) keeps the smallest.
-WINDOW_MIN_BYTES = 2 * MiB
-WINDOW_MIN_PIECES = 2
-WINDOW_COVER = 0.01
-WINDOW_SAMPLE = 0.04
+# a fast link (InfiniBand) drains a small window between two looks of the driver, a slow
+# one never does. What sits in the window when a sample starts adds at most a quarter of
+# it to the next limit (the sample is four covers), so a slow link keeps the smallest.
+WINDOW_MIN_BYTES = 2 * MiB  # a window that a slow link never drains: the smallest kept
+WINDOW_MIN_PIECES = 2  # at least two pieces, so one is in flight while the next is posted
+WINDOW_COVER = 0.01  # a window of 10 ms of the link: longer than the driver's naps
+WINDOW_SAMPLE = 0.04  # four covers: what sits in the window skews a sample by a quarter
 
 
 def chain_order(root: int, receivers: Sequence[int], size: int) -> tuple[int, ...]:

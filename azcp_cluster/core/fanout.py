@@ -1,6 +1,6 @@
 """The fan-out's decisions for one rank, as a state machine without I/O. Pure code.
 
-The driver (:class:`azcp_cluster.fanout.broadcast.Broadcaster`) owns the threads and the MPI
+The driver (:class:`azcp_cluster.fanout.driver.FanOutDriver`) owns the threads and the MPI
 calls; it tells :class:`FanOut` what happened (a read, a call or a write finished, a
 transfer's bytes landed on this node, something failed, the ranks agreed) and carries out
 the instructions it gets back (read a slot, post a transfer, write or hash extents, join

@@ -37,7 +37,7 @@ TEMP_SUFFIX = ".azcp-part"
 # Linux filesystems take names of at most 255 bytes per segment (NAME_MAX); the temporary
 # name adds a dot and the suffix, and a path stays well below PATH_MAX (4096) with DEST.
 MAX_SEGMENT_BYTES = 255 - 1 - len(TEMP_SUFFIX)
-MAX_PATH_BYTES = 3072
+MAX_PATH_BYTES = 3072  # leaves a quarter of PATH_MAX for DEST's own path
 
 
 @dataclass(frozen=True)

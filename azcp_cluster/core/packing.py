@@ -28,9 +28,9 @@ from azcp_cluster.core.plan import Plan
 from azcp_cluster.core.schedule import ALIGN, DIRECT_MIN, ExtentColumns, Transfers
 
 # A copy that does not stream, its bytes on several nodes (the download over, or
-# --source-readers): the fan-out's slots hold this many transfers of every root at once. With
-# 16 MiB transfers in 4 slots, 8 roots went round in two halves, each link carrying 3 or 4
-# of the 4 in flight and waiting for the slowest (the box, 8 hosts: 2.9 s against 2.35).
+# --source-readers): the fan-out's slots hold this many transfers of every root at once, so
+# that every root's link carries some, not half the roots at a time waiting for the slowest
+# (docs/benchmarks.md).
 RING_DEPTH = 2
 # ...but no smaller than this (a message, an agreement every 16, a write per transfer).
 MIN_SPREAD_CHUNK = 1 << 20

@@ -256,7 +256,7 @@ def split_columns(
 # A vectorised LPT batch must place at least this many pieces to beat the heap; below it,
 # the next stretch of pieces goes through the heap.
 _BATCH_MIN = 64
-_HEAP_STRETCH = 4096
+_HEAP_STRETCH = 4096  # pieces at a time through the heap: bounds its Python loop between batches
 
 
 def lpt_owners(lengths: np.ndarray, candidates: Sequence[int]) -> np.ndarray:

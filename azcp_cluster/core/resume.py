@@ -92,15 +92,11 @@ Record = Header | Range | Drop
 # A running journal's turns (journal.Journal): at least every TURN_MAX seconds (what a SIGKILL
 # can lose), and sooner, from TURN_MIN seconds on, once TURN_BYTES were written since the
 # last one. A turn's syncs wait for what was written since the one before, and the writers
-# wait with them: by bytes, 1 GiB from the emulator to 2 ranks on loopback took 3.11-3.26 s
-# against 3.17-3.90 s with a turn a second (and 3.32-3.68 s with no journal at all, all made
-# durable at the end); 8 hosts' streamed 128 MiB on the cluster box, a median of 3.30 s
-# against 3.42 (and 3.12 against 3.38 another day: docs/benchmarks.md, sixth round). A copy
-# that writes slowly keeps a turn a second: 20,000 small files (a turn's cost there is per
-# file, not per byte) 9.49 against 9.52 s. docs/reliability.md.
-TURN_MAX = 1.0
-TURN_MIN = 0.25
-TURN_BYTES = 16 << 20
+# wait with them, so a fast copy turns by bytes and a slow one by the clock
+# (docs/benchmarks.md has the timings; docs/reliability.md what a turn guarantees).
+TURN_MAX = 1.0  # a SIGKILL loses at most a second of recorded writes
+TURN_MIN = 0.25  # no sooner: the syncs of a turn stall the writers
+TURN_BYTES = 16 << 20  # a fast copy's turn: a few slots' worth
 
 
 def turn_due(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Awaitable, Callable
 from email.utils import parsedate_to_datetime
 
 # 408 timeout, 429 throttled, and the 5xx that Azure documents as transient.
@@ -16,8 +17,8 @@ RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # (--max-bandwidth), a buffer or the disk does not count: only time waiting for the server.
 MIN_BODY_RATE = 4096
 
-BASE_DELAY = 0.5
-MAX_DELAY = 30.0
+BASE_DELAY = 0.5  # the first retry's bound: a blip passes, a throttled service is not hammered
+MAX_DELAY = 30.0  # the longest wait between tries: a run never sleeps through minutes
 
 
 def backoff_delay(
@@ -39,6 +40,29 @@ def backoff_delay(
     if retry_after is not None:
         delay = max(delay, min(retry_after, 5 * cap))
     return delay
+
+
+class Retries:
+    """One request's retries: at most ``limit`` of them, each after :func:`backoff_delay`
+    (``sleep`` is the caller's, ``asyncio.sleep`` in the package). The caller decides which
+    failures retry and what it says on giving up; this only counts and waits.
+
+    ``attempt`` is the number of retries made so far; :attr:`exhausted` once it is ``limit``.
+    """
+
+    def __init__(self, limit: int, rng: random.Random, sleep: Callable[[float], Awaitable[object]]) -> None:
+        self.limit, self.rng, self._sleep = limit, rng, sleep
+        self.attempt = 0
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether no retry is left: the next failure is the last."""
+        return self.attempt >= self.limit
+
+    async def pause(self, retry_after: float | None = None) -> None:
+        """Wait before the next try (the server's Retry-After honoured, see :func:`backoff_delay`)."""
+        await self._sleep(backoff_delay(self.attempt, retry_after, self.rng))
+        self.attempt += 1
 
 
 def too_slow(nbytes: int, seconds: float, floor: float = MIN_BODY_RATE) -> bool:

@@ -1,7 +1,7 @@
 """The transfer schedule: which bytes go from which node to which, in which order and slot. Pure code.
 
 The schedule is data, derived identically on every rank from the plan, so the fan-out
-engine (:mod:`azcp_cluster.core.fanout` decides, :mod:`azcp_cluster.fanout.broadcast` drives) only
+engine (:mod:`azcp_cluster.core.fanout` decides, :mod:`azcp_cluster.fanout.driver` drives) only
 walks a list. A *transfer* is one slot's worth of bytes: a sequence number, the rank of the
 broadcast communicator that sends it (its *root*), the ranks that receive it, and its
 *extents*, each a byte range of one file and its place in the slot. A fan-out mode (one

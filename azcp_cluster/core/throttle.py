@@ -6,18 +6,18 @@ downloading rank (or each of its download worker processes) paces its own share 
 :class:`Pacer`, a virtual-clock token bucket (GCRA) whose burst is :data:`BURST_SECONDS` of
 its rate, whatever the block size.
 
-Each ranged GET books a :class:`Slot`: its bytes get the next ``length / rate`` seconds of the
+Each ranged GET books a :class:`Booking`: its bytes get the next ``length / rate`` seconds of the
 pacer's timeline, right after the bytes booked before them (or from now, when the timeline
 has fallen behind the clock: idle time earns no credit beyond the burst). Its bytes are then
-taken a piece at a time as they are due: byte ``u`` of a slot may be read once the clock is
-past ``slot.start + (u - burst) / rate``. The request is sent when its first piece is due, so
+taken a piece at a time as they are due: byte ``u`` of a booking may be read once the clock is
+past ``booking.start + (u - burst) / rate``. The request is sent when its first piece is due, so
 the server is asked for a block only about when its bytes are wanted (concurrent requests
 follow each other along the timeline instead of all starting at once), and a block larger
 than the burst is paid for as it is read, not all at once, before or after (but for a pacer
 slower than :data:`MIN_BODY_RATE`, which pays for each block before its request).
 
-What that guarantees, from any moment a slot was booked on (``test_throttle.py`` checks
-both): the bytes of that slot and the later ones that are due by time ``t`` are at most
+What that guarantees, from any moment a booking was made on (``test_throttle.py`` checks
+both): the bytes of that booking and the later ones that are due by time ``t`` are at most
 ``rate x elapsed + burst``; and when each piece is read as soon as it is due, the bytes read
 within any interval of ``d`` seconds are at most ``rate x d + burst`` (a piece is never larger
 than the burst). With a burst of 0.1 s of the rate, any window of 2 s or more stays within
@@ -42,8 +42,9 @@ WHOLE = 1 << 62  # a piece no block reaches
 
 
 @dataclass(frozen=True)
-class Slot:
-    """One ranged GET's place on a pacer's timeline: its first byte is paid at ``start``."""
+class Booking:
+    """One ranged GET's place on a pacer's timeline: its first byte is paid at ``start``. (Not
+    a *slot*: in this package a slot is the fan-out's buffer, ``fanout.slot.Slot``.)"""
 
     start: float
     length: int
@@ -71,16 +72,16 @@ class Pacer:
         :data:`MIN_BODY_RATE`, a whole block."""
         return max(1, int(self.burst)) if self.rate >= MIN_BODY_RATE else WHOLE
 
-    def book(self, nbytes: int) -> Slot:
+    def book(self, nbytes: int) -> Booking:
         """Give the next ``nbytes`` of the timeline to one request (a retry books again: it pays again)."""
         now = self.clock()
         start = now if self._paid_until is None else max(self._paid_until, now)
         self._paid_until = start + nbytes / self.rate
-        return Slot(start, nbytes)
+        return Booking(start, nbytes)
 
-    def delay(self, slot: Slot, upto: int) -> float:
-        """Seconds to wait before the first ``upto`` bytes of ``slot`` may be taken (0 if already due)."""
-        return max(0.0, slot.start + (upto - self.burst) / self.rate - self.clock())
+    def delay(self, booking: Booking, upto: int) -> float:
+        """Seconds to wait before the first ``upto`` bytes of ``booking`` may be taken (0 if already due)."""
+        return max(0.0, booking.start + (upto - self.burst) / self.rate - self.clock())
 
 
 def share(total_rate: float, downloaders: int) -> float:

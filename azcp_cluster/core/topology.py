@@ -214,8 +214,8 @@ AUTO_MIN_SHARE = 128 * 1024 * 1024
 # processes would only fight over it.
 CPU_BOUND = 0.85
 # What handing the rest to workers costs: the rank's requests in flight drain, then the workers
-# start (an interpreter each, its imports, its buffers mapped) and connect. Measured here at
-# 0.3 to 0.45 s on 2 cores; counted at the high end.
+# start (an interpreter each, its imports, its buffers mapped) and connect: counted above what
+# it was measured at (docs/benchmarks.md).
 WORKER_START_SECONDS = 0.5
 # Workers must be predicted to finish in at most this share of the time the rank alone would:
 # the prediction assumes each worker goes as fast as the rank did, which the network may not allow.

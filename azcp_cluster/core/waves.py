@@ -25,16 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MiB = 1 << 20
-WAVES = 4
+WAVES = 4  # a share lands in four waves: the first goes out while three are still coming
 # A sixteenth, not an eighth: what lands last is a transfer per request in flight, and goes
-# out after the download (the box, 128 MiB streamed to 2, 4, 8 hosts: 1.13, 1.27, 1.54 x the
-# bound with an eighth, 1.10, 1.22, 1.50 with a sixteenth, one run each).
+# out after the download (docs/benchmarks.md has the two timed).
 SLOTS = 16
-MIN_BLOCK = 8 * MiB
-MIN_CHUNK = 1 * MiB
+MIN_BLOCK = 8 * MiB  # below it a ranged GET's fixed cost shows (see the docstring)
+MIN_CHUNK = 1 * MiB  # below it a transfer's per-message costs show
 # Each downloader's last block is cut into halves down to this (core/blocks.taper): what
 # lands last, and is sent after the download is over, is a few MiB in all, not a block per
-# node (at 4 hosts in the box, 3 x 8 MiB over each link: 0.5 s after the download).
+# node (docs/benchmarks.md).
 TAPER = 1 * MiB
 
 

@@ -31,7 +31,7 @@ from azcp_cluster.dest.localfs import fs_error
 # that two jobs retrying together drift apart.
 FIRST_PAUSE = 0.05
 LONGEST_PAUSE = 2.0
-_HOLDER_BYTES = 512
+_HOLDER_BYTES = 512  # more than a holder's line (host, pid, time) ever takes
 # A holder writes who it is right after it takes the lock: an empty file is read again.
 _HOLDER_TRIES = 5
 _HOLDER_PAUSE = 0.01

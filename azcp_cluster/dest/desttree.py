@@ -49,8 +49,7 @@ BULK_SYNC = 16
 # Files at least this large get their blocks reserved when their temporary name is made
 # (localfs.preallocate: it matters for O_DIRECT writes into one large file); a smaller file
 # is written whole, buffered, by one writer, and a fallocate each costs more than the
-# ftruncate that gives it its size (20,000 files of 0 to 16 KiB: about 0.35 s of a rank's
-# CPU). The space check covers both.
+# ftruncate that gives it its size (docs/benchmarks.md). The space check covers both.
 PREALLOCATE_MIN = 1 << 20
 
 

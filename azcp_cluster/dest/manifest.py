@@ -26,7 +26,7 @@ from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.directio import DirectReader, Opener, aligned_buffer
 from azcp_cluster.run.interrupts import shield
 
-HASH_CHUNK = 8 * 1024 * 1024
+HASH_CHUNK = 8 * 1024 * 1024  # one O_DIRECT read per hash update: large enough to stream a disk
 T = TypeVar("T")
 # A manifest larger than this is not one the tool wrote (about 100 bytes a file).
 MANIFEST_LIMIT = 1 << 30

@@ -27,8 +27,8 @@ from azcp_cluster.dest.directio import DirectReader, Opener, aligned_buffer
 from azcp_cluster.dest.localfs import temp_name
 from azcp_cluster.run.interrupts import shield
 
-CHECK_CHUNK = 8 * 1024 * 1024
-CHECK_THREADS = 4
+CHECK_CHUNK = 8 * 1024 * 1024  # one O_DIRECT read per CRC update: large enough to stream a disk
+CHECK_THREADS = 4  # reads queued on the disk at once, as the read-back's hash_files does
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _buffers = threading.local()
 

@@ -31,7 +31,7 @@ from typing import TypeVar
 T = TypeVar("T")
 R = TypeVar("R")
 
-THREADS = 16
+THREADS = 16  # slow (network) stat calls in flight at once: a metadata server's queue, not a flood
 # Mean seconds per call from which the calls go to threads: between a warm local stat
 # (2-3 µs here) and a network filesystem's round trip (50 µs and more).
 SLOW_CALL = 20e-6

@@ -27,7 +27,7 @@ BLOB_CHANGED = (
 )
 # The largest range the service gives an MD5 of (x-ms-range-get-content-md5). Asked only over
 # plain HTTP: over HTTPS, TLS authenticates every byte of the body (a hop cannot change one
-# unseen), and the service's MD5 would cost 1.7 s of a core per GiB here.
+# unseen), and the service's MD5 would cost a core's time for nothing (docs/benchmarks.md).
 RANGE_MD5_LIMIT = 4 * 1024 * 1024
 
 

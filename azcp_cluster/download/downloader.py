@@ -32,9 +32,9 @@ from azcp_cluster.core.blocks import Block, requests_for
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import AzcpError, DownloadError
 from azcp_cluster.core.model import FileEntry
-from azcp_cluster.core.retry import RETRYABLE_STATUS, backoff_delay
+from azcp_cluster.core.retry import RETRYABLE_STATUS, Retries
 from azcp_cluster.core.source import API_VERSION
-from azcp_cluster.core.throttle import Pacer, Slot
+from azcp_cluster.core.throttle import Booking, Pacer
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import fs_error
 from azcp_cluster.dest.nodewriter import NodeWriter
@@ -211,18 +211,18 @@ class Downloader:
         """One ranged GET for ``request`` (consecutive blocks of one file), retried from its
         first block that has not landed."""
         entry = self.files[request[0].file]
-        attempt = 0
+        retries = Retries(self.cfg.max_retries, self.rng, asyncio.sleep)
         while True:
             length = sum(block.length for block in request)
-            slot = None
+            booking = None
             if self.pacer is not None:
                 # Each attempt books its bytes (a retry is bytes sent again: it pays again);
                 # the request goes when its first piece is due, the rest as it is read.
-                slot = self.pacer.book(length)
-                await _pace(self.pacer.delay(slot, min(length, self.pacer.piece)))
+                booking = self.pacer.book(length)
+                await _pace(self.pacer.delay(booking, min(length, self.pacer.piece)))
             landed: list[Block] = []  # its blocks landed in this attempt, in order
             try:
-                await self._get_once(link, request, entry, slot, landed)
+                await self._get_once(link, request, entry, booking, landed)
                 return
             except Retryable as exc:
                 cause, retry_after, detail = exc.cause, exc.retry_after, ""
@@ -244,19 +244,18 @@ class Downloader:
             if not request:
                 return  # (the error came once every block had landed)
             first, length = request[0], sum(block.length for block in request)
-            if attempt >= self.cfg.max_retries:
+            if retries.exhausted:
                 raise DownloadError(
-                    f"giving up after {attempt} retries of bytes {first.offset}-{first.offset + length - 1}: "
+                    f"giving up after {retries.attempt} retries of bytes {first.offset}-{first.offset + length - 1}: "
                     f"last cause {cause}" + (f" ({detail})" if detail else ""),
                     path=entry.name,
                 )
             self.stats.retries += 1
             self.stats.retry_causes[cause] += 1
-            await asyncio.sleep(backoff_delay(attempt, retry_after, self.rng))
-            attempt += 1
+            await retries.pause(retry_after)
 
     async def _get_once(
-        self, link: Link, blocks: list[Block], entry: FileEntry, slot: Slot | None, landed: list[Block]
+        self, link: Link, blocks: list[Block], entry: FileEntry, booking: Booking | None, landed: list[Block]
     ) -> None:
         start = blocks[0].offset
         end = blocks[-1].offset + blocks[-1].length
@@ -291,7 +290,7 @@ class Downloader:
             watch = BodyWatch(conn)
             self._active.add(watch)
             try:
-                await self._stream_body(conn, head, blocks, entry, slot, landed, body)
+                await self._stream_body(conn, head, blocks, entry, booking, landed, body)
             except (OSError, ProtocolError, Retryable):
                 if watch.stalled:
                     raise Retryable(watch.cause) from None
@@ -354,7 +353,7 @@ class Downloader:
         head: Head,
         request: list[Block],
         entry: FileEntry,
-        slot: Slot | None,
+        booking: Booking | None,
         landed: list[Block],
         body: BodyCheck | None = None,
     ) -> None:
@@ -374,7 +373,7 @@ class Downloader:
             lands.append(asyncio.ensure_future(self._land(block, crc, written, before, landed, path, gate)))
 
         try:
-            await self._receive_blocks(conn, request, slot, body, writes, land)
+            await self._receive_blocks(conn, request, booking, body, writes, land)
             if body is not None:
                 body.finish()
         except BaseException as exc:
@@ -394,7 +393,7 @@ class Downloader:
         self,
         conn: Connection,
         request: list[Block],
-        slot: Slot | None,
+        booking: Booking | None,
         body: BodyCheck | None,
         writes: RequestWrites,
         land: Callable[[Block, int, asyncio.Future[BaseException | None]], None],
@@ -410,7 +409,7 @@ class Downloader:
             left, offset = block.length, block.offset
             while left:
                 want = min(pool.size, left)
-                full, crc = await self._receive(conn, want, offset - request[0].offset, slot, crc, body)
+                full, crc = await self._receive(conn, want, offset - request[0].offset, booking, crc, body)
                 pool.submit(writer, target, full, want, offset, writes, block.file)
                 self.received += want
                 offset += want
@@ -434,12 +433,12 @@ class Downloader:
         return outcomes
 
     async def _receive(
-        self, conn: Connection, want: int, at: int, slot: Slot | None, crc: int, body: BodyCheck | None
+        self, conn: Connection, want: int, at: int, booking: Booking | None, crc: int, body: BodyCheck | None
     ) -> tuple[np.ndarray, int]:
         """The next ``want`` body bytes (``at`` bytes into the request's body) received into a pool
         buffer, which is returned (the writer gives it back) with ``crc`` carried on over them.
         Under a cap, read a piece (the pacer's burst) at a time, each once due."""
-        writes, pacer = self._writes, self.pacer if slot is not None else None
+        writes, pacer = self._writes, self.pacer if booking is not None else None
         piece = pacer.piece if pacer is not None else writes.size
         buf = await writes.take()
         try:
@@ -448,8 +447,8 @@ class Downloader:
             while got < want:
                 end = min(want, got + piece)
                 if pacer is not None:
-                    assert slot is not None
-                    await _pace(pacer.delay(slot, at + end))
+                    assert booking is not None
+                    await _pace(pacer.delay(booking, at + end))
                 try:
                     if self._hashing:
                         n, crc = await conn.read_into_crc(view[got:end], crc)  # hashed as the reads land

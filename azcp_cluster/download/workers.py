@@ -75,8 +75,8 @@ TICK_SECONDS = 0.1
 SEND_TIMEOUT_SECONDS = 10.0
 # A worker says it is alive this often; one that says nothing for its read timeout plus
 # SILENCE_MARGIN (frozen, stuck starting on a hung filesystem) ends the run, named.
-HEARTBEAT_SECONDS = 1.0
-SILENCE_MARGIN_SECONDS = 10.0
+HEARTBEAT_SECONDS = 1.0  # often enough that a silent worker is noticed in seconds
+SILENCE_MARGIN_SECONDS = 10.0  # a busy machine's scheduling and a worker's start fit in it
 # What a worker process costs beyond its buffers (an interpreter with numpy), for the memory check.
 WORKER_MEMORY = 96 * 1024 * 1024
 _FRAME = struct.Struct("!I")
@@ -396,8 +396,8 @@ class WorkerDownloader:
 _Part = TypeVar("_Part", bound=Fetcher)
 
 # Auto: the rank downloads alone for at least this long and this many bytes before it judges.
-PROBE_SECONDS = 0.5
-PROBE_BYTES = 32 * 1024 * 1024
+PROBE_SECONDS = 0.5  # long enough for the connections to reach their rate
+PROBE_BYTES = 32 * 1024 * 1024  # enough bytes that a rate is a rate, not the first request's latency
 
 
 class AutoDownloader:

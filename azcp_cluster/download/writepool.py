@@ -8,9 +8,9 @@ and a download worker process makes its own. Its sizes (:func:`azcp_cluster.core
 are what the README states and the start-up memory check takes.
 
 Streaming, a node's leader downloads on a thread beside its fan-out, and each transfer it
-roots leaves once its bytes have landed. Its pool then keeps a few written buffers instead
-of taking them back (:meth:`WritePool.keep_landed`), and the fan-out copies a transfer's
-bytes from them into its slot (:meth:`WritePool.copy_landed`) instead of reading them back
+roots leaves once its bytes have landed. Its pool then holds a few written buffers instead
+of taking them back (:meth:`WritePool.hold_written`), and the fan-out copies a transfer's
+bytes from them into its slot (:meth:`WritePool.copy_held`) instead of reading them back
 from the disk, where eight hosts' writes on one disk made such reads wait up to 0.5 s.
 """
 
@@ -33,8 +33,7 @@ from azcp_cluster.dest.nodewriter import NodeWriter
 # The pool's sizes (BUFFER_BYTES, SPARE_BUFFERS, pool_buffers...) are pure arithmetic: core/blocks.py.
 # O_DIRECT writes are synchronous: a few threads keep several in flight. Four, not two: a
 # thread whose write has finished waits for the GIL while the event loop runs, and the
-# disk idles unless others have writes queued (2 -> 4 took the benchmark's download from
-# about 750 to about 820 MiB/s against a disk that does about 900 alone).
+# disk idles unless others have writes queued (docs/benchmarks.md: two against four).
 WRITER_THREADS = 4
 
 _T = TypeVar("_T")
@@ -171,27 +170,27 @@ class WritePool:
         self.lock = threading.Lock()
         self.waiters: deque[asyncio.Future[None]] = deque()  # requests waiting for a buffer
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop of the current run
-        # Written buffers kept for the fan-out (keep_landed): (file, offset) -> (bytes, buffer).
-        self.kept: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
-        self.keep_limit = 0
-        self.closed = False  # close(): buffers coming back are dropped, nothing is kept
+        # Written buffers held for the fan-out (hold_written): (file, offset) -> (bytes, buffer).
+        self.held: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
+        self.hold_limit = 0
+        self.closed = False  # close(): buffers coming back are dropped, nothing is held
 
-    def keep_landed(self, limit: int) -> None:
-        """Keep up to ``limit`` written buffers (``blocks.keepable``) until the fan-out copies
-        them (:meth:`copy_landed`) or :meth:`close`; one more written is given back as before."""
+    def hold_written(self, limit: int) -> None:
+        """Hold up to ``limit`` written buffers (``blocks.holdable``) until the fan-out copies
+        them (:meth:`copy_held`) or :meth:`close`; one more written is given back as before."""
         with self.lock:
-            self.keep_limit = max(0, limit)
+            self.hold_limit = max(0, limit)
 
-    def copy_landed(self, file: int, offset: int, out: np.ndarray) -> bool:
+    def copy_held(self, file: int, offset: int, out: np.ndarray) -> bool:
         """Copy the bytes of ``file`` from ``offset`` into ``out`` (all of it) from the buffers
-        kept for them, and give those buffers back; False when any part is not kept (the
+        held for them, and give those buffers back; False when any part is not held (the
         caller reads it from the disk). From any thread; the copy runs without the GIL."""
         end = offset + len(out)
         with self.lock:
-            # Every kept block inside the range leaves: a transfer is read once, so one kept
+            # Every held block inside the range leaves: a transfer is read once, so one held
             # beyond a gap would otherwise hold its buffer to the end (a few dozen at most).
-            inside = sorted(key for key in self.kept if key[0] == file and offset <= key[1] < end)
-            taken = [(at, *self.kept.pop((file, at))) for _, at in inside]
+            inside = sorted(key for key in self.held if key[0] == file and offset <= key[1] < end)
+            taken = [(at, *self.held.pop((file, at))) for _, at in inside]
         at = offset
         for start, length, _ in taken:
             if start != at:
@@ -210,22 +209,22 @@ class WritePool:
 
     def close(self) -> None:
         """The download and the fan-out are done with the pool: drop every buffer (its memory is
-        freed with the last reference), keep nothing more."""
+        freed with the last reference), hold nothing more."""
         with self.lock:
             self.closed = True
-            self.keep_limit = 0
-            self.kept.clear()
+            self.hold_limit = 0
+            self.held.clear()
             self.free.clear()
 
-    def _keep(self, file: int, offset: int, length: int, buf: np.ndarray) -> bool:
-        """From a writer thread, ``buf[:length]`` written at ``offset`` of ``file``: kept, if there is room."""
+    def _hold(self, file: int, offset: int, length: int, buf: np.ndarray) -> bool:
+        """From a writer thread, ``buf[:length]`` written at ``offset`` of ``file``: held, if there is room."""
         with self.lock:
             # The same block written again (its request retried) replaces the older copy:
-            # what is kept is always what the disk has.
-            old = self.kept.pop((file, offset), None)
-            if old is None and len(self.kept) >= self.keep_limit:
+            # what is held is always what the disk has.
+            old = self.held.pop((file, offset), None)
+            if old is None and len(self.held) >= self.hold_limit:
                 return False
-            self.kept[(file, offset)] = (length, buf)
+            self.held[(file, offset)] = (length, buf)
         if old is not None:
             self._returned(old[1])
         return True
@@ -297,13 +296,13 @@ class WritePool:
         file: int | None = None,
     ) -> None:
         """Queue ``buf[:length]`` on ``writer`` for writing at ``offset`` (of file ``file``); ``buf``
-        comes back to the pool once written, or is kept (:meth:`keep_landed`)."""
+        comes back to the pool once written, or is held (:meth:`hold_written`)."""
         block = tracker.started()
 
         def done(error: BaseException | None) -> None:
-            # Kept before the tracker hears of it: the block lands (and its transfer may be
+            # Held before the tracker hears of it: the block lands (and its transfer may be
             # read) only after this.
-            if error is not None or file is None or not self._keep(file, offset, length, buf):
+            if error is not None or file is None or not self._hold(file, offset, length, buf):
                 self._returned(buf)
             tracker.finished(block, error)
 

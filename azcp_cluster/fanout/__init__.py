@@ -1,2 +1,2 @@
-"""The fan-out's driver over MPI: the broadcast engine between node writers and the streaming
+"""The fan-out's driver over MPI: the fan-out engine between node writers and the streaming
 protocol that feeds it as blocks land (its decisions are the pure core.fanout machine)."""

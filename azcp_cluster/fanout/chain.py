@@ -47,12 +47,13 @@ from azcp_cluster.core.chain import (
     pair_tag,
     pieces,
 )
+from azcp_cluster.core.naps import nap_until
 from azcp_cluster.fanout.transport import Request, Transport
 
 # Seconds between looks at the chains while the driver waits (``wait``, an agreement): the
 # first short (MPI moves bytes only inside its calls), growing while nothing completes.
 WAIT_NAP = 0.0001
-MAX_WAIT_NAP = 0.001
+MAX_WAIT_NAP = 0.001  # a piece's transfer time on a fast link: a wait costs at most that
 
 
 class Wire(Protocol):
@@ -197,24 +198,19 @@ class ChainTransport:
 
     def wait(self, request: Request) -> None:
         """Until transfer ``request`` completed, moving every chain in flight."""
-        nap = WAIT_NAP
-        while not self.test(request):
-            time.sleep(nap)
-            nap = min(nap * 2, MAX_WAIT_NAP)
+        nap_until(lambda: self.test(request), WAIT_NAP, MAX_WAIT_NAP)
 
     def agree(self, failed: bool, between: Callable[[], None] | None = None) -> bool:
         """Whether any rank failed, the chains in flight moving while the others join (and
         ``between`` run: it must not block)."""
         request = self.wire.iagree(failed)
-        nap = WAIT_NAP
-        while True:
+
+        def done() -> bool:
             self._advance()
-            if self.wire.done(request):
-                return self.wire.answer(request)
-            if between is not None:
-                between()
-            time.sleep(nap)
-            nap = min(nap * 2, MAX_WAIT_NAP)
+            return self.wire.done(request)
+
+        nap_until(done, WAIT_NAP, MAX_WAIT_NAP, between)
+        return self.wire.answer(request)
 
     def _window(self, after: int | None) -> SendWindow | None:
         if after is None or not self.windowed:

@@ -1,7 +1,7 @@
 """The fan-out driver's vocabulary: what happens (typed events, each one call of the pure
-:class:`azcp_cluster.core.fanout.FanOut`), what a streaming download tells it (:class:`Landed`),
+:class:`azcp_cluster.core.fanout.FanOut`), what a streaming download tells it (:class:`LandingFeed`),
 what it tells its stage (:class:`StageHooks`) and what one rank's fan-out did
-(:class:`BroadcastStats`)."""
+(:class:`FanOutStats`)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from azcp_cluster.run.cluster import redact
 
 
 @dataclass
-class BroadcastStats:
-    """What one rank's broadcast did."""
+class FanOutStats:
+    """What one rank's fan-out did."""
 
     sent_bytes: int = 0
     received_bytes: int = 0
@@ -27,17 +27,21 @@ class BroadcastStats:
     direct_refused: str = ""  # a path whose filesystem refused O_DIRECT, if any
 
 
-class Kept(Protocol):
-    """Streaming: blocks this rank's own download landed and still holds in its buffers
-    (``writepool.WritePool``); called on the read-ahead thread."""
+class HeldBlocks(Protocol):
+    """Streaming: blocks this rank's own download wrote and still holds in its buffers
+    (``writepool.WritePool``), for the read-ahead to copy instead of reading the disk; called on
+    the read-ahead thread. *Held* is memory only: what a stopped run left on the disk is
+    ``dest.journal.Kept``."""
 
-    def copy_landed(self, file: int, offset: int, out: np.ndarray) -> bool:
+    def copy_held(self, file: int, offset: int, out: np.ndarray) -> bool:
         """Copy ``len(out)`` bytes of ``file`` from ``offset`` into ``out``; False when they are not
         all held (they are read from the disk)."""
 
 
-class Landed(Protocol):
-    """Streaming: what the download has put on this node so far (polled on the MPI thread)."""
+class LandingFeed(Protocol):
+    """Streaming: the feed of what the download has put on this node so far, transfer by
+    transfer (polled on the MPI thread). A block *lands* when its bytes are written on this node;
+    this says which transfers rooted here have all theirs."""
 
     def waits(self, seq: int) -> bool:
         """Whether transfer ``seq`` (rooted here) must wait for downloaded bytes."""
@@ -65,7 +69,7 @@ def _nobody() -> None:
 @dataclass(frozen=True)
 class StageHooks:
     """What one fan-out run tells the stage that runs it, and asks it: composed once by the
-    stage and given to :meth:`~azcp_cluster.fanout.broadcast.Broadcaster.run` (the broadcaster
+    stage and given to :meth:`~azcp_cluster.fanout.driver.FanOutDriver.run` (the driver
     is made earlier, at allocation; the stage's progress bar and outcome exist only once the
     stage has begun). Called on the driver's (the MPI) thread.
     """

@@ -2,7 +2,7 @@
 
 From the node's download of this run (written with O_DIRECT, so read back with O_DIRECT
 too: none of it is cached; streaming, copied from the download's buffers while they still
-hold it, see :class:`azcp_cluster.fanout.events.Kept`), a complete copy this rank already
+hold it, see :class:`azcp_cluster.fanout.events.HeldBlocks`), a complete copy this rank already
 had, or a local SOURCE (both read through the page cache, with a read-ahead hint for the
 next transfer). A local
 SOURCE's file that changed since it was listed, or while it was read, is noted in
@@ -25,13 +25,13 @@ from azcp_cluster.dest.desttree import DestTree, source_opener
 from azcp_cluster.dest.directio import DirectReader, Opener
 from azcp_cluster.dest.localfs import fs_error
 from azcp_cluster.dest.localsource import as_listed
-from azcp_cluster.fanout.events import Kept
+from azcp_cluster.fanout.events import HeldBlocks
 
 
 class ReadAhead:
-    """Reads one rank's transfers into their slots, one file kept open across its extents.
+    """Reads one rank's transfers into their slots, one file held open across its extents.
 
-    Used by one thread at a time (the broadcast's read-ahead thread); :meth:`close` when done.
+    Used by one thread at a time (the fan-out's read-ahead thread); :meth:`close` when done.
     """
 
     def __init__(
@@ -46,7 +46,7 @@ class ReadAhead:
         direct: bool,
         hint_window: int,
         changed: set[int],
-        kept: Kept | None = None,
+        held: HeldBlocks | None = None,
         source_pieces: Callable[[int, int, int, int], None] | None = None,
     ) -> None:
         self.files = files
@@ -59,7 +59,7 @@ class ReadAhead:
         self.hint_window = hint_window  # how many transfers ahead the next one of ours is looked for
         self.changed = changed
         self.source_bytes = 0  # bytes read from a local SOURCE
-        self.kept = kept  # streaming: this rank's download's buffers, still holding what it landed
+        self.held = held  # streaming: this rank's download's buffers, still holding what it landed
         self.memory_bytes = 0  # bytes copied from them
         # --verify: told each extent read whole from a local SOURCE, with the CRC-32C of its bytes
         # as read (the source's side of the check of every copy: core/crc.py).
@@ -97,8 +97,8 @@ class ReadAhead:
 
     def _read_extent(self, extent: Extent, buffer: np.ndarray) -> None:
         into = buffer[extent.at : extent.at + extent.length]
-        kept = self.kept if self._downloaded(extent.file) else None
-        if kept is not None and kept.copy_landed(extent.file, extent.offset, into):
+        held = self.held if self._downloaded(extent.file) else None
+        if held is not None and held.copy_held(extent.file, extent.offset, into):
             self.memory_bytes += extent.length
             if extent.last_of_file and self._current is not None and self._current[1] == extent.file:
                 self.close()  # its earlier extents came from the disk: nothing more is read of it

@@ -2,7 +2,7 @@
 
 Roles (see ``docs/architecture.md``, "Streaming"):
 
-* a node's **leader** runs the fan-out on its main thread (:class:`Broadcaster`, the only
+* a node's **leader** runs the fan-out on its main thread (:class:`FanOutDriver`, the only
   thread of the rank that makes MPI calls) and, when it downloads too, its own download
   on a second thread (its event loop makes no MPI call: a failure elsewhere reaches it
   through a flag the main thread sets);
@@ -30,8 +30,8 @@ from azcp_cluster.core.comm import Comm, Request
 from azcp_cluster.core.errors import AzcpError
 from azcp_cluster.core.schedule import Landing, Transfer
 from azcp_cluster.download.fetcher import DownloadStats, Fetcher
-from azcp_cluster.fanout.broadcast import Broadcaster
-from azcp_cluster.fanout.events import BroadcastStats, Kept, StageHooks
+from azcp_cluster.fanout.driver import FanOutDriver
+from azcp_cluster.fanout.events import FanOutStats, HeldBlocks, StageHooks
 from azcp_cluster.run.cluster import PeerFailed, as_azcp_error
 from azcp_cluster.run.interrupts import shield
 
@@ -51,7 +51,7 @@ SendRequest = Request
 
 
 class LandingFeed:
-    """A leader's view of what its node's downloads have landed (implements ``events.Landed``).
+    """A leader's view of what its node's downloads have landed (implements ``events.LandingFeed``).
 
     ``group_comm`` is the node's communicator (the leader is its rank 0); ``others`` the
     group ranks of the node's other downloaders. The leader's own download thread reports
@@ -188,12 +188,12 @@ class Streamed:
 
     downloaded: float  # seconds from the stage's start to the end of this rank's download (0: none)
     download: DownloadStats | None = None  # if this rank downloaded
-    fanout: BroadcastStats | None = None  # if this rank is a leader
+    fanout: FanOutStats | None = None  # if this rank is a leader
     digests: dict[int, str] | None = None  # --verify stream: MD5 of the files hashed in flight
 
 
 def lead(
-    broadcaster: Broadcaster,
+    driver: FanOutDriver,
     schedule: Sequence[Transfer],
     feed: LandingFeed,
     downloader: Fetcher | None,
@@ -203,7 +203,7 @@ def lead(
     stop: threading.Event,
     hooks: StageHooks,
     failed: AzcpError | None = None,
-    kept: Kept | None = None,
+    held: HeldBlocks | None = None,
 ) -> Streamed:
     """A leader's part: the fan-out on this (the MPI) thread, its own ``blocks`` (if any) downloaded
     by ``downloader`` on a thread meanwhile. ``since()``: seconds since the stage began.
@@ -211,7 +211,7 @@ def lead(
     ``downloader`` was made telling ``feed`` of each block it lands (its landing sink) and
     stopping once ``stop`` is set (its ``peer_failed``), which this sets when the fan-out
     stops. ``hooks``: the stage's, for the fan-out. ``failed``: the download could not be
-    set up; the fan-out still runs to its first agreement. ``kept``: the download's buffers,
+    set up; the fan-out still runs to its first agreement. ``held``: the download's buffers,
     which hold what it landed until the fan-out copies it (its transfers are then sent from
     memory, not read back from the disk).
 
@@ -222,10 +222,10 @@ def lead(
     if downloader is not None and blocks and failed is None:
         fetch = _TimedFetch(downloader, blocks, feed, since, rank)
     thread = _download_aside(fetch, rank, stop, feed) if fetch is not None else None
-    fanout, dstats, failure = _fan_out_beside(broadcaster, schedule, hooks, feed, failed, kept, thread)
+    fanout, dstats, failure = _fan_out_beside(driver, schedule, hooks, feed, failed, held, thread)
     if failure is not None:
         raise failure  # after every byte was sent: the download's own end failed
-    return Streamed(fetch.downloaded if fetch is not None else 0.0, dstats, fanout, dict(broadcaster.digests))
+    return Streamed(fetch.downloaded if fetch is not None else 0.0, dstats, fanout, dict(driver.digests))
 
 
 class _TimedFetch:
@@ -268,14 +268,14 @@ def _download_aside(
 
 
 def _fan_out_beside(
-    broadcaster: Broadcaster,
+    driver: FanOutDriver,
     schedule: Sequence[Transfer],
     hooks: StageHooks,
     feed: LandingFeed,
     failed: AzcpError | None,
-    kept: Kept | None,
+    held: HeldBlocks | None,
     thread: DownloadThread | None,
-) -> tuple[BroadcastStats | None, DownloadStats | None, BaseException | None]:
+) -> tuple[FanOutStats | None, DownloadStats | None, BaseException | None]:
     """The fan-out on this thread while ``thread`` (if any) downloads, then the download's end:
     the fan-out's stats, the download's, and the download's error (its own, or PeerFailed).
 
@@ -285,7 +285,7 @@ def _fan_out_beside(
     dstats = None
     failure: BaseException | None = None
     try:
-        fanout = broadcaster.run(schedule, hooks, landed=feed, failed=failed, kept=kept)
+        fanout = driver.run(schedule, hooks, feed=feed, failed=failed, held=held)
     except PeerFailed:
         if thread is not None:
             thread.stop.set()

@@ -1,6 +1,6 @@
 """The fan-out's link between the node leaders: every call it makes to another rank, behind one small protocol.
 
-The driver (:class:`azcp_cluster.fanout.broadcast.Broadcaster`) needs four things of the
+The driver (:class:`azcp_cluster.fanout.driver.FanOutDriver`) needs four things of the
 ranks it fans out to, and nothing else:
 
 * ``post(data, root, receivers)``: start one transfer. The root's ``data`` goes to each
@@ -32,12 +32,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from azcp_cluster.core.comm import Comm
+from azcp_cluster.core.naps import nap_until
 from azcp_cluster.core.schedule import call_slices
 
 # Seconds between looks at an agreement while a rank waits in it, growing while nothing
 # completes: a short wait stays short, a long one costs the working ranks no CPU.
 AGREE_NAP = 0.0001
-MAX_AGREE_NAP = 0.002
+MAX_AGREE_NAP = 0.002  # as the driver's MAX_NAP: a waiting rank is late by milliseconds at most
 
 # The tag of point-to-point transfers on the broadcast communicator (collectives never match it).
 P2P_TAG = 11
@@ -112,12 +113,7 @@ class MpiTransport:
 
     def agree(self, failed: bool, between: Callable[[], None] | None = None) -> bool:
         request = self.iagree(failed)
-        nap = AGREE_NAP
-        while not self.done(request):
-            if between is not None:
-                between()
-            time.sleep(nap)
-            nap = min(nap * 2, MAX_AGREE_NAP)
+        nap_until(lambda: self.done(request), AGREE_NAP, MAX_AGREE_NAP, between)
         return self.answer(request)
 
     # -- the point-to-point wire of a chain (fanout/chain.py) --------------------------------

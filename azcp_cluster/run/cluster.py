@@ -26,11 +26,16 @@ from typing import Generic, TypeVar
 
 from azcp_cluster.core.comm import Comm, Request
 from azcp_cluster.core.errors import ERROR_CLASSES, AzcpError, InternalError
+from azcp_cluster.core.naps import nap_until
 from azcp_cluster.run import liveness
 from azcp_cluster.run.figures import TimelineEntry
 from azcp_cluster.run.interrupts import Interrupts, signal_error
 
 _FAIL_TAG = 7071
+# settle's naps (core/naps.py): 50 us first, so a short wait stays short; 2 ms at most, so
+# a long one costs the working ranks no CPU.
+SETTLE_NAP = 0.00005
+MAX_SETTLE_NAP = 0.002
 
 
 class PeerFailed(Exception):
@@ -254,12 +259,7 @@ class Cluster:
         2 ms, so a short wait stays short.
         """
         request = self.comm.Ibarrier()
-        nap = 0.00005
-        while not request.Test():
-            time.sleep(nap)
-            nap = min(nap * 2, 0.002)
-            if between is not None:
-                between()
+        nap_until(request.Test, SETTLE_NAP, MAX_SETTLE_NAP, between)
 
     # -- failure signal -------------------------------------------------------------------
 

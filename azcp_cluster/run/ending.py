@@ -35,10 +35,9 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 # Seconds MPI_Abort gets to end the job before this process ends itself. A working abort ends
-# every rank well within it (hydra, one host or four: 0.3 s from the call; Open MPI in the
-# cluster box: under 1 s); a hung one must not hold the nodes much longer than the watcher's
-# --peer-timeout already has. Short enough that a job ends within --peer-timeout + 10 s even
-# when the launcher then takes a few seconds to reap the rest.
+# every rank well within it (docs/benchmarks.md); a hung one must not hold the nodes much
+# longer than the watcher's --peer-timeout already has. Short enough that a job ends within
+# --peer-timeout + 10 s even when the launcher then takes a few seconds to reap the rest.
 ABORT_GRACE = 3.0
 
 _SIGEV_THREAD = 2  # <signal.h>: notify by running a function on a new thread

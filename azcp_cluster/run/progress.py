@@ -26,10 +26,10 @@ from azcp_cluster.core.config import format_bytes
 __all__ = ["MODES", "Progress", "resolve_mode", "terminal_width"]
 # Status lines (not a terminal): one at least this often while the stage runs, and one each
 # time the stage has moved on by this fraction (but not more than one a second).
-LINE_SECONDS = 10.0
-LINE_STEP = 0.05
-LINE_MIN_SECONDS = 1.0
-BAR_HZ = 4.0
+LINE_SECONDS = 10.0  # a log shows the run alive at least this often
+LINE_STEP = 0.05  # twenty lines for a stage that moves steadily
+LINE_MIN_SECONDS = 1.0  # a fast stage does not flood a log
+BAR_HZ = 4.0  # redraws a second: smooth to the eye, cheap for the rank
 _CLEAR = "\x1b[K"  # erase to the end of the line: a shorter redraw leaves nothing behind
 
 

@@ -27,9 +27,9 @@ from azcp_cluster.dest import journal
 from azcp_cluster.dest.localfs import check_space, fs_error
 from azcp_cluster.dest.localsource import restat, source_file
 from azcp_cluster.dest.nodewriter import NodeWriter
-from azcp_cluster.fanout.broadcast import Broadcaster
 from azcp_cluster.fanout.chain import decide as decide_fanout
 from azcp_cluster.fanout.chain import transport_for
+from azcp_cluster.fanout.driver import FanOutDriver
 from azcp_cluster.fanout.transport import MpiTransport
 from azcp_cluster.run import figures
 from azcp_cluster.run.cluster import StageOutcome, StageResult, error_from_payload, error_payload
@@ -53,7 +53,7 @@ class Prepared:
     plan: Plan
     schedule: Schedule
     shape: TransferShape
-    broadcaster: Broadcaster | None  # leaders with something to fan out: slots mapped
+    driver: FanOutDriver | None  # leaders with something to fan out: slots mapped
     here: tuple[int, ...]  # the files this node writes (and later syncs, verifies, renames)
     # --verify: what this rank brings into the run (downloaded blocks, a local SOURCE's reads)
     # with the CRC-32C of the bytes as they came, and the CRC-32C of each file its fan-out
@@ -89,7 +89,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
     shape = dataclasses.replace(shape, fanout=choose_fanout(ctx, place, schedule))
     # The leaders' choice, carried by the stage's agreement to rank 0, which need not be one.
     outcome = StageOutcome(stats=shape.fanout.as_dict() if shape.fanout is not None else None)
-    broadcaster: Broadcaster | None = None
+    driver: FanOutDriver | None = None
     pieces = SourcePieces()
     stream_crcs: dict[int, int] = {}
     mine = plan.owned_by(ctx.rank)
@@ -100,14 +100,14 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
             check_files_space(ctx, listed.listing, here)  # before anything is written
             start_journal(ctx, listed.listing, diff)  # before any file is made anew
             prepare_files(ctx, listed.listing, here, later, diff.kept, checked=True)
-            broadcaster = make_broadcaster(ctx, place, listed, diff, schedule, shape, pieces, stream_crcs, later)
+            driver = make_driver(ctx, place, listed, diff, schedule, shape, pieces, stream_crcs, later)
     # The files' blocks are reserved here: a full disk shows here first.
     ctx.explain_space(outcome, sum(listed.listing.files[i].size for i in here))
     cluster.note("allocate", t0)
     cluster.conclude(cluster.clock(), outcome, lambda result: record_fanout(ctx, result))
     _hand_to_downloaders(ctx, place, listed, mine)
     _download_writer(ctx, listed.listing.files, shape)  # after the files' identities came
-    return Prepared(listed, diff, plan, schedule, shape, broadcaster, here, pieces, stream_crcs)
+    return Prepared(listed, diff, plan, schedule, shape, driver, here, pieces, stream_crcs)
 
 
 def _download_buffers(ctx: RunContext, shape: TransferShape, mine: Sequence[Shard]) -> None:
@@ -131,7 +131,7 @@ def _download_buffers(ctx: RunContext, shape: TransferShape, mine: Sequence[Shar
 
 def _download_writer(ctx: RunContext, files: Sequence[FileEntry], shape: TransferShape) -> None:
     """A rank with download buffers: the node writer its download writes through (a streaming
-    leader's is its fan-out's, made with the broadcaster: one set of threads for both)."""
+    leader's is its fan-out's, made with the driver: one set of threads for both)."""
     from azcp_cluster.download.writepool import WRITER_THREADS
 
     io = ctx.io
@@ -249,11 +249,11 @@ def record_fanout(ctx: RunContext, result: StageResult[dict[str, object]]) -> No
 
 # Fan-out slots mapped in this stage; the others at first use. The first transfer's slot is
 # ready when the fan-out starts; the rest fault in while it goes, on a fabric-bound stage
-# with CPU to spare (eight hosts in the box: the stage's slot mapping 0.21 -> 0.04 s).
+# with CPU to spare (docs/benchmarks.md: what mapping them all cost).
 POPULATED_SLOTS = 1
 
 
-def make_broadcaster(
+def make_driver(
     ctx: RunContext,
     place: Placement,
     listed: Listed,
@@ -263,7 +263,7 @@ def make_broadcaster(
     pieces: SourcePieces,
     stream_crcs: dict[int, int],
     later: Sequence[int] = (),
-) -> Broadcaster | None:
+) -> FanOutDriver | None:
     """Leaders: the fan-out engine for ``schedule``, its slots mapped now, and its node writer
     (the node I/O's ``fanout_writer``, ended by the stage that fans out)."""
     transfers = schedule.transfers
@@ -274,7 +274,7 @@ def make_broadcaster(
     reads = ctx.local and ctx.rank in place.readers
     if shape.fanout is None:
         raise InternalError("the fan-out's transport was not chosen before its stage (choose_fanout)")
-    threads, name = cfg.bcast_writers, "azcp-bcast-writer"
+    threads, name = cfg.bcast_writers, "azcp-fanout-writer"
     slot = max_length(transfers)
     shared = shape.streamed and io.pool is not None
     if shared:
@@ -293,7 +293,7 @@ def make_broadcaster(
     )
     if shared:
         io.download_writer = io.fanout_writer
-    return Broadcaster(
+    return FanOutDriver(
         transport_for(MpiTransport(ctx.node_comm), shape.fanout),
         listed.listing.files,
         ctx.dest_tree(),
@@ -361,14 +361,14 @@ def resend(ctx: RunContext, place: Placement, moved: Transferred, first: Prepare
     shape = shapes.decide(ctx.cfg, ctx.local, ctx.rank, place, plan, bool(schedule.transfers), fanout)
     first.pieces.drop(changed)  # read again: what the first read saw does not count
     outcome = StageOutcome()
-    broadcaster: Broadcaster | None = None
+    driver: FanOutDriver | None = None
     with cluster.stage(outcome):
         if place.leader:
             if ctx.io.journal is not None:  # their blocks count no more, before the files are made anew
                 ctx.io.journal.drop([files[i].path for i in changed])
             prepare_files(ctx, listed.listing, changed)
-            broadcaster = make_broadcaster(ctx, place, listed, diff, schedule, shape, first.pieces, first.stream_crcs)
+            driver = make_driver(ctx, place, listed, diff, schedule, shape, first.pieces, first.stream_crcs)
     here = writes_here(listed.listing, diff, schedule)
     ctx.explain_space(outcome, sum(files[i].size for i in here))
     cluster.conclude(cluster.clock(), outcome)
-    return Prepared(listed, diff, plan, schedule, shape, broadcaster, here, first.pieces, first.stream_crcs, True)
+    return Prepared(listed, diff, plan, schedule, shape, driver, here, first.pieces, first.stream_crcs, True)

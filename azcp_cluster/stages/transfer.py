@@ -244,7 +244,7 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     cluster = ctx.cluster
     rank = ctx.rank
     t0 = cluster.clock()
-    plan, schedule, broadcaster = prepared.plan, prepared.schedule, prepared.broadcaster
+    plan, schedule, driver = prepared.plan, prepared.schedule, prepared.driver
     transfers = schedule.transfers  # columns: a transfer is made when the fan-out reads it
     unit = prepared.shape.unit  # as small as the transfers: each leaves as soon as its bytes landed
     blocks, landing = node_blocks(transfers, plan, place.group, place.downloaders_here(), unit, TAPER)
@@ -271,7 +271,7 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
         done = Streamed(0.0)
         if place.leader:
             feed = here = LandingFeed(landing, ctx.group_comm, _notifying(place, rank, blocks.of_rank))
-            assert broadcaster is not None
+            assert driver is not None
             hooks = StageHooks(fanned.add, cluster.peer_failed, lambda: cluster.signal_failure(outcome))
             # Set by the fan-out when it stops: the leader's download stops too (its event
             # loop, on a thread of its own, makes no MPI call: no cluster.peer_failed there).
@@ -281,8 +281,8 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
                 if mine
                 else (None, None)
             )
-            pool = _keep_landed(ctx, prepared.shape.fetch, mine, unit)
-            done = lead(broadcaster, transfers, feed, own, mine, since, rank, stop, hooks, early, pool)
+            pool = _hold_written(ctx, prepared.shape.fetch, mine, unit)
+            done = lead(driver, transfers, feed, own, mine, since, rank, stop, hooks, early, pool)
             digests.update(done.digests or {})
         elif mine:
             done = notify_while_downloading(
@@ -319,19 +319,19 @@ def _made(make: Callable[[], Fetcher], rank: int) -> tuple[Fetcher | None, AzcpE
         return None, as_azcp_error(exc, rank)
 
 
-def _keep_landed(ctx: RunContext, fetch: Config, mine: list[Block], unit: int) -> WritePool | None:
+def _hold_written(ctx: RunContext, fetch: Config, mine: list[Block], unit: int) -> WritePool | None:
     """A streaming leader's download buffers, told to keep what it writes for the fan-out to send
     from memory (``mine``: its blocks, ``unit``: its transfers' size); None if it downloads none.
 
     What this rank downloads in its own process lands in the pool's buffers: the pool keeps
     what the requests in flight and its spares leave, if that holds a whole transfer (worker
     processes' buffers are theirs: those blocks are read back from the disk)."""
-    from azcp_cluster.core.blocks import keepable, requests_for
+    from azcp_cluster.core.blocks import holdable, requests_for
 
     pool = ctx.io.pool if mine else None
     if pool is not None:
         in_flight = min(fetch.concurrency, len(requests_for(mine, fetch.block_size)))
-        pool.keep_landed(keepable(pool.count, in_flight, -(-unit // pool.size)))
+        pool.hold_written(holdable(pool.count, in_flight, -(-unit // pool.size)))
     return pool
 
 
@@ -348,7 +348,7 @@ def _conclude_stream(
 ) -> None:
     """The streaming stage's end on this rank: its figures, what it holds released, the agreement."""
     cluster = ctx.cluster
-    broadcaster = prepared.broadcaster
+    driver = prepared.driver
     # A rank stopped early downloaded until now (its own stop came with the stage's).
     downloaded = done.downloaded if outcome.error is None or not made else cluster.clock() - t0
     download = download_figures(made[0].stats) if made else None
@@ -357,10 +357,10 @@ def _conclude_stream(
     memory = fanout.memory_bytes if fanout is not None else 0
     outcome.stats = RankFanout(fanned.bytes, refused or None, memory=memory, downloaded=downloaded, download=download)
     progress.close()
-    if broadcaster is not None and outcome.error is None:
+    if driver is not None and outcome.error is None:
         # Only after a normal end: leaving early, writes may still be queued on the shared
         # disk writers, which look their slots up.
-        broadcaster.release()
+        driver.release()
     if outcome.error is not None:
         cluster.signal_failure(outcome)  # before waiting for the node's downloaders: they stop on it
     if feed is not None:
@@ -401,7 +401,7 @@ def fan_out(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
 
     Reports the local SOURCE's files that changed while they were read (agreed by all).
     """
-    schedule, broadcaster = prepared.schedule, prepared.broadcaster
+    schedule, driver = prepared.schedule, prepared.driver
     if not schedule.transfers:
         return FannedOut((), {})
     cluster = ctx.cluster
@@ -413,16 +413,16 @@ def fan_out(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     fanned = FanOutTally(progress.add)
     mine = RankFanout()
     with cluster.stage(outcome):
-        if broadcaster is not None:  # leaders only; the others wait at the agreement
-            stats = broadcaster.run(schedule.transfers, StageHooks(on_bytes=fanned.add))
-            digests.update(broadcaster.digests)
-            changed = tuple(sorted(broadcaster.changed))
+        if driver is not None:  # leaders only; the others wait at the agreement
+            stats = driver.run(schedule.transfers, StageHooks(on_bytes=fanned.add))
+            digests.update(driver.digests)
+            changed = tuple(sorted(driver.changed))
             mine = RankFanout(refused=stats.direct_refused or None, changed=changed, source_bytes=stats.source_bytes)
     ctx.io.end_fanout()  # after its queued writes
     outcome.stats = dataclasses.replace(mine, fanned=fanned.bytes)
     progress.close()
-    if broadcaster is not None and outcome.error is None:  # (see stream)
-        broadcaster.release()
+    if driver is not None and outcome.error is None:  # (see stream)
+        driver.release()
     ctx.explain_space(outcome, prepared.needed)
 
     def record(result: StageResult[RankFanout]) -> None:

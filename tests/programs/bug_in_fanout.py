@@ -18,14 +18,14 @@ import sys
 import threading
 from typing import Any
 
-from azcp_cluster.fanout import broadcast, streaming
+from azcp_cluster.fanout import driver, streaming
 from azcp_cluster.run.mpi import launcher_rank
 from azcp_cluster.stages import transfer
 
 RANK = str(launcher_rank())
 MODE = os.environ.get("AZCP_TEST_BUG", "retired")
 if RANK == "0" and MODE == "retired":
-    retired = broadcast.Broadcaster._retired
+    retired = driver.FanOutDriver._retired
     calls = [0]
 
     def failing(self: Any, run: Any, transfer: Any) -> None:
@@ -34,7 +34,7 @@ if RANK == "0" and MODE == "retired":
             raise OSError(5, "Input/output error (simulated)")
         retired(self, run, transfer)
 
-    broadcast.Broadcaster._retired = failing  # type: ignore[method-assign]
+    driver.FanOutDriver._retired = failing  # type: ignore[method-assign]
 elif RANK == "0" and MODE == "thread":
 
     def no_thread(self: Any) -> None:
@@ -63,7 +63,7 @@ if MODE == "unannounced":
 
     from azcp_cluster.core.errors import BroadcastError
 
-    run = broadcast.Broadcaster.run
+    run = driver.FanOutDriver.run
 
     def unannounced(self: Any, schedule: Any, hooks: Any = None, **kwargs: Any) -> Any:
         # At the run, in place of the stage's own announce and peer_failed.
@@ -74,7 +74,7 @@ if MODE == "unannounced":
             hooks = dataclasses.replace(hooks, peer_failed=lambda: False)  # never told out of band
         return run(self, schedule, hooks, **kwargs)
 
-    broadcast.Broadcaster.run = unannounced  # type: ignore[method-assign]
+    driver.FanOutDriver.run = unannounced  # type: ignore[method-assign]
 
 from azcp_cluster.cli import main  # noqa: E402
 

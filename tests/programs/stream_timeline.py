@@ -36,9 +36,9 @@ def note(what: str) -> None:
 
 from azcp_cluster.cli import main  # noqa: E402
 from azcp_cluster.download import downloader as download  # noqa: E402
-from azcp_cluster.fanout import broadcast  # noqa: E402
+from azcp_cluster.fanout import driver  # noqa: E402
 
-post = broadcast.Broadcaster._post
+post = driver.FanOutDriver._post
 get_once = download.Downloader._get_once
 
 
@@ -52,6 +52,6 @@ async def getting(self: Any, *args: Any) -> Any:
     note("landed")
 
 
-broadcast.Broadcaster._post = posting  # type: ignore[method-assign]
+driver.FanOutDriver._post = posting  # type: ignore[method-assign]
 download.Downloader._get_once = getting  # type: ignore[method-assign]
 sys.exit(main())

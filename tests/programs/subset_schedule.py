@@ -25,8 +25,8 @@ from azcp_cluster.core.schedule import files_written
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import temp_path
 from azcp_cluster.dest.nodewriter import NodeWriter
-from azcp_cluster.fanout.broadcast import Broadcaster
 from azcp_cluster.fanout.chain import transport_for
+from azcp_cluster.fanout.driver import FanOutDriver
 from azcp_cluster.fanout.transport import MpiTransport
 
 SIZES = [5000, 3 * (1 << 20) + 123, 70_000]
@@ -58,7 +58,7 @@ def main() -> int:
     local = {i: sources[i] for i in range(len(SIZES))}
     method = sys.argv[2] if len(sys.argv) > 2 else "ibcast"
     writer = NodeWriter(files, tree, 2)
-    broadcaster = Broadcaster(
+    driver = FanOutDriver(
         transport_for(MpiTransport(comm), choose(method, 3, 0, piece=256 * 1024)),
         files,
         tree,
@@ -70,7 +70,7 @@ def main() -> int:
         verify=True,
     )
     with writer:
-        stats = broadcaster.run(schedule)
+        stats = driver.run(schedule)
     have = {}
     for i in range(len(SIZES)):
         path = temp_path(dest, files[i].path)
@@ -85,7 +85,7 @@ def main() -> int:
                 "have": {str(k): v for k, v in have.items()},
                 "transfers": stats.chunks,
                 "p2p": sum(1 for t in schedule if not t.everyone),
-                "digests": sorted(broadcaster.digests),
+                "digests": sorted(driver.digests),
             },
             fh,
         )

@@ -1,4 +1,4 @@
-"""The broadcaster's pipeline order, on a real MPI rank (``tests/programs/bcast_progress.py``)."""
+"""The driver's pipeline order, on a real MPI rank (``tests/programs/driver_progress.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.conftest import MPI_TIMEOUT, REPO, clean_env, mpiexec_path
 
-PROGRAM = REPO / "tests" / "programs" / "bcast_progress.py"
+PROGRAM = REPO / "tests" / "programs" / "driver_progress.py"
 
 
 def test_a_finished_chunk_is_written_while_the_owner_reads_its_next(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ landed, a failure) becomes a typed event, one call of the machine.
 Errors never leave a rank behind in a collective: a rank that fails keeps taking part (without touching the disk) until
 the next agreement, where all ranks stop together; an instruction that cannot be carried out fails the rank the same
 way, its calls to the other ranks still made. Streaming (the download still running) adds one input: which transfers'
-bytes have landed on this node (see :class:`Landed`).
+bytes have landed on this node (see :class:`LandingFeed`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,19 +33,20 @@ from azcp_cluster.core.digests import StreamDigests
 from azcp_cluster.core.errors import AzcpError, InternalError
 from azcp_cluster.core.fanout import Agree, Drain, FanOut, Finish, Hash, Instruction, Post, Read, Write
 from azcp_cluster.core.model import FileEntry
+from azcp_cluster.core.naps import Naps
 from azcp_cluster.core.schedule import Extent, Transfer, completions, streamed_files
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.nodewriter import NodeWriter
 from azcp_cluster.fanout.events import (
     NO_HOOKS,
     Agreed,
-    BroadcastStats,
     CallDone,
     Event,
     Failed,
-    Kept,
-    Landed,
+    FanOutStats,
+    HeldBlocks,
     LandedHere,
+    LandingFeed,
     ReadDone,
     StageHooks,
     WriteDone,
@@ -59,13 +59,11 @@ from azcp_cluster.run.cluster import PeerFailed
 from azcp_cluster.run.interrupts import shield
 
 # Seconds between tests of a transfer in flight: from POLL_NAP, doubling while nothing
-# happens, up to MAX_NAP. MPI moves a transfer only inside MPI calls, so the first naps are
-# short; a long wait (a root's bytes still downloading) then costs little CPU, which the
-# download running on the same cores needs (the streaming benchmark, 2 ranks as 2 nodes on
-# 2 cores: the streamed stage 1.59 -> 1.51 s). A 16 MiB transfer takes about 10 ms here, so
-# 2 ms is a small delay.
+# happens, up to MAX_NAP (core/naps.py). MPI moves a transfer only inside MPI calls, so the
+# first naps are short; a long wait (a root's bytes still downloading) then costs little of
+# the CPU the download on the same cores needs (docs/benchmarks.md has the figures).
 POLL_NAP = 0.0002
-MAX_NAP = 0.002
+MAX_NAP = 0.002  # a small delay beside a slot's transfer time (milliseconds)
 # Seconds between looks at signals, landings and peers while nothing is in flight.
 IDLE_NAP = 0.005
 _Job = TypeVar("_Job", Read, Hash)  # what a thread of the driver serves (the read-ahead, the hasher)
@@ -87,7 +85,7 @@ class _Run:
     schedule: Sequence[Transfer]
     machine: FanOut
     hooks: StageHooks
-    landed: Landed | None
+    feed: LandingFeed | None
     reader: ReadAhead
     digests: StreamDigests
     threads: list[threading.Thread] = field(default_factory=list)
@@ -97,7 +95,7 @@ class _Run:
     inflight: deque[_InFlight] = field(default_factory=deque)  # in posting order
 
 
-class Broadcaster:
+class FanOutDriver:
     """Drives one rank's :class:`FanOut` over a schedule: read ahead (root), MPI (all), write behind."""
 
     def __init__(
@@ -140,7 +138,7 @@ class Broadcaster:
         # this rank like a local one, so the next agreement stops every rank together.
         self.stop_requested = stop_requested
         self._announced = False  # the stage's hooks were told this rank failed (StageHooks.announce)
-        self.stats = BroadcastStats()
+        self.stats = FanOutStats()
         # The first ``populated`` slots mapped now, the rest at first use (allocate.POPULATED_SLOTS).
         self.slots = [Slot(slot_size, populate=i < populated) for i in range(pipeline)]
         self.writer_count = writers  # writer jobs one transfer's extents are spread over
@@ -173,19 +171,19 @@ class Broadcaster:
         self,
         schedule: Sequence[Transfer],
         hooks: StageHooks = NO_HOOKS,
-        landed: Landed | None = None,
+        feed: LandingFeed | None = None,
         failed: AzcpError | None = None,
-        kept: Kept | None = None,
-    ) -> BroadcastStats:
+        held: HeldBlocks | None = None,
+    ) -> FanOutStats:
         """Carry out every transfer this rank takes part in; raise the first local error after all ranks stopped.
 
-        ``hooks``: the stage's. ``landed``: streaming, the download still running (see
-        :class:`Landed`); ``kept``: its buffers, a root's transfers copied from them. ``failed``:
+        ``hooks``: the stage's. ``feed``: streaming, the download still running (see
+        :class:`LandingFeed`); ``held``: its buffers, a root's transfers copied from them. ``failed``:
         this rank failed before the fan-out began (its download could not be set up): it takes
         part without reading or writing until the first agreement, where all ranks stop, as it
         does when anything else fails before its first post here (its threads cannot start).
         """
-        run = self._begin(schedule, hooks, landed, failed, kept)
+        run = self._begin(schedule, hooks, feed, failed, held)
         try:
             finish = self._drive(run)
         finally:
@@ -200,9 +198,9 @@ class Broadcaster:
         self,
         schedule: Sequence[Transfer],
         hooks: StageHooks,
-        landed: Landed | None,
+        feed: LandingFeed | None,
         failed: AzcpError | None,
-        kept: Kept | None,
+        held: HeldBlocks | None,
     ) -> _Run:
         """The machine for ``schedule``, the read-ahead, hasher and writer threads started, the first instructions."""
         self._schedule = schedule
@@ -222,7 +220,7 @@ class Broadcaster:
             writes,
             hashes=hashed.__contains__,
             writers=self.writer_count,
-            waits_landing=landed.waits if landed is not None else (lambda seq: False),
+            waits_landing=feed.waits if feed is not None else (lambda seq: False),
         )
         reader = ReadAhead(
             self.files,
@@ -234,10 +232,10 @@ class Broadcaster:
             direct=self.direct,
             hint_window=4 * len(self.slots),
             changed=self.changed,
-            kept=kept,
+            held=held,
             source_pieces=self.source_pieces,
         )
-        run = _Run(schedule, machine, hooks, landed, reader, StreamDigests(self.digests, self.stream_crcs))
+        run = _Run(schedule, machine, hooks, feed, reader, StreamDigests(self.digests, self.stream_crcs))
         try:
             self._start_threads(run, hashed=bool(hashed))
         except Exception as exc:  # no thread (a process limit): fail here, but never leave the others
@@ -274,7 +272,7 @@ class Broadcaster:
     def _drive(self, run: _Run) -> Finish:
         """Carry out the machine's instructions and feed it what happened, until it says Finish."""
         todo = run.todo
-        nap = POLL_NAP
+        naps = Naps(POLL_NAP, MAX_NAP)
         while True:
             while todo:
                 step = todo.popleft()
@@ -284,24 +282,23 @@ class Broadcaster:
                     todo.extend(self._handle(run.machine, event))
             todo.extend(self._events_now(run))
             if todo:
-                nap = POLL_NAP
+                naps.reset()
                 continue
             if run.inflight and self.transport.test(run.inflight[0].request):
                 for event in self._completed(run):
                     todo.extend(self._handle(run.machine, event))
-                nap = POLL_NAP
+                naps.reset()
                 continue
             # Nothing to do until a thread, the transport or the download moves: nap, then
             # look again, testing the transfer in flight (MPI moves only inside MPI calls)
             # often. A nap, not a timed wait on the events queue: a signal landing in that
             # wait can hang it (see interrupts.shield).
-            time.sleep(nap if run.inflight else IDLE_NAP)
-            nap = min(nap * 2, MAX_NAP)
+            naps.nap(None if run.inflight else IDLE_NAP)
             try:
                 event = self._events.get_nowait()
             except queue.Empty:
                 continue
-            nap = POLL_NAP
+            naps.reset()
             todo.extend(self._handle(run.machine, event))
 
     def _handle(self, machine: FanOut, event: Event) -> list[Instruction]:
@@ -397,7 +394,7 @@ class Broadcaster:
 
     def _events_now(self, run: _Run) -> list[Instruction]:
         """What happened since the last look: thread events, a signal, landings, a peer's failure."""
-        machine, landed = run.machine, run.landed
+        machine, feed = run.machine, run.feed
         out: list[Instruction] = []
         while True:
             try:
@@ -408,12 +405,12 @@ class Broadcaster:
         try:
             if machine.error is None:
                 stop = self.stop_requested()
-                if stop is None and landed is not None:
-                    stop = landed.failed()
+                if stop is None and feed is not None:
+                    stop = feed.failed()
                 if stop is not None:
                     out.extend(machine.failed(stop))
-            if landed is not None and not machine.finished:
-                for seq in landed.poll():
+            if feed is not None and not machine.finished:
+                for seq in feed.poll():
                     out.extend(self._handle(machine, LandedHere(seq)))
                 if not machine.failing and run.hooks.peer_failed():
                     out.extend(machine.failed(None))
@@ -496,4 +493,4 @@ class Broadcaster:
         self._serve(run.hashes, update, WriteDone, "hashing")
 
 
-__all__ = ["Broadcaster"]
+__all__ = ["FanOutDriver"]

@@ -1,10 +1,10 @@
 """One rank's broadcast, instrumented: is a chunk written while the owner's next read runs?
 
-    mpiexec -n 1 python tests/programs/bcast_progress.py WORKDIR
+    mpiexec -n 1 python tests/programs/driver_progress.py WORKDIR
 
 A local source of three chunks on one rank (which, reading a local SOURCE, writes its
 own copy like a receiver). The read of the second chunk waits, at most 10 s, for the
-first chunk's write to begin. A broadcaster whose MPI thread sat waiting for that read
+first chunk's write to begin. A driver whose MPI thread sat waiting for that read
 before it passed the finished first chunk on would keep the write from starting, and the
 read would give up waiting. Prints one JSON line: whether the write came first, and
 whether the copy is whole.
@@ -27,7 +27,7 @@ from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.directio import DirectFile, DirectReader
 from azcp_cluster.dest.localfs import temp_path
 from azcp_cluster.dest.nodewriter import NodeWriter
-from azcp_cluster.fanout.broadcast import Broadcaster
+from azcp_cluster.fanout.driver import FanOutDriver
 from azcp_cluster.fanout.transport import MpiTransport
 
 CHUNK = 1 << 20
@@ -65,10 +65,10 @@ def main() -> int:
         Transfer(i, 0, (), (Extent(0, i * CHUNK, CHUNK, 0, last_of_file=i == 2),), everyone=True) for i in range(3)
     ]
     with NodeWriter(files, tree, 1) as writer:
-        broadcaster = Broadcaster(
+        driver = FanOutDriver(
             MpiTransport(MPI.COMM_WORLD), files, tree, CHUNK, writer, pipeline=4, writers=1, source_of=lambda i: source
         )
-        broadcaster.run(chunks)
+        driver.run(chunks)
     with open(temp_path(dest, "f.bin"), "rb") as fh:
         seen["whole"] = fh.read() == data
     print(json.dumps(seen))
