@@ -151,7 +151,7 @@ def execute(ctx: RunContext, report: Report, lines: ReportPrinter) -> list[str]:
         diff = survey.diff(ctx, place, listed)
         lines.through("diff")
         topo = place.topo
-        owners = list(place.readers) if ctx.local else list(topo.downloaders)
+        owners = list(place.owners)
         plan = plan_transfers(
             [f.size for f in listed.listing.files],
             diff.holders,

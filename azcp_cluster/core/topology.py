@@ -74,6 +74,36 @@ class Topology:
         return [r for r, g in enumerate(self.group_of) if g == group]
 
 
+def lanes_of(topo: Topology) -> tuple[int, ...]:
+    """Each rank's place among its node's ranks: its leader 0, the others in world-rank order
+    (the order of the node's own communicator, ``group_comm``)."""
+    lanes = [0] * topo.size
+    for group, leader in enumerate(topo.leaders):
+        others = [r for r in topo.members(group) if r != leader]
+        for lane, rank in enumerate(others, start=1):
+            lanes[rank] = lane
+    return tuple(lanes)
+
+
+def rail_count(topo: Topology, movers: Sequence[int]) -> int:
+    """How many chains the fan-out runs (one per rail: lane i of every node in chain i), from the
+    ranks that bring bytes into the run (``movers``: the downloaders, or a local SOURCE's readers).
+
+    Several when every node has the same number of ranks, at least two, on two nodes or more,
+    and every rank of a node that brings bytes in brings them (each rail's chain carries what
+    its own ranks downloaded or read); else one, the leaders' chain, as with one rank per node.
+    """
+    sizes = {len(topo.members(group)) for group in range(topo.groups)}
+    if topo.groups < 2 or len(sizes) != 1:
+        return 1
+    size = sizes.pop()
+    moving = set(movers)
+    groups = {topo.group_of[r] for r in moving}
+    if size < 2 or not moving or any(not set(topo.members(g)) <= moving for g in groups):
+        return 1
+    return size
+
+
 def group_ranks(
     places: Sequence[Place],
     *,

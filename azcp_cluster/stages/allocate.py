@@ -81,7 +81,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
     reserved here and faulted in at first use (POPULATED_SLOTS).
     """
     here = writes_here(listed.listing, diff, schedule)
-    shape = shapes.decide(ctx.cfg, ctx.local, ctx.rank, place, plan, bool(schedule.transfers))
+    shape = shapes.decide(ctx.cfg, ctx.local, ctx.rank, place, plan, schedule.anywhere)
     if not diff.transfer:
         return Prepared(listed, diff, plan, schedule, shape, None, here)  # nothing to write: a rerun stays cheap
     cluster = ctx.cluster
@@ -96,7 +96,8 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
     with cluster.stage(outcome):
         _download_buffers(ctx, shape, mine)
         if place.leader:
-            later = made_on_arrival(ctx, place, listed.listing, plan, here, diff.kept)
+            # With several rails, each lane writes what its chain brings: every file made here first.
+            later = made_on_arrival(ctx, place, listed.listing, plan, here, diff.kept) if place.rails == 1 else []
             check_files_space(ctx, listed.listing, here)  # before anything is written
             start_journal(ctx, listed.listing, diff)  # before any file is made anew
             prepare_files(ctx, listed.listing, here, later, diff.kept, checked=True)
@@ -106,6 +107,13 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
     cluster.note("allocate", t0)
     cluster.conclude(cluster.clock(), outcome, lambda result: record_fanout(ctx, result))
     _hand_to_downloaders(ctx, place, listed, mine)
+    if place.rails > 1:  # every other lane's chain: its driver, once it knows the files' identities
+        lane: StageOutcome[None] = StageOutcome()
+        with cluster.stage(lane):
+            if not place.leader:
+                driver = make_driver(ctx, place, listed, diff, schedule, shape, pieces, stream_crcs)
+        ctx.explain_space(lane, sum(listed.listing.files[i].size for i in here))
+        cluster.conclude(cluster.clock(), lane)
     _download_writer(ctx, listed.listing.files, shape)  # after the files' identities came
     return Prepared(listed, diff, plan, schedule, shape, driver, here, pieces, stream_crcs)
 
@@ -140,14 +148,15 @@ def _download_writer(ctx: RunContext, files: Sequence[FileEntry], shape: Transfe
 
 
 def _hand_to_downloaders(ctx: RunContext, place: Placement, listed: Listed, mine: Sequence[Shard]) -> None:
-    """Where a node has downloaders besides its leader: they get the identities of the files it
-    made (they write into no other file), and each, with --resume, a block journal of its own."""
+    """Where a node has ranks besides its leader that write into its files (downloaders, or every
+    lane's chain with several rails): they get the identities of the files it made (they write
+    into no other file), and each, with --resume, a block journal of its own."""
     topo = place.topo
-    if ctx.local or all(topo.is_leader(r) for r in topo.downloaders):
+    if place.rails == 1 and (ctx.local or all(topo.is_leader(r) for r in topo.downloaders)):
         return
     tree = ctx.tree
     made = ctx.group_comm.bcast(tree.made if place.leader and tree is not None else None, root=0)
-    if mine and not place.leader:
+    if (mine or place.rails > 1) and not place.leader:
         tree = ctx.dest_tree()
         tree.adopt(made or {})  # DEST exists now: its leader made it
         if ctx.cfg.resume:  # this rank writes into the node's files: its own journal
@@ -230,7 +239,7 @@ def choose_fanout(
     bytes (``--fanout``; auto may probe the fabric, a collective of the leaders, so it runs
     here, where every leader is, never inside a stage one of them may have left). ``chosen``:
     the first round's choice, kept for a second."""
-    if not place.leader or not schedule.transfers or chosen is not None:
+    if not place.fans_out or not schedule.transfers or chosen is not None:
         return chosen
     cfg = ctx.cfg
     transfers = schedule.transfers
@@ -271,7 +280,7 @@ def make_driver(
         return None
     cfg = ctx.cfg
     io = ctx.io
-    reads = ctx.local and ctx.rank in place.readers
+    reads = ctx.local and ctx.rank in place.owners
     if shape.fanout is None:
         raise InternalError("the fan-out's transport was not chosen before its stage (choose_fanout)")
     threads, name = cfg.bcast_writers, "azcp-fanout-writer"
@@ -304,10 +313,10 @@ def make_driver(
         writers=cfg.bcast_writers,
         direct=cfg.bcast_direct,
         have=list(diff.have),
-        verify=bool(cfg.verify),
+        verify=bool(cfg.verify) and place.rails == 1,  # a lane hashes a part of a file: no whole MD5
         source_of=read_from_source(ctx, listed, diff) if reads else None,
         source_pieces=pieces.add if cfg.verify and reads else None,
-        stream_crcs=stream_crcs if cfg.verify else None,
+        stream_crcs=stream_crcs if cfg.verify and place.rails == 1 else None,
         stop_requested=ctx.cluster.interrupted,
     )
 
@@ -358,7 +367,7 @@ def resend(ctx: RunContext, place: Placement, moved: Transferred, first: Prepare
     )
     schedule = schedule_for(ctx.cfg, ctx.local, place, plan, earlier=first.schedule)
     fanout = choose_fanout(ctx, place, schedule, first.shape.fanout)
-    shape = shapes.decide(ctx.cfg, ctx.local, ctx.rank, place, plan, bool(schedule.transfers), fanout)
+    shape = shapes.decide(ctx.cfg, ctx.local, ctx.rank, place, plan, schedule.anywhere, fanout)
     first.pieces.drop(changed)  # read again: what the first read saw does not count
     outcome = StageOutcome()
     driver: FanOutDriver | None = None

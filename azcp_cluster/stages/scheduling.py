@@ -17,8 +17,9 @@ from azcp_cluster.core.columns import distinct
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.model import Listing
 from azcp_cluster.core.packing import spread_chunk, spread_roots, transfer_schedule
-from azcp_cluster.core.plan import Plan
+from azcp_cluster.core.plan import Plan, ShardColumns
 from azcp_cluster.core.schedule import Transfer, Transfers, files_of, files_written, payload
+from azcp_cluster.core.topology import lanes_of
 from azcp_cluster.core.waves import TAPER
 from azcp_cluster.stages.setup import Placement
 from azcp_cluster.stages.shape import stream_sizes_for
@@ -29,14 +30,26 @@ from azcp_cluster.stages.survey import Diff
 class Schedule:
     """The transfers between the leaders, and the files they bring to this rank's node."""
 
-    # schedule.Transfers (columns; each Transfer made when read), or any list of them
+    # schedule.Transfers (columns; each Transfer made when read), or any list of them: this
+    # rank's rail's (every rail's chain carries what its own lane of each node brought in)
     transfers: Sequence[Transfer]
-    receives: frozenset[int]  # files the schedule brings here (this and earlier rounds)
+    receives: frozenset[int]  # files the schedule brings here, on any rail (this and earlier rounds)
+    every_rail: int | None = None  # bytes of file data on all the rails (None: one rail, ``payload``)
 
     @property
     def payload(self) -> int:
         """Bytes of file data in the transfers (not the alignment padding)."""
         return payload(self.transfers)
+
+    @property
+    def anywhere(self) -> bool:
+        """Some rail has transfers (every rank agrees: with one rail, this rank's schedule's)."""
+        return bool(self.transfers) if self.every_rail is None else self.every_rail > 0
+
+    @property
+    def total(self) -> int:
+        """Bytes of file data the fan-out carries on all its rails."""
+        return self.payload if self.every_rail is None else self.every_rail
 
     @property
     def files(self) -> int:
@@ -71,11 +84,30 @@ def schedule_for(cfg: Config, local: bool, place: Placement, plan: Plan, earlier
             chunk = spread_chunk(cfg.chunk, cfg.bcast_pipeline, roots, MAX_SLOTS)
         # Streamed: each root's last transfer tapered as its downloaders' last blocks are.
         tapered = TAPER if sizes is not None else None
-        transfers = transfer_schedule(plan, chunk, topo.groups, root_of=topo.group_of, tapered=tapered)
-        receives = files_written(transfers, place.group)
+        rails = [transfer_schedule(part, chunk, topo.groups, root_of=topo.group_of, tapered=tapered)
+                 for part in rail_plans(plan, place)]  # fmt: skip
+        transfers = rails[place.lane if place.rails > 1 else 0]
+        receives = set().union(*(files_written(t, place.group) for t in rails))
+        every_rail = sum(payload(t) for t in rails) if place.rails > 1 else None
+        if earlier is not None:
+            receives |= earlier.receives
+        return Schedule(transfers, frozenset(receives), every_rail)
     if earlier is not None:
         receives |= earlier.receives
     return Schedule(transfers, frozenset(receives))
+
+
+def rail_plans(plan: Plan, place: Placement) -> list[Plan]:
+    """The plan cut by rail: each shard on the rail of the lane that owns it (with one rail, the
+    plan itself). Every rank cuts it alike."""
+    if place.rails == 1:
+        return [plan]
+    c = plan.columns
+    lane_of = np.asarray(lanes_of(place.topo), dtype=np.int64)[c.owner]
+    return [
+        Plan.of_columns(ShardColumns(*(column[lane_of == lane] for column in c)), plan.nranks, plan.receivers)
+        for lane in range(place.rails)
+    ]
 
 
 def writes_here(listing: Listing, diff: Diff, schedule: Schedule) -> tuple[int, ...]:

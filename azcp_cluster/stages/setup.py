@@ -16,7 +16,16 @@ from azcp_cluster.azure.proxies import Proxy, proxy_for
 from azcp_cluster.core.config import json_inside_dest
 from azcp_cluster.core.errors import LocalFSError, LockError, ReportPathError, TopologyError
 from azcp_cluster.core.source import parse_blob_url
-from azcp_cluster.core.topology import Place, Topology, check_nesting, choose_reader, choose_readers, group_ranks
+from azcp_cluster.core.topology import (
+    Place,
+    Topology,
+    check_nesting,
+    choose_reader,
+    choose_readers,
+    group_ranks,
+    lanes_of,
+    rail_count,
+)
 from azcp_cluster.dest.destlock import DestLock, lock_backoff
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import ensure_dest, locate_dest, machine_id
@@ -43,10 +52,22 @@ class Placement:
     auth: Authorizer | None  # a blob SOURCE: the run's credential, no token yet
     proxy: Proxy | None = None  # a blob SOURCE: the proxy its ranged GETs go through (proxies.py)
     downloaders_on_host: int = 1  # downloading ranks of this job on this rank's host (they share its CPUs)
+    # The fan-out's chains: one per rail, lane i of every node in chain i (topology.rail_count);
+    # with one, the leaders' chain. This rank's lane: its place among its node's ranks.
+    rails: int = 1
+    lane: int = 0
+    # The ranks that bring the bytes in (the plan's owners): the downloaders, or a local SOURCE's
+    # readers (with several rails, every rank of a reader's node: each reads its own shards).
+    owners: tuple[int, ...] = ()
 
     def downloaders_here(self) -> list[int]:
         """The ranks of this node that download (ascending)."""
         return [r for r in self.topo.downloaders if self.topo.group_of[r] == self.group]
+
+    @property
+    def fans_out(self) -> bool:
+        """This rank takes part in the fan-out (a chain of its rail): every rank with several rails, else the leader."""
+        return self.leader or self.rails > 1
 
 
 def available_memory() -> int:
@@ -102,8 +123,12 @@ def setup(ctx: RunContext) -> Placement:
     _share_made(ctx, places, made.each([]))
     if not cfg.dry_run:
         lock_dest(ctx, leader, t0, places)
-    # Collective on every rank; leaders get one communicator, ordered by group.
-    node_comm = cluster.comm.Split(0 if leader else 1, topo.group_of[ctx.rank])
+    owners, rails = _movers(ctx, topo, readers, [sees for _, sees, _ in seen])
+    lane = lanes_of(topo)[ctx.rank]
+    # Collective on every rank, ordered by group: each rail's lane of every node (rail 0: the
+    # leaders); with one rail, the leaders get one communicator (the others one they never use).
+    color = lane if rails > 1 else (0 if leader else 1)
+    node_comm = cluster.comm.Split(color, topo.group_of[ctx.rank])
     # Each node's own ranks, its leader first: the leader hands its downloaders the
     # identities of the temporary files it made (they write into no other file).
     ctx.split(node_comm, cluster.comm.Split(topo.group_of[ctx.rank], 0 if leader else ctx.rank + 1))
@@ -118,6 +143,9 @@ def setup(ctx: RunContext) -> Placement:
         auth=auth,
         proxy=proxy,
         downloaders_on_host=max(1, on_host),
+        rails=rails,
+        lane=lane,
+        owners=owners,
     )
 
 
@@ -174,6 +202,20 @@ def _roles(ctx: RunContext, sees_all: list[bool], places: list[Place]) -> tuple[
     )
     check_nesting(places, topo.group_of)  # on every rank alike: the same error everywhere
     return readers, topo
+
+
+def _movers(ctx: RunContext, topo: Topology, readers: list[int], sees: list[bool]) -> tuple[tuple[int, ...], int]:
+    """The plan's owners and the fan-out's rails (``--rails off``: one). A local SOURCE's readers,
+    with several rails, are every rank of a reader's node that sees SOURCE: each reads its own
+    shards and sends them on its rail (the source is still read once)."""
+    if not ctx.local:
+        owners = tuple(topo.downloaders)
+    else:
+        groups = sorted({topo.group_of[r] for r in readers})
+        seeing = tuple(r for g in groups for r in topo.members(g) if sees[r] or r in readers)
+        owners = seeing if ctx.cfg.rails != "off" and rail_count(topo, seeing) > 1 else tuple(readers)
+    rails = 1 if ctx.cfg.rails == "off" else rail_count(topo, owners)
+    return owners, rails
 
 
 def _report_roles(ctx: RunContext, topo: Topology, reader: int, readers: list[int], devices: tuple[str, ...]) -> None:

@@ -247,10 +247,13 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     plan, schedule, driver = prepared.plan, prepared.schedule, prepared.driver
     transfers = schedule.transfers  # columns: a transfer is made when the fan-out reads it
     unit = prepared.shape.unit  # as small as the transfers: each leaves as soon as its bytes landed
-    blocks, landing = node_blocks(transfers, plan, place.group, place.downloaders_here(), unit, TAPER)
+    # With several rails, a lane's chain carries only what the lane downloads: its own blocks.
+    lanes = place.rails > 1
+    downloading = ([rank] if rank in place.topo.downloaders else []) if lanes else place.downloaders_here()
+    blocks, landing = node_blocks(transfers, plan, place.group, downloading, unit, TAPER)
     mine = [Block(*blocks.blocks[i]) for i in blocks.of_rank.get(rank, ())]
     index = {(f, o): i for i, (f, o, _) in enumerate(blocks.blocks)}
-    progress = Progress("transfer", schedule.payload, ctx.show_progress)
+    progress = Progress("transfer", schedule.total, ctx.show_progress)
     progress.expect_download(sum(s.length for s in plan.owned_by(rank)))
     progress.expect_files(schedule.files)
     outcome: StageOutcome[RankFanout] = StageOutcome()
@@ -269,9 +272,9 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
 
     with cluster.stage(outcome):
         done = Streamed(0.0)
-        if place.leader:
-            feed = here = LandingFeed(landing, ctx.group_comm, _notifying(place, rank, blocks.of_rank))
-            assert driver is not None
+        if place.fans_out and driver is not None:
+            others = [] if lanes else _notifying(place, rank, blocks.of_rank)
+            feed = here = LandingFeed(landing, ctx.group_comm, others)
             hooks = StageHooks(fanned.add, cluster.peer_failed, lambda: cluster.signal_failure(outcome))
             # Set by the fan-out when it stops: the leader's download stops too (its event
             # loop, on a thread of its own, makes no MPI call: no cluster.peer_failed there).
@@ -284,6 +287,10 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
             pool = _hold_written(ctx, prepared.shape.fetch, mine, unit)
             done = lead(driver, transfers, feed, own, mine, since, rank, stop, hooks, early, pool)
             digests.update(done.digests or {})
+        elif mine and lanes:  # a lane whose chain has nothing to send (what it fetches no other node lacks)
+            fetcher = make_downloader(lambda block: None, cluster.peer_failed)
+            fetcher.run(mine)
+            done = Streamed(since())
         elif mine:
             done = notify_while_downloading(
                 ctx.group_comm, index, lambda notice: make_downloader(notice, cluster.peer_failed), mine, since
@@ -373,7 +380,7 @@ def _conclude_stream(
         ranks = tuple(result.each(RankFanout()))
         slowest = max(rank.downloaded for rank in ranks)  # the download: to the last byte landed
         ctx.record(figures.Downloaded(slowest, tuple(rank.download or RankDownload() for rank in ranks)))
-        payload = prepared.schedule.payload
+        payload = prepared.schedule.total
         ctx.record(figures.FannedOut(result.seconds, payload, ranks, result.failed, streamed=True))
         ctx.warn_direct([rank.refused for rank in ranks])
 
@@ -402,11 +409,11 @@ def fan_out(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     Reports the local SOURCE's files that changed while they were read (agreed by all).
     """
     schedule, driver = prepared.schedule, prepared.driver
-    if not schedule.transfers:
+    if not schedule.anywhere:  # (every rank alike: a lane whose rail has none still joins the agreement)
         return FannedOut((), {})
     cluster = ctx.cluster
     t0 = cluster.clock()
-    progress = Progress("bcast", schedule.payload, ctx.show_progress)
+    progress = Progress("bcast", schedule.total, ctx.show_progress)
     progress.expect_files(schedule.files)
     outcome: StageOutcome[RankFanout] = StageOutcome()
     digests: dict[int, str] = {}
@@ -427,7 +434,7 @@ def fan_out(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
 
     def record(result: StageResult[RankFanout]) -> None:
         ranks = tuple(result.each(RankFanout()))
-        ctx.record(figures.FannedOut(result.seconds, schedule.payload, ranks, result.failed, local=ctx.local))
+        ctx.record(figures.FannedOut(result.seconds, schedule.total, ranks, result.failed, local=ctx.local))
         if not result.failed:
             ctx.warn_direct([rank.refused for rank in ranks])
 

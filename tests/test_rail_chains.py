@@ -1,0 +1,212 @@
+"""Several ranks per node: one fan-out chain per rail, lane i of every node in chain i (issue 40).
+
+The lanes and the rail count are pure (core/topology.py), the plan's cut by rail too
+(stages/scheduling.rail_plans); the runs are real: two nodes of two ranks each on this host,
+as ``mpiexec``'s two program blocks with their own DEST (MPMD), from a local SOURCE and from
+the emulator, streamed and not, with --verify, and with a rank of lane 1 killed mid-copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from azcp_cluster.core.plan import plan_transfers
+from azcp_cluster.core.schedule import payload
+from azcp_cluster.core.topology import Topology, lanes_of, rail_count
+from azcp_cluster.devtools import azurite
+from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.stages.scheduling import rail_plans
+from azcp_cluster.stages.setup import Placement
+from tests.conftest import clean_env, mpiexec_path
+
+MiB = 1 << 20
+
+
+def _topo(groups: list[list[int]], leaders: list[int] | None = None, downloaders: list[int] | None = None) -> Topology:
+    size = sum(len(g) for g in groups)
+    group_of = [0] * size
+    for index, members in enumerate(groups):
+        for rank in members:
+            group_of[rank] = index
+    return Topology(
+        tuple(group_of),
+        tuple(leaders if leaders is not None else [min(g) for g in groups]),
+        tuple(downloaders if downloaders is not None else range(size)),
+        len(groups),
+    )
+
+
+# -- lanes and rails (pure) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("nodes", "per"), list(itertools.product([1, 2, 3, 8], [1, 2, 4])))
+def test_every_node_of_equal_size_gets_one_rail_per_rank(nodes: int, per: int) -> None:
+    groups = [[n * per + i for i in range(per)] for n in range(nodes)]
+    topo = _topo(groups)
+    lanes = lanes_of(topo)
+    assert [lanes[r] for g in groups for r in g] == list(range(per)) * nodes  # the leader 0, the others by rank
+    assert rail_count(topo, topo.downloaders) == (per if nodes >= 2 and per >= 2 else 1)
+
+
+def test_the_leader_is_lane_0_wherever_it_is_among_its_node() -> None:
+    topo = _topo([[0, 1, 2], [3, 4, 5]], leaders=[2, 3])  # a reader leads its node
+    assert lanes_of(topo) == (1, 2, 0, 0, 1, 2)
+
+
+def test_unequal_nodes_or_a_node_that_downloads_in_part_run_one_chain() -> None:
+    assert rail_count(_topo([[0, 1], [2, 3, 4]]), range(5)) == 1  # unequal
+    assert rail_count(_topo([[0, 1], [2, 3]]), [0, 2, 3]) == 1  # rank 1 of node 0 does not download
+    assert rail_count(_topo([[0, 1], [2, 3]]), [2, 3]) == 2  # node 0 only receives: its lanes still do
+    assert rail_count(_topo([[0, 1], [2, 3]]), []) == 1  # nothing comes in
+
+
+def test_the_plan_cut_by_rail_puts_each_shard_on_its_owners_lane_once() -> None:
+    """Every shard on exactly one rail, the one of the lane that owns it; the rails' transfers
+    together carry the bytes the one-rail schedule carries."""
+    from azcp_cluster.core.packing import transfer_schedule
+
+    topo = _topo([[0, 1], [2, 3], [4, 5]])
+    place = Placement(topo, 0, True, 0, (), None, rails=2, lane=0, owners=tuple(range(6)))
+    sizes = [7 * MiB + 5, 3 * MiB, 1, 12 * MiB + 999, 0, 64 * 1024]
+    plan = plan_transfers(sizes, [[] for _ in sizes], 6, 2 * MiB, owners=list(range(6)), copies=3)
+    parts = rail_plans(plan, place)
+    lanes = np.asarray(lanes_of(topo))
+    assert sum(p.shard_count for p in parts) == plan.shard_count
+    for lane, part in enumerate(parts):
+        assert (lanes[part.columns.owner] == lane).all()
+    one = transfer_schedule(plan, MiB, 3, root_of=topo.group_of)
+    both = [transfer_schedule(p, MiB, 3, root_of=topo.group_of) for p in parts]
+    assert sum(payload(t) for t in both) == payload(one) == sum(sizes)  # each byte in one transfer, on one rail
+    assert all(payload(t) > 0 for t in both)  # both rails carry bytes
+
+
+# -- two nodes of two ranks on this host ---------------------------------------------------------
+
+
+def _mpmd(args_a: list[str], args_b: list[str], per: int = 2) -> list[str]:
+    """``mpiexec`` with two program blocks: node A's ranks then node B's, each block its own DEST."""
+    run = [sys.executable, "-m", "azcp_cluster"]
+    return [mpiexec_path(), "-n", str(per), *run, *args_a, ":", "-n", str(per), *run, *args_b]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in root.rglob("*")
+        if p.is_file() and not p.name.startswith(".azcp")
+    }
+
+
+def test_a_local_source_is_read_once_by_both_lanes_of_its_node_and_sent_on_both_rails(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    files = {f"f{i}.bin": pseudo_random(2 * MiB + 4097 * i, f"f{i}") for i in range(4)}
+    files.update({f"sub/s{i}.txt": pseudo_random(300 + i, f"s{i}") for i in range(12)})
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    report = tmp_path / "r.json"
+    common = ["--no-progress", "--verify", "--json", str(report)]
+    cmd = _mpmd([str(src), str(tmp_path / "A"), *common], [str(src), str(tmp_path / "B"), *common])
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _tree(tmp_path / "A") == files and _tree(tmp_path / "B") == files
+    doc = json.loads(report.read_text())
+    read = doc["source_bytes_by_rank"]
+    assert sum(read) == sum(len(d) for d in files.values())  # the source read once
+    assert read[0] > 0 and read[1] > 0  # by both ranks of the reader's node
+    assert doc["verified_against_source"] == len(files)
+
+
+@pytest.mark.parametrize("mode", ["streamed", "no-overlap", "verify"])
+def test_a_blob_source_goes_out_on_each_lanes_rail_and_leaves_azure_once(
+    emulator: azurite.Emulator, tmp_path: Path, mode: str
+) -> None:
+    container = f"rails{mode.replace('-', '')}{os.getpid()}"
+    blobs = {f"d/f{i}.bin": pseudo_random(3 * MiB + 777 * i, f"b{i}") for i in range(5)}
+    blobs.update({f"d/small/s{i}.txt": pseudo_random(400 + i, f"t{i}") for i in range(20)})
+    azurite.upload(emulator, container, blobs)
+    extra = {"streamed": [], "no-overlap": ["--no-overlap"], "verify": ["--verify"]}[mode]
+    report = tmp_path / "r.json"
+    common = ["--no-progress", "--json", str(report), *extra]
+    url = emulator.url(container, "d")
+    cmd = _mpmd([url, str(tmp_path / "A"), *common], [url, str(tmp_path / "B"), *common])
+    proc = subprocess.run(cmd, env=clean_env(emulator.key_env()), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    want = {k[2:]: v for k, v in blobs.items()}
+    assert _tree(tmp_path / "A") == want and _tree(tmp_path / "B") == want
+    doc = json.loads(report.read_text())
+    total = sum(len(v) for v in blobs.values())
+    assert doc["downloaded_bytes"] == total  # each byte left the service once
+    assert doc["broadcast_bytes"] == total  # every rail's bytes counted, once
+
+
+def test_a_rank_of_lane_1_killed_mid_copy_ends_the_job_and_the_rerun_completes(
+    emulator: azurite.Emulator, tmp_path: Path
+) -> None:
+    """SIGKILL to node A's second rank (lane 1) while the copy is paced: the job ends within
+    10 s with a failure code, nothing under a final name; the rerun completes byte-identical."""
+    container = f"railskill{os.getpid()}"
+    blobs = {f"d/f{i}.bin": pseudo_random(4 * MiB, f"k{i}") for i in range(6)}
+    azurite.upload(emulator, container, blobs)
+    url = emulator.url(container, "d")
+    dests = [tmp_path / "A", tmp_path / "B"]
+    slow = ["--no-progress", "--max-bandwidth", "8MiB/s", "--block-size", "1MiB"]
+    cmd = _mpmd([url, str(dests[0]), *slow], [url, str(dests[1]), *slow])
+    proc = subprocess.Popen(cmd, env=clean_env(emulator.key_env()), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    victim = None
+    deadline = time.monotonic() + 30
+    while victim is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        victim = _rank_pid(proc.pid, 1)
+    assert victim is not None, "rank 1 never started"
+    time.sleep(1.5)  # in the middle of the copy (24 MiB at 8 MiB/s)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - killed < 10, "the job outlived the killed rank by 10 s"
+    assert proc.returncode != 0, out.decode() + err.decode()
+    for dest in dests:
+        assert not any(dest.rglob("f*.bin")), "a final name after a failed run"
+    rerun = subprocess.run(_mpmd([url, str(dests[0]), "--no-progress"], [url, str(dests[1]), "--no-progress"]),
+                           env=clean_env(emulator.key_env()), capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    want = {k[2:]: v for k, v in blobs.items()}
+    assert _tree(dests[0]) == want and _tree(dests[1]) == want
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of the process below ``launcher`` whose rank is ``rank`` (hydra's PMI_RANK, Open MPI's)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ours = {f"PMI_RANK={rank}".encode(), f"OMPI_COMM_WORLD_RANK={rank}".encode()} & set(environ)
+        if b"azcp_cluster" in cmdline and ours and _below(int(entry.name), launcher):
+            return int(entry.name)
+    return None
+
+
+def _below(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return False
