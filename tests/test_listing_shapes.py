@@ -255,7 +255,7 @@ def test_a_dropped_connection_on_the_first_page_is_retried(
         return original(self, method, url, headers)
 
     monkeypatch.setattr(blobrest.Plain, "request", drops_once)
-    monkeypatch.setattr("azcp_cluster.azure.blobrest.backoff_delay", lambda *args: 0.0)
+    monkeypatch.setattr("azcp_cluster.core.retry.backoff_delay", lambda *args: 0.0)
     url = emulator.url(containers["mixed"])
     assert _lean(url, emulator.key_env()) == _sdk(url, emulator.key_env()) and failed
 

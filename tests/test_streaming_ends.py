@@ -43,7 +43,7 @@ class Fanout:
         self.feed: Feed | None = None
 
     def run(self, schedule: Sequence[object], hooks: object, **kw: Any) -> object:
-        self.feed = kw["landed"]
+        self.feed = kw["feed"]
         if self.after_feed:
             assert self.feed is not None and self.feed.told.wait(WAIT)
         if self.error is not None:

@@ -125,13 +125,7 @@ def setup(ctx: RunContext) -> Placement:
         lock_dest(ctx, leader, t0, places)
     owners, rails = _movers(ctx, topo, readers, [sees for _, sees, _ in seen])
     lane = lanes_of(topo)[ctx.rank]
-    # Collective on every rank, ordered by group: each rail's lane of every node (rail 0: the
-    # leaders); with one rail, the leaders get one communicator (the others one they never use).
-    color = lane if rails > 1 else (0 if leader else 1)
-    node_comm = cluster.comm.Split(color, topo.group_of[ctx.rank])
-    # Each node's own ranks, its leader first: the leader hands its downloaders the
-    # identities of the temporary files it made (they write into no other file).
-    ctx.split(node_comm, cluster.comm.Split(topo.group_of[ctx.rank], 0 if leader else ctx.rank + 1))
+    _split(ctx, topo, leader, lane if rails > 1 else None)
     _report_roles(ctx, topo, reader, readers, tuple(device for _, _, device in seen))
     on_host = sum(1 for r in topo.downloaders if places[r][0] == ctx.host)
     return Placement(
@@ -147,6 +141,16 @@ def setup(ctx: RunContext) -> Placement:
         lane=lane,
         owners=owners,
     )
+
+
+def _split(ctx: RunContext, topo: Topology, leader: bool, lane: int | None) -> None:
+    """The run's two communicators (collective on every rank), each ordered by group: the
+    fan-out's (each rail's ``lane`` of every node, rail 0 the leaders; one rail, ``lane``
+    None: the leaders', the others one they never use), and the node's own ranks, its leader
+    first (it hands them the identities of the temporary files it made)."""
+    comm, group = ctx.cluster.comm, topo.group_of[ctx.rank]
+    node_comm = comm.Split(lane if lane is not None else (0 if leader else 1), group)
+    ctx.split(node_comm, comm.Split(group, 0 if leader else ctx.rank + 1))
 
 
 def _share_made(ctx: RunContext, places: list[Place], made: list[list[str]]) -> None:

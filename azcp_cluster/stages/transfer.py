@@ -245,17 +245,12 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     rank = ctx.rank
     t0 = cluster.clock()
     plan, schedule, driver = prepared.plan, prepared.schedule, prepared.driver
-    transfers = schedule.transfers  # columns: a transfer is made when the fan-out reads it
+    transfers, lanes = schedule.transfers, place.rails > 1  # transfers: columns, each made when read
     unit = prepared.shape.unit  # as small as the transfers: each leaves as soon as its bytes landed
-    # With several rails, a lane's chain carries only what the lane downloads: its own blocks.
-    lanes = place.rails > 1
-    downloading = ([rank] if rank in place.topo.downloaders else []) if lanes else place.downloaders_here()
-    blocks, landing = node_blocks(transfers, plan, place.group, downloading, unit, TAPER)
+    blocks, landing = node_blocks(transfers, plan, place.group, _landing_here(place, rank), unit, TAPER)
     mine = [Block(*blocks.blocks[i]) for i in blocks.of_rank.get(rank, ())]
     index = {(f, o): i for i, (f, o, _) in enumerate(blocks.blocks)}
-    progress = Progress("transfer", schedule.total, ctx.show_progress)
-    progress.expect_download(sum(s.length for s in plan.owned_by(rank)))
-    progress.expect_files(schedule.files)
+    progress = _transfer_progress(ctx, prepared)
     outcome: StageOutcome[RankFanout] = StageOutcome()
     feed: LandingFeed | None = None
     digests: dict[int, str] = {}
@@ -279,17 +274,15 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
             # Set by the fan-out when it stops: the leader's download stops too (its event
             # loop, on a thread of its own, makes no MPI call: no cluster.peer_failed there).
             stop = threading.Event()
-            own, early = (
-                _made(lambda: make_downloader(lambda b: here.local(index[(b.file, b.offset)]), stop.is_set), rank)
-                if mine
-                else (None, None)
+            told = here.local
+            own, early = _made(
+                lambda: make_downloader(lambda b: told(index[(b.file, b.offset)]), stop.is_set), rank, bool(mine)
             )
             pool = _hold_written(ctx, prepared.shape.fetch, mine, unit)
             done = lead(driver, transfers, feed, own, mine, since, rank, stop, hooks, early, pool)
             digests.update(done.digests or {})
         elif mine and lanes:  # a lane whose chain has nothing to send (what it fetches no other node lacks)
-            fetcher = make_downloader(lambda block: None, cluster.peer_failed)
-            fetcher.run(mine)
+            make_downloader(lambda block: None, cluster.peer_failed).run(mine)
             done = Streamed(since())
         elif mine:
             done = notify_while_downloading(
@@ -297,6 +290,24 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
             )
     _conclude_stream(ctx, t0, outcome, done, made, fanned, progress, prepared, feed)
     return FannedOut((), digests)
+
+
+def _transfer_progress(ctx: RunContext, prepared: Prepared) -> Progress:
+    """A streamed transfer's progress: every rail's bytes, this rank's download and its files."""
+    schedule = prepared.schedule
+    progress = Progress("transfer", schedule.total, ctx.show_progress)
+    progress.expect_download(sum(s.length for s in prepared.plan.owned_by(ctx.rank)))
+    progress.expect_files(schedule.files)
+    return progress
+
+
+def _landing_here(place: Placement, rank: int) -> list[int]:
+    """The ranks whose landed blocks this rank's chain sends: the node's downloaders (the
+    leader's chain), or with several rails the lane itself (each lane's chain carries only
+    what it downloads)."""
+    if place.rails > 1:
+        return [rank] if rank in place.topo.downloaders else []
+    return place.downloaders_here()
 
 
 def _rate(cfg: Config, plan: Plan) -> float | None:
@@ -317,9 +328,11 @@ def _notifying(place: Placement, rank: int, of_rank: Mapping[int, object]) -> li
     return [1 + members.index(r) for r in place.downloaders_here() if r != rank and of_rank.get(r)]
 
 
-def _made(make: Callable[[], Fetcher], rank: int) -> tuple[Fetcher | None, AzcpError | None]:
-    """A leader's own downloader, or the error of making it: the fan-out still runs to its first
-    agreement then, so nobody is left waiting."""
+def _made(make: Callable[[], Fetcher], rank: int, mine: bool = True) -> tuple[Fetcher | None, AzcpError | None]:
+    """A leader's own downloader (none if it has no blocks: not ``mine``), or the error of making
+    it: the fan-out still runs to its first agreement then, so nobody is left waiting."""
+    if not mine:
+        return None, None
     try:
         return make(), None
     except Exception as exc:
