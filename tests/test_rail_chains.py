@@ -150,12 +150,14 @@ def test_a_blob_source_goes_out_on_each_lanes_rail_and_leaves_azure_once(
     assert doc["broadcast_bytes"] == total  # every rail's bytes counted, once
 
 
-def test_a_rank_of_lane_1_killed_mid_copy_ends_the_job_and_the_rerun_completes(
-    emulator: azurite.Emulator, tmp_path: Path
+@pytest.mark.parametrize("how", ["rank-killed", "launcher-interrupted"])
+def test_a_lane_1_rank_killed_or_the_launcher_interrupted_mid_copy_ends_the_job_and_the_rerun_completes(
+    emulator: azurite.Emulator, tmp_path: Path, how: str
 ) -> None:
-    """SIGKILL to node A's second rank (lane 1) while the copy is paced: the job ends within
-    10 s with a failure code, nothing under a final name; the rerun completes byte-identical."""
-    container = f"railskill{os.getpid()}"
+    """SIGKILL to node A's second rank (lane 1), or SIGINT to the launcher, while the copy is
+    paced: the job ends within 10 s (a SIGINT with exit 130), nothing under a final name; the
+    rerun completes byte-identical."""
+    container = f"rails{how.replace('-', '')}{os.getpid()}"
     blobs = {f"d/f{i}.bin": pseudo_random(4 * MiB, f"k{i}") for i in range(6)}
     azurite.upload(emulator, container, blobs)
     url = emulator.url(container, "d")
@@ -170,11 +172,16 @@ def test_a_rank_of_lane_1_killed_mid_copy_ends_the_job_and_the_rerun_completes(
         victim = _rank_pid(proc.pid, 1)
     assert victim is not None, "rank 1 never started"
     time.sleep(1.5)  # in the middle of the copy (24 MiB at 8 MiB/s)
-    os.kill(victim, signal.SIGKILL)
+    if how == "rank-killed":
+        os.kill(victim, signal.SIGKILL)
+    else:
+        proc.send_signal(signal.SIGINT)
     killed = time.monotonic()
     out, err = proc.communicate(timeout=60)
-    assert time.monotonic() - killed < 10, "the job outlived the killed rank by 10 s"
+    assert time.monotonic() - killed < 10, "the job outlived the signal by 10 s"
     assert proc.returncode != 0, out.decode() + err.decode()
+    if how == "launcher-interrupted":
+        assert proc.returncode == 130, out.decode() + err.decode()
     for dest in dests:
         assert not any(dest.rglob("f*.bin")), "a final name after a failed run"
     rerun = subprocess.run(_mpmd([url, str(dests[0]), "--no-progress"], [url, str(dests[1]), "--no-progress"]),
