@@ -148,6 +148,7 @@ def test_a_blob_source_goes_out_on_each_lanes_rail_and_leaves_azure_once(
     total = sum(len(v) for v in blobs.values())
     assert doc["downloaded_bytes"] == total  # each byte left the service once
     assert doc["broadcast_bytes"] == total  # every rail's bytes counted, once
+    assert len(doc["rail_bytes"]) == 2 and sum(doc["rail_bytes"]) == total and all(doc["rail_bytes"]), doc["rail_bytes"]
 
 
 @pytest.mark.parametrize("how", ["rank-killed", "launcher-interrupted"])

@@ -35,6 +35,7 @@ class RankFanout:
     memory: int = 0  # streaming: bytes sent from the download's buffers instead of the disk
     downloaded: float = 0.0  # streaming: seconds from the stage's start to this rank's last byte landed
     download: RankDownload | None = None  # streaming: this rank's download, if it had one
+    lane: int = 0  # the rail whose chain this rank is in (its place among its node's ranks)
 
 
 @dataclass(frozen=True)

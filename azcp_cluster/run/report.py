@@ -11,6 +11,7 @@ import stat
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import zip_longest
 from typing import Any, TextIO
 
 from azcp_cluster.core.config import format_bytes
@@ -72,6 +73,9 @@ class Report:
     source_readers: list[int] = field(default_factory=list)  # every rank that read it
     source_bytes_by_rank: list[int] = field(default_factory=list)  # bytes each rank read from it
     rail_devices: list[str] = field(default_factory=list)  # per rank, the fabric device it is bound to ("" none)
+    # Per rail (a chain of the fan-out: lane i of every node), the bytes of file data its chain
+    # carried; one entry with one rail.
+    rail_bytes: list[int] = field(default_factory=list)
     files: int = 0
     bytes: int = 0
     skipped_files: int = 0
@@ -197,8 +201,13 @@ class Report:
         if figures.streamed:
             self.overlap = True  # the mode, reported also when the stage fails
             self.sent_from_memory_bytes += sum(rank.memory for rank in ranks)
+        carried: dict[int, int] = {}
+        for rank in ranks:  # every rank of a chain takes part in every transfer it carries
+            carried[rank.lane] = max(carried.get(rank.lane, 0), rank.fanned)
+        rails = [carried.get(lane, 0) for lane in range(max(carried, default=-1) + 1)]
+        self.rail_bytes = [a + b for a, b in zip_longest(self.rail_bytes, rails, fillvalue=0)]
         if figures.failed:
-            self.broadcast_bytes += max((rank.fanned for rank in ranks), default=0)
+            self.broadcast_bytes += sum(rails)
             return
         self.broadcast_bytes += figures.payload
         self.stages["bcast"].bytes += figures.payload

@@ -62,6 +62,7 @@ class Prepared:
     pieces: SourcePieces = field(default_factory=SourcePieces)
     stream_crcs: dict[int, int] = field(default_factory=dict)
     resent: bool = False  # a second round, for files that changed while they were read
+    lane: int = 0  # the rail whose chain this rank's fan-out is in (setup.Placement.lane)
 
     @property
     def needed(self) -> int:
@@ -83,7 +84,8 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
     here = writes_here(listed.listing, diff, schedule)
     shape = shapes.decide(ctx.cfg, ctx.local, ctx.rank, place, plan, schedule.anywhere)
     if not diff.transfer:
-        return Prepared(listed, diff, plan, schedule, shape, None, here)  # nothing to write: a rerun stays cheap
+        # Nothing to write: a rerun stays cheap.
+        return Prepared(listed, diff, plan, schedule, shape, None, here, lane=place.lane)
     cluster = ctx.cluster
     t0 = cluster.clock()
     shape = dataclasses.replace(shape, fanout=choose_fanout(ctx, place, schedule))
@@ -115,7 +117,7 @@ def allocate(ctx: RunContext, place: Placement, listed: Listed, diff: Diff, plan
         ctx.explain_space(lane, sum(listed.listing.files[i].size for i in here))
         cluster.conclude(cluster.clock(), lane)
     _download_writer(ctx, listed.listing.files, shape)  # after the files' identities came
-    return Prepared(listed, diff, plan, schedule, shape, driver, here, pieces, stream_crcs)
+    return Prepared(listed, diff, plan, schedule, shape, driver, here, pieces, stream_crcs, lane=place.lane)
 
 
 def _download_buffers(ctx: RunContext, shape: TransferShape, mine: Sequence[Shard]) -> None:
@@ -380,4 +382,6 @@ def resend(ctx: RunContext, place: Placement, moved: Transferred, first: Prepare
     here = writes_here(listed.listing, diff, schedule)
     ctx.explain_space(outcome, sum(files[i].size for i in here))
     cluster.conclude(cluster.clock(), outcome)
-    return Prepared(listed, diff, plan, schedule, shape, driver, here, first.pieces, first.stream_crcs, True)
+    return Prepared(
+        listed, diff, plan, schedule, shape, driver, here, first.pieces, first.stream_crcs, True, place.lane
+    )

@@ -375,7 +375,9 @@ def _conclude_stream(
     fanout = done.fanout
     refused = (fanout.direct_refused if fanout is not None else None) or (download.refused if download else None)
     memory = fanout.memory_bytes if fanout is not None else 0
-    outcome.stats = RankFanout(fanned.bytes, refused or None, memory=memory, downloaded=downloaded, download=download)
+    outcome.stats = RankFanout(
+        fanned.bytes, refused or None, memory=memory, downloaded=downloaded, download=download, lane=prepared.lane
+    )
     progress.close()
     if driver is not None and outcome.error is None:
         # Only after a normal end: leaving early, writes may still be queued on the shared
@@ -439,7 +441,7 @@ def fan_out(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
             changed = tuple(sorted(driver.changed))
             mine = RankFanout(refused=stats.direct_refused or None, changed=changed, source_bytes=stats.source_bytes)
     ctx.io.end_fanout()  # after its queued writes
-    outcome.stats = dataclasses.replace(mine, fanned=fanned.bytes)
+    outcome.stats = dataclasses.replace(mine, fanned=fanned.bytes, lane=prepared.lane)
     progress.close()
     if driver is not None and outcome.error is None:  # (see stream)
         driver.release()
