@@ -152,11 +152,12 @@ def execute(ctx: RunContext, report: Report, lines: ReportPrinter) -> list[str]:
         lines.through("diff")
         topo = place.topo
         owners = list(place.owners)
+        sizes = [f.size for f in listed.listing.files]
         plan = plan_transfers(
-            [f.size for f in listed.listing.files],
+            sizes,
             diff.holders,
             topo.size,
-            cfg.shard_size,
+            scheduling.shard_size_for(cfg, place, sum(sizes)),
             owners=owners,
             copies=topo.groups,
             partial=diff.partial,  # a resumed run: only the ranges some copy lacks

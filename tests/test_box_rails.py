@@ -71,7 +71,9 @@ def test_the_tool_binds_its_ranks_to_the_rails_itself(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         size = sum(len(d) for d in files.values())
         print(f"{flavour}: the tool's rails carried {moved} bytes for {size}")
-        assert moved[0] >= size, moved  # the second host's copy came over rail 0, its leaders' rail
+        # The second host's copy came over both rails, each lane's chain carrying what that lane
+        # read (the one large file cut into shards small enough for both: scheduling.shard_size_for).
+        assert sum(moved) >= size and min(moved) >= 0.3 * size, moved
         for host in bx.hosts:
             assert tree_of(bx.dest_of(host)) == files, host.name
 

@@ -218,3 +218,21 @@ def _below(pid: int, ancestor: int) -> bool:
             return False
         pid = int(stat.rsplit(")", 1)[1].split()[1])
     return False
+
+
+def test_with_several_rails_the_shards_are_small_enough_for_every_owner() -> None:
+    """One large file (a checkpoint) in 1 GiB shards would leave lanes idle: with rails, each
+    owner gets about four shards' worth, in whole MiB; with one rail --shard-size stands."""
+    from azcp_cluster.core.config import Config
+    from azcp_cluster.stages.scheduling import SHARDS_PER_OWNER, shard_size_for
+
+    cfg = Config(source="/src", dest="/d")
+    topo = _topo([[0, 1], [2, 3]])
+    lanes = Placement(topo, 0, True, 0, (0,), None, rails=2, lane=0, owners=(0, 1))
+    alone = Placement(topo, 0, True, 0, (0,), None, rails=1, lane=0, owners=(0,))
+    assert shard_size_for(cfg, alone, 100 * 1024 * MiB) == cfg.shard_size
+    assert shard_size_for(cfg, lanes, 100 * 1024 * MiB) == cfg.shard_size  # already small enough
+    assert shard_size_for(cfg, lanes, 4 * 1024 * MiB) == 512 * MiB  # 4 GiB / (4 x 2 owners)
+    assert shard_size_for(cfg, lanes, 3 * MiB) == MiB  # never below a MiB
+    size = shard_size_for(cfg, lanes, 1000 * MiB + 1)
+    assert size % MiB == 0 and size * SHARDS_PER_OWNER * 2 >= 1000 * MiB

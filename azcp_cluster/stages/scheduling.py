@@ -14,7 +14,7 @@ import numpy as np
 
 from azcp_cluster.core.blocks import MAX_SLOTS
 from azcp_cluster.core.columns import distinct
-from azcp_cluster.core.config import Config
+from azcp_cluster.core.config import Config, MiB
 from azcp_cluster.core.model import Listing
 from azcp_cluster.core.packing import spread_chunk, spread_roots, transfer_schedule
 from azcp_cluster.core.plan import Plan, ShardColumns
@@ -95,6 +95,21 @@ def schedule_for(cfg: Config, local: bool, place: Placement, plan: Plan, earlier
     if earlier is not None:
         receives |= earlier.receives
     return Schedule(transfers, frozenset(receives))
+
+
+# With several rails, a plan's shards are cut small enough that each owner gets about this many
+# (the rails are cut from the plan by owner: a checkpoint's one large file in a few 1 GiB shards
+# would leave most lanes idle), never below a MiB.
+SHARDS_PER_OWNER = 4
+
+
+def shard_size_for(cfg: Config, place: Placement, total: int) -> int:
+    """The plan's shard size: ``--shard-size``, or with several rails no larger than a
+    :data:`SHARDS_PER_OWNER`-th of each owner's share (rounded up to a MiB)."""
+    if place.rails == 1 or not place.owners:
+        return cfg.shard_size
+    share = -(-total // (SHARDS_PER_OWNER * len(place.owners)))
+    return min(cfg.shard_size, max(MiB, -(-share // MiB) * MiB))
 
 
 def rail_plans(plan: Plan, place: Placement) -> list[Plan]:
