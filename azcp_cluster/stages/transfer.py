@@ -293,9 +293,10 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
 
 
 def _transfer_progress(ctx: RunContext, prepared: Prepared) -> Progress:
-    """A streamed transfer's progress: every rail's bytes, this rank's download and its files."""
+    """A streamed transfer's progress: its rail's bytes (what this rank's chain carries, which is
+    what it counts), this rank's download and its files."""
     schedule = prepared.schedule
-    progress = Progress("transfer", schedule.total, ctx.show_progress)
+    progress = Progress("transfer", schedule.payload, ctx.show_progress)
     progress.expect_download(sum(s.length for s in prepared.plan.owned_by(ctx.rank)))
     progress.expect_files(schedule.files)
     return progress
@@ -428,7 +429,7 @@ def fan_out(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
         return FannedOut((), {})
     cluster = ctx.cluster
     t0 = cluster.clock()
-    progress = Progress("bcast", schedule.total, ctx.show_progress)
+    progress = Progress("bcast", schedule.payload, ctx.show_progress)  # this rank's rail: what it counts
     progress.expect_files(schedule.files)
     outcome: StageOutcome[RankFanout] = StageOutcome()
     digests: dict[int, str] = {}
