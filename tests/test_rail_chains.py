@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,6 +128,38 @@ def test_a_local_source_is_read_once_by_both_lanes_of_its_node_and_sent_on_both_
     assert doc["verified_against_source"] == len(files)
 
 
+@pytest.mark.parametrize("touched", [0, 1])
+def test_a_local_file_a_lane_saw_change_is_sent_again_and_every_lanes_journal_lets_it_go(
+    tmp_path: Path, touched: int
+) -> None:
+    """The reader node's lane 0 or lane 1 sees a file change as it reads it: with the journals on
+    (the default), the second round remakes the file on every node after every lane recorded
+    and dropped what it wrote of it (before, a lane's journal syncing the leader's new file
+    refused it: exit 8 in up to 1 run in 2). Exit 0, both copies the source, sent twice."""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    files = {f"f{i}.bin": pseudo_random(3 * MiB + 4097 * i, f"t{i}") for i in range(3)}
+    files.update({f"sub/s{i}.txt": pseudo_random(300 + i, f"u{i}") for i in range(6)})
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    report = tmp_path / "r.json"
+    program = [str(Path(__file__).parent / "programs" / "touch_before_read.py")]
+    for _ in range(3):  # a race before: each run has its chance
+        for dest in ("A", "B"):
+            shutil.rmtree(tmp_path / dest, ignore_errors=True)
+        slow = {"AZCP_SLOW_JOURNAL_RANK": "1"}  # lane 1's journal late: its writes still unrecorded
+        env = clean_env({"AZCP_TOUCH_RANK": str(touched), "AZCP_TOUCH_FILE": "f1.bin", **slow})
+        run = [sys.executable, *program]
+        cmd = [mpiexec_path(), "-n", "2", *run, str(src), str(tmp_path / "A"), "--no-progress", "--json", str(report),
+               ":", "-n", "2", *run, str(src), str(tmp_path / "B"), "--no-progress"]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert _tree(tmp_path / "A") == files and _tree(tmp_path / "B") == files
+        doc = json.loads(report.read_text())
+        # Sent again: the first round's bytes and the second's.
+        assert doc["broadcast_bytes"] > sum(len(d) for d in files.values()), doc["broadcast_bytes"]
+
+
 @pytest.mark.parametrize("mode", ["streamed", "no-overlap", "verify"])
 def test_a_blob_source_goes_out_on_each_lanes_rail_and_leaves_azure_once(
     emulator: azurite.Emulator, tmp_path: Path, mode: str
@@ -236,3 +269,22 @@ def test_with_several_rails_the_shards_are_small_enough_for_every_owner() -> Non
     assert shard_size_for(cfg, lanes, 3 * MiB) == MiB  # never below a MiB
     size = shard_size_for(cfg, lanes, 1000 * MiB + 1)
     assert size % MiB == 0 and size * SHARDS_PER_OWNER * 2 >= 1000 * MiB
+
+
+def test_rails_off_runs_the_leaders_one_chain_and_reports_one_rail(tmp_path: Path) -> None:
+    """--rails off: one chain (the leaders'), the source read by its one reader, and the report's
+    rail_bytes a single entry (not one per lane with the others idle)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {f"f{i}.bin": pseudo_random(MiB + 313 * i, f"o{i}") for i in range(3)}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    report = tmp_path / "r.json"
+    common = ["--no-progress", "--rails", "off", "--json", str(report)]
+    cmd = _mpmd([str(src), str(tmp_path / "A"), *common], [str(src), str(tmp_path / "B"), *common])
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _tree(tmp_path / "A") == files and _tree(tmp_path / "B") == files
+    doc = json.loads(report.read_text())
+    total = sum(len(d) for d in files.values())
+    assert doc["rail_bytes"] == [total] and doc["source_bytes_by_rank"] == [total, 0, 0, 0], doc

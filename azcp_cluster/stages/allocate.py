@@ -336,6 +336,18 @@ def read_from_source(ctx: RunContext, listed: Listed, diff: Diff) -> Callable[[i
     return where
 
 
+def _forget(ctx: RunContext, paths: list[str]) -> None:
+    """Every rank that journals the node's files (the leader, and each lane or downloader that
+    wrote into them) records what it wrote of ``paths`` and then that none of it counts, in an
+    agreement, before the leader makes them anew: a lane's journal syncing a file the leader
+    has replaced would find another file there."""
+    outcome: StageOutcome[None] = StageOutcome()
+    with ctx.cluster.stage(outcome):
+        if ctx.io.journal is not None:
+            ctx.io.journal.drop(paths)
+    ctx.cluster.conclude(ctx.cluster.clock(), outcome)
+
+
 def resend(ctx: RunContext, place: Placement, moved: Transferred, first: Prepared) -> Prepared:
     """A second round of sending: the local SOURCE's files that changed while they were read, as they are now.
 
@@ -371,12 +383,11 @@ def resend(ctx: RunContext, place: Placement, moved: Transferred, first: Prepare
     fanout = choose_fanout(ctx, place, schedule, first.shape.fanout)
     shape = shapes.decide(ctx.cfg, ctx.local, ctx.rank, place, plan, schedule.anywhere, fanout)
     first.pieces.drop(changed)  # read again: what the first read saw does not count
+    _forget(ctx, [files[i].path for i in changed])
     outcome = StageOutcome()
     driver: FanOutDriver | None = None
     with cluster.stage(outcome):
         if place.leader:
-            if ctx.io.journal is not None:  # their blocks count no more, before the files are made anew
-                ctx.io.journal.drop([files[i].path for i in changed])
             prepare_files(ctx, listed.listing, changed)
             driver = make_driver(ctx, place, listed, diff, schedule, shape, first.pieces, first.stream_crcs)
     here = writes_here(listed.listing, diff, schedule)

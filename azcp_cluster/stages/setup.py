@@ -124,7 +124,7 @@ def setup(ctx: RunContext) -> Placement:
     if not cfg.dry_run:
         lock_dest(ctx, leader, t0, places)
     owners, rails = _movers(ctx, topo, readers, [sees for _, sees, _ in seen])
-    lane = lanes_of(topo)[ctx.rank]
+    lane = lanes_of(topo)[ctx.rank] if rails > 1 else 0  # one chain: every rank's is the leaders' rail
     _split(ctx, topo, leader, lane if rails > 1 else None)
     _report_roles(ctx, topo, reader, readers, tuple(device for _, _, device in seen))
     on_host = sum(1 for r in topo.downloaders if places[r][0] == ctx.host)
