@@ -53,7 +53,7 @@ class Prepared:
     plan: Plan
     schedule: Schedule
     shape: TransferShape
-    driver: FanOutDriver | None  # leaders with something to fan out: slots mapped
+    driver: FanOutDriver | None  # a rank of a chain with something to fan out (leaders; every lane with rails)
     here: tuple[int, ...]  # the files this node writes (and later syncs, verifies, renames)
     # --verify: what this rank brings into the run (downloaded blocks, a local SOURCE's reads)
     # with the CRC-32C of the bytes as they came, and the CRC-32C of each file its fan-out
@@ -275,8 +275,9 @@ def make_driver(
     stream_crcs: dict[int, int],
     later: Sequence[int] = (),
 ) -> FanOutDriver | None:
-    """Leaders: the fan-out engine for ``schedule``, its slots mapped now, and its node writer
-    (the node I/O's ``fanout_writer``, ended by the stage that fans out)."""
+    """A rank of a chain (the leaders; with several rails, every lane): the fan-out engine for
+    ``schedule``, its slots mapped now, and its node writer (the node I/O's ``fanout_writer``,
+    ended by the stage that fans out)."""
     transfers = schedule.transfers
     if not transfers:
         return None
