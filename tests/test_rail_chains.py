@@ -108,13 +108,19 @@ def _tree(root: Path) -> dict[str, bytes]:
     }
 
 
-def test_a_local_source_is_read_once_by_both_lanes_of_its_node_and_sent_on_both_rails(tmp_path: Path) -> None:
+def _source(tmp_path: Path, large: int, size: int, small: int, seed: str) -> tuple[Path, dict[str, bytes]]:
+    """A local SOURCE under ``tmp_path``: ``large`` files of about ``size`` bytes, ``small`` small ones in sub/."""
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
-    files = {f"f{i}.bin": pseudo_random(2 * MiB + 4097 * i, f"f{i}") for i in range(4)}
-    files.update({f"sub/s{i}.txt": pseudo_random(300 + i, f"s{i}") for i in range(12)})
+    files = {f"f{i}.bin": pseudo_random(size + 4097 * i, f"{seed}{i}") for i in range(large)}
+    files.update({f"sub/s{i}.txt": pseudo_random(300 + i, f"{seed}s{i}") for i in range(small)})
     for name, data in files.items():
         (src / name).write_bytes(data)
+    return src, files
+
+
+def test_a_local_source_is_read_once_by_both_lanes_of_its_node_and_sent_on_both_rails(tmp_path: Path) -> None:
+    src, files = _source(tmp_path, 4, 2 * MiB, 12, "f")
     report = tmp_path / "r.json"
     common = ["--no-progress", "--verify", "--json", str(report)]
     cmd = _mpmd([str(src), str(tmp_path / "A"), *common], [str(src), str(tmp_path / "B"), *common])
@@ -136,12 +142,7 @@ def test_a_local_file_a_lane_saw_change_is_sent_again_and_every_lanes_journal_le
     (the default), the second round remakes the file on every node after every lane recorded
     and dropped what it wrote of it (before, a lane's journal syncing the leader's new file
     refused it: exit 8 in up to 1 run in 2). Exit 0, both copies the source, sent twice."""
-    src = tmp_path / "src"
-    (src / "sub").mkdir(parents=True)
-    files = {f"f{i}.bin": pseudo_random(3 * MiB + 4097 * i, f"t{i}") for i in range(3)}
-    files.update({f"sub/s{i}.txt": pseudo_random(300 + i, f"u{i}") for i in range(6)})
-    for name, data in files.items():
-        (src / name).write_bytes(data)
+    src, files = _source(tmp_path, 3, 3 * MiB, 6, "t")
     report = tmp_path / "r.json"
     program = [str(Path(__file__).parent / "programs" / "touch_before_read.py")]
     for _ in range(3):  # a race before: each run has its chance
