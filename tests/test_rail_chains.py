@@ -289,3 +289,25 @@ def test_rails_off_runs_the_leaders_one_chain_and_reports_one_rail(tmp_path: Pat
     doc = json.loads(report.read_text())
     total = sum(len(d) for d in files.values())
     assert doc["rail_bytes"] == [total] and doc["source_bytes_by_rank"] == [total, 0, 0, 0], doc
+
+
+def test_a_lane_that_sees_another_tree_as_source_reads_nothing(tmp_path: Path) -> None:
+    """Node A's lane 1 is handed a copy of SOURCE at another path (as a rank in its own mount
+    namespace would see another tree): it is no reader, so one chain runs, the reader's tree is
+    what every node gets, and only the reader opened SOURCE."""
+    src, files = _source(tmp_path, 2, MiB, 3, "x")
+    other = tmp_path / "other"
+    shutil.copytree(src, other)
+    (other / "f0.bin").write_bytes(b"not the source")
+    report = tmp_path / "r.json"
+    run = [sys.executable, "-m", "azcp_cluster"]
+    common = ["--no-progress", "--json", str(report)]
+    cmd = [mpiexec_path(), "-n", "1", *run, str(src), str(tmp_path / "A"), *common,
+           ":", "-n", "1", *run, str(other), str(tmp_path / "A"), *common,
+           ":", "-n", "2", *run, str(src), str(tmp_path / "B"), *common]  # fmt: skip
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _tree(tmp_path / "A") == files and _tree(tmp_path / "B") == files
+    doc = json.loads(report.read_text())
+    total = sum(len(d) for d in files.values())
+    assert doc["source_bytes_by_rank"] == [total, 0, 0, 0] and doc["rail_bytes"] == [total], doc

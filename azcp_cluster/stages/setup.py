@@ -90,7 +90,7 @@ def setup(ctx: RunContext) -> Placement:
     """
     cluster = ctx.cluster
     cfg = ctx.cfg
-    outcome: StageOutcome[tuple[tuple[str, ...], bool, str]] = StageOutcome()
+    outcome: StageOutcome[tuple[tuple[str, ...], bool, str, tuple[int, int] | None]] = StageOutcome()
     t0 = cluster.clock()
     auth: Authorizer | None = None
     proxy: Proxy | None = None
@@ -98,17 +98,17 @@ def setup(ctx: RunContext) -> Placement:
     with cluster.stage(outcome):
         auth, proxy, sees = _check_arguments(ctx)
         # The fabric device --rails bound this rank to before MPI started (run/rails.py), for the report.
-        outcome.stats = (place_of(ctx), sees, ctx.env.get(RAIL_DEVICE_ENV, ""))
+        outcome.stats = (place_of(ctx), sees, ctx.env.get(RAIL_DEVICE_ENV, ""), _source_id(ctx) if sees else None)
     result = cluster.conclude(t0, outcome, stage="setup")
-    seen = result.each(((), False, ""))
-    places = [Place(*place) for place, _, _ in seen]
+    seen = result.each(((), False, "", None))
+    places = [Place(*place) for place, _, _, _ in seen]
     made_here: StageOutcome[list[str]] = StageOutcome()
     t1 = cluster.clock()
     readers: list[int] = []
     topo = Topology(group_of=(0,), leaders=(0,), downloaders=(0,), hosts=1)
     leader = False
     with cluster.stage(made_here):
-        readers, topo = _roles(ctx, [sees for _, sees, _ in seen], places)
+        readers, topo = _roles(ctx, [sees for _, sees, _, _ in seen], places)
         leader = topo.is_leader(ctx.rank)
         if ctx.local:  # on every rank: each knows only its own DEST
             check_overlap(os.path.realpath(ctx.source_root), ctx.dest_identity)
@@ -123,10 +123,10 @@ def setup(ctx: RunContext) -> Placement:
     _share_made(ctx, places, made.each([]))
     if not cfg.dry_run:
         lock_dest(ctx, leader, t0, places)
-    owners, rails = _movers(ctx, topo, readers, [sees for _, sees, _ in seen])
+    owners, rails = _movers(ctx, topo, readers, [source for _, _, _, source in seen])
     lane = lanes_of(topo)[ctx.rank] if rails > 1 else 0  # one chain: every rank's is the leaders' rail
     _split(ctx, topo, leader, lane if rails > 1 else None)
-    _report_roles(ctx, topo, reader, readers, tuple(device for _, _, device in seen))
+    _report_roles(ctx, topo, reader, readers, tuple(device for _, _, device, _ in seen))
     on_host = sum(1 for r in topo.downloaders if places[r][0] == ctx.host)
     return Placement(
         topo=topo,
@@ -208,15 +208,33 @@ def _roles(ctx: RunContext, sees_all: list[bool], places: list[Place]) -> tuple[
     return readers, topo
 
 
-def _movers(ctx: RunContext, topo: Topology, readers: list[int], sees: list[bool]) -> tuple[tuple[int, ...], int]:
+def _source_id(ctx: RunContext) -> tuple[int, int] | None:
+    """The device and inode of the local SOURCE this rank sees (its links followed), or None."""
+    try:
+        st = os.stat(ctx.source_root)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _movers(
+    ctx: RunContext, topo: Topology, readers: list[int], sources: list[tuple[int, int] | None]
+) -> tuple[tuple[int, ...], int]:
     """The plan's owners and the fan-out's rails (``--rails off``: one). A local SOURCE's readers,
-    with several rails, are every rank of a reader's node that sees SOURCE: each reads its own
-    shards and sends them on its rail (the source is still read once)."""
+    with several rails, are every rank of a reader's node that sees the very SOURCE its reader
+    sees (``sources``: each rank's, device and inode; another tree at the same path, a
+    container's own, never counts): each reads its own shards and sends them on its rail (the
+    source is still read once)."""
     if not ctx.local:
         owners = tuple(topo.downloaders)
     else:
-        groups = sorted({topo.group_of[r] for r in readers})
-        seeing = tuple(r for g in groups for r in topo.members(g) if sees[r] or r in readers)
+        reader_of = {topo.group_of[r]: r for r in readers}
+        seeing = tuple(
+            r
+            for g in sorted(reader_of)
+            for r in topo.members(g)
+            if r == reader_of[g] or (sources[r] is not None and sources[r] == sources[reader_of[g]])
+        )
         owners = seeing if ctx.cfg.rails != "off" and rail_count(topo, seeing) > 1 else tuple(readers)
     rails = 1 if ctx.cfg.rails == "off" else rail_count(topo, owners)
     return owners, rails
