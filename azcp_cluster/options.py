@@ -39,6 +39,7 @@ from azcp_cluster.core.config import (
     PROGRESS_MODES,
     RAIL_MODES,
     UNITS,
+    VERBOSITY_LEVELS,
     VERIFY_MODES,
     Config,
     parse_rate,
@@ -113,6 +114,7 @@ class Option:
     choices: tuple[str, ...] = ()
     value: Any = None  # an alias's value
     source: str = ""  # BLOB or LOCAL: the only kind of SOURCE it applies to ("": both)
+    short: str = ""  # a one-letter flag as well (-q, -v)
 
 
 # The kinds of SOURCE an option may be for alone (Option.source), and what the other kind does instead.
@@ -203,6 +205,20 @@ OPTIONS: tuple[Option, ...] = (
            "10 s, for logs), 'none'; default auto: the bar on a terminal, lines elsewhere (mpiexec, srun, "
            "a log)", "MODE", PROGRESS_MODES),
     Option("--no-progress", "progress", GROUPS[3], "alias", "the same as --progress none", value="none"),
+    Option("--quiet", "verbosity", GROUPS[3], "alias",
+           "print only errors, warnings and the final summary line (no stage lines, no progress)",
+           value="quiet", short="-q"),
+    Option("--verbose", "verbosity", GROUPS[3], "alias",
+           "also print the libraries' log lines (azure-identity's, azure-core's) on stderr",
+           value="verbose", short="-v"),
+    # The Python API's form of -q and -v (no flag of its own).
+    Option("", "verbosity", GROUPS[3], "choice",
+           "what reaches the terminal: 'quiet' (-q), 'normal' (default), 'verbose' (-v)", "LEVEL",
+           VERBOSITY_LEVELS),
+    Option("--log-file", "log_file", GROUPS[3], "path",
+           "append every line of the run to FILE whatever -q or -v say: the stage lines, the summary, "
+           "errors and the libraries' log records; {rank} and {host} expand as in DEST (without "
+           "{rank}, rank 0 alone writes it); not inside DEST", "FILE"),
     Option("--lock", "lock", GROUPS[3], "choice",
            "another run on the same DEST: 'wait' for it (see --lock-timeout) or 'fail' at once; exit 9 if "
            "it is still there (default wait)", "MODE", LOCK_MODES),
@@ -327,10 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
         group = groups[option.group]
         # No defaults here: an option not given leaves its Config field at the one default (config.py).
         common: dict[str, Any] = {"help": option.help, "default": argparse.SUPPRESS}
+        names = (option.short, option.flag) if option.short else (option.flag,)
         if option.kind in ("flag", "negated"):
             group.add_argument(option.flag, dest=option.flag, action="store_true", **common)
         elif option.kind == "alias":
-            group.add_argument(option.flag, dest=option.flag, action="store_const", const=option.value, **common)
+            group.add_argument(*names, dest=option.flag, action="store_const", const=option.value, **common)
         elif option.kind == "globs":
             group.add_argument(option.flag, dest=option.flag, action="append", metavar=option.metavar, **common)
         elif option.kind == "verify":

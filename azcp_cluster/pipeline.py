@@ -22,6 +22,7 @@ from azcp_cluster.core.errors import AzcpError, ReportPathError
 from azcp_cluster.core.plan import Plan, plan_transfers
 from azcp_cluster.run import collector, figures
 from azcp_cluster.run.cluster import Cluster
+from azcp_cluster.run.console import Console, log_path_for
 from azcp_cluster.run.report import Report, ReportPrinter, write_json_report
 from azcp_cluster.stages import allocate, finish, scheduling, setup, survey, transfer
 from azcp_cluster.stages.context import RunContext
@@ -64,9 +65,11 @@ def run(
     cluster = Cluster(comm, clock, interrupts, cfg.peer_timeout or None)
     report = Report(ranks=cluster.size, dry_run=cfg.dry_run, max_bandwidth=cfg.max_bandwidth)
     started = clock()
-    ctx = RunContext(cfg, cluster, report.record, env, wall, out, host or socket.gethostname(), started, credential)
+    host = host or socket.gethostname()
+    console = Console(cfg.verbosity, log_path_for(cfg.log_file, cluster.rank, host), out, cluster.rank)
+    ctx = RunContext(cfg, cluster, report.record, env, wall, console, host, started, credential)
     # Rank 0 prints each report section as its stage ends (the rest at the end, below).
-    lines = ReportPrinter(report, out, enabled=cluster.rank == 0)
+    lines = ReportPrinter(report, out, enabled=cluster.rank == 0, console=console)
     failed: AzcpError | None = None
     plan_lines: list[str] = []
     agreed = False  # every rank ends here together: an agreed outcome, not one rank's bug
@@ -88,6 +91,10 @@ def run(
         if cfg.json_path and not isinstance(failed, ReportPathError):
             write_json_report(report, cfg.json_path)
         lines.rest(failed is not None, plan_lines)
+    if failed is not None:
+        console.log([failed.one_line()])  # the CLI says it on stderr; the log has it too
+    # A log inside DEST was refused by setup (exit 2): never opened, also not at the end.
+    console.close(open_first=not isinstance(failed, ReportPathError))
     if failed is not None:
         raise failed from None
     return report
@@ -141,6 +148,7 @@ def execute(ctx: RunContext, report: Report, lines: ReportPrinter) -> list[str]:
     """
     cfg = ctx.cfg
     place = setup.setup(ctx)
+    ctx.console.open_log()  # setup found it outside DEST
     lines.through("cluster")
     if ctx.rank == 0 and cfg.json_path:  # its place checked by setup (not inside DEST)
         ctx.cluster.interrupts.on_first = _report_at_signal(report, cfg.json_path, ctx.cluster, ctx.started)

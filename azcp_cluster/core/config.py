@@ -43,6 +43,8 @@ VERIFY_MODES = ("disk", "stream")
 LOCK_MODES = ("wait", "fail")
 # --progress: the bar on a terminal, status lines elsewhere (auto); either; nothing.
 PROGRESS_MODES = ("auto", "bar", "lines", "none")
+# -q, the default, -v: what reaches the terminal (run/console.py decides what each shows).
+VERBOSITY_LEVELS = ("quiet", "normal", "verbose")
 # --rails: bind each local rank to one of the node's fabric devices before MPI starts (run/rails.py), or not.
 RAIL_MODES = ("auto", "off")
 
@@ -232,6 +234,10 @@ class Config:
     # What rank 0 shows while a stage runs: one of PROGRESS_MODES (progress.py): "auto" is the
     # bar on a terminal and status lines elsewhere (a launcher's pipe, a Slurm log).
     progress: str = "auto"
+    # What reaches the terminal: one of VERBOSITY_LEVELS (-q, -v); the log file gets every line.
+    verbosity: str = "normal"
+    # --log-file: every line of the run, and the libraries' log records ({rank}, {host} expanded).
+    log_file: str | None = None
     # A local SOURCE: the rank that reads it (default: the lowest rank that sees it).
     source_rank: int | None = None
     # A local SOURCE on a shared filesystem: this many reader ranks on different nodes.
@@ -292,6 +298,7 @@ class Config:
     def _check_modes(self) -> None:
         """The options that choose a mode are one of their choices; a chain's piece in range."""
         _check_choice("--progress", self.progress, PROGRESS_MODES)
+        _check_choice("verbosity", self.verbosity, VERBOSITY_LEVELS)
         _check_choice("--compare", self.compare, COMPARE_MODES)
         _check_choice("--fanout", self.fanout, FANOUT_METHODS)
         if self.fanout_piece is not None and not MIN_PIECE_OPTION <= self.fanout_piece <= MAX_PIECE_OPTION:
@@ -380,6 +387,8 @@ class Config:
         """The report's path, SOURCE and DEST: none empty, no control character in the last two."""
         if self.json_path is not None and not self.json_path:
             raise UsageError("--json PATH is empty")
+        if self.log_file is not None and not self.log_file:
+            raise UsageError("--log-file FILE is empty")
         if not self.source:
             raise UsageError("SOURCE is empty")
         if not self.dest:

@@ -1,9 +1,33 @@
-"""One line on stderr, as every rank says its warnings and notices."""
+"""What the run prints and where: the one place that decides what each verbosity level shows.
+
+Every rank says its warnings and notices on stderr (:func:`say`). Rank 0 also prints the report's
+stage lines and the summary line on stdout (the stable lines scripts parse, and ``--json`` for
+the rest) and the progress on stderr. :class:`Console` decides which of them reach the terminal
+(:data:`SHOWN`, by ``-q`` / ``-v``), and copies every one of them to ``--log-file`` whatever the
+level, with the libraries' log records (azure-identity's, azure-core's) at INFO and up, which
+reach the terminal only with ``-v`` (their own warnings, such as ``ImdsCredential.get_token
+failed``, leaked onto it through :mod:`logging`'s last-resort handler).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
+import threading
+from collections.abc import Iterable
+from typing import TextIO
+
+# What each level shows on the terminal: "report" (the stage lines), "progress", "note" (a
+# one-line notice of rank 0's, such as a --progress bar that prints lines), "summary" (the
+# last line), "library" (the libraries' log records). Errors and warnings always show.
+SHOWN = {
+    "quiet": frozenset({"summary"}),
+    "normal": frozenset({"report", "progress", "note", "summary"}),
+    "verbose": frozenset({"report", "progress", "note", "summary", "library"}),
+}
+# The loggers of the libraries the run calls (their records go through the console).
+LIBRARY_LOGGERS = ("azure", "msal", "urllib3")
 
 
 def say(line: str) -> None:
@@ -14,3 +38,122 @@ def say(line: str) -> None:
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
+
+
+def log_path_for(template: str | None, rank: int, host: str) -> str | None:
+    """This rank's ``--log-file``, ``{rank}`` and ``{host}`` expanded as in DEST; None where this
+    rank writes none (no ``{rank}`` in it: rank 0 alone writes it, so ranks never share a file)."""
+    from azcp_cluster.dest.localfs import expand_dest  # (when needed: say()'s importers need none of it)
+
+    if not template or (rank != 0 and "{rank}" not in template):
+        return None
+    return expand_dest(template, rank, host)
+
+
+class Console:
+    """One rank's output: the terminal's share by verbosity (:data:`SHOWN`) and every line in
+    the log file (opened by :meth:`open_log` once the run knows it lies outside DEST; the lines
+    before wait in memory). :meth:`close` ends it and takes its log handler off the libraries'
+    loggers. Safe from several threads (the libraries log on their own)."""
+
+    def __init__(self, verbosity: str, log_path: str | None, out: TextIO, rank: int) -> None:
+        self.verbosity = verbosity
+        self.log_path = log_path
+        self.out = out
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._pending: list[str] | None = [] if log_path else None  # lines before the log opens
+        self._log: TextIO | None = None
+        self._handler = _LibraryHandler(self)
+        self._levels: dict[str, int] = {}
+        for name in LIBRARY_LOGGERS:
+            logger = logging.getLogger(name)
+            self._levels[name] = logger.level
+            if (log_path or verbosity == "verbose") and not logger.isEnabledFor(logging.INFO):
+                logger.setLevel(logging.INFO)
+            # A handler of ours, even one that shows nothing, keeps the last-resort handler
+            # from printing their warnings; a host program's own handlers still get them.
+            logger.addHandler(self._handler)
+
+    def shows(self, kind: str) -> bool:
+        """Whether ``kind`` of output (:data:`SHOWN`) reaches the terminal at this level."""
+        return kind in SHOWN[self.verbosity]
+
+    def progress_mode(self, mode: str) -> str:
+        """The progress mode this level allows (``none`` under ``-q``)."""
+        return mode if self.shows("progress") else "none"
+
+    def report(self, lines: Iterable[str], kind: str = "report") -> None:
+        """Rank 0's stdout lines (the stage lines, or the summary: ``kind``) in one write if this
+        level shows them; in the log file always. A reader gone loses them, nothing more."""
+        lines = list(lines)
+        if not lines:
+            return
+        if self.shows(kind):
+            with contextlib.suppress(OSError, ValueError):
+                self.out.write("".join(f"{line}\n" for line in lines))
+                self.out.flush()
+        self.log(lines)
+
+    def note(self, line: str, kind: str = "note") -> None:
+        """A line on stderr if this level shows ``kind`` (errors: always); in the log file always."""
+        if kind == "error" or self.shows(kind):
+            say(line)
+        self.log([line])
+
+    def log(self, lines: Iterable[str]) -> None:
+        """``lines`` in the log file (kept in memory until it opens); nothing without one."""
+        with self._lock:
+            if self._pending is not None:
+                self._pending.extend(lines)
+            elif self._log is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    self._log.write("".join(f"{line}\n" for line in lines))
+                    self._log.flush()
+
+    def open_log(self) -> None:
+        """Open the log file (appending: a job's reruns follow one another) and write what
+        waited; one that cannot be opened is a warning, as an unwritable ``--json`` is."""
+        with self._lock:
+            if self._pending is None or self.log_path is None:
+                return
+            pending, self._pending = self._pending, None
+            try:
+                self._log = open(self.log_path, "a", encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
+            except OSError as exc:
+                say(f"azcp-cluster: warning: cannot write the log to {self.log_path}: {exc.strerror}")
+                return
+        self.log(pending)
+
+    def close(self, open_first: bool = False) -> None:
+        """The libraries' loggers as they were, and the log file closed (``open_first``: opened
+        first if it was not yet, for the lines of a run that ended before it could be)."""
+        for name in LIBRARY_LOGGERS:
+            logger = logging.getLogger(name)
+            logger.removeHandler(self._handler)
+            logger.setLevel(self._levels.get(name, logging.NOTSET))
+        if open_first:
+            self.open_log()
+        with self._lock:
+            self._pending = None
+            if self._log is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    self._log.close()
+                self._log = None
+
+
+class _LibraryHandler(logging.Handler):
+    """A library's log record, as one line: on stderr under ``-v``, in the log file always."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__(logging.INFO)
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """One line, ``azcp-cluster: rank R: LEVEL logger: message`` (its first line only)."""
+        try:
+            text = record.getMessage().splitlines()[0] if record.getMessage() else ""
+        except Exception:  # a library's bad format string: not the copy's failure
+            text = str(record.msg)
+        line = f"azcp-cluster: rank {self.console.rank}: {record.levelname.lower()} {record.name}: {text}"
+        self.console.note(line, "library")

@@ -12,13 +12,16 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import zip_longest
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from azcp_cluster.core.config import format_bytes
 from azcp_cluster.core.errors import UsageError
 from azcp_cluster.run import figures as fig
 from azcp_cluster.run.console import say
 from azcp_cluster.run.figures import Figures, TimelineEntry
+
+if TYPE_CHECKING:
+    from azcp_cluster.run.console import Console
 
 # The JSON document (what json.loads gives back: any JSON value under each key).
 Json = dict[str, Any]
@@ -310,17 +313,20 @@ SECTIONS = ("cluster", "list", "diff", "transfer", "verify", "end")
 
 
 class ReportPrinter:
-    """Rank 0's report lines on ``out``, each section once, as soon as its stage has ended.
+    """Rank 0's report lines on ``out``, each section once, as soon as its stage has ended, and
+    the summary line last (run/summary.py); through ``console`` where given (what ``-q`` shows,
+    and the log file: run/console.py).
 
     Under a launcher the run's output is a pipe or a log: ``[cluster]`` and ``[list]``, known in
     the first second, should not wait for the end of a copy of hours. A reader that went away
     (``| head``, a dead ``tee``) loses the lines, nothing more: a closed pipe must not fail a copy.
     """
 
-    def __init__(self, report: Report, out: TextIO, enabled: bool) -> None:
+    def __init__(self, report: Report, out: TextIO, enabled: bool, console: Console | None = None) -> None:
         self.report = report
         self.out = out
         self.enabled = enabled
+        self.console = console
         self.printed: set[str] = set()
 
     def through(self, section: str) -> None:
@@ -340,12 +346,23 @@ class ReportPrinter:
             at = next((i + 1 for i, line in enumerate(lines) if line.startswith("[diff] ")), 0)
             lines[at:at] = after_diff
         self.printed.update(SECTIONS)
-        _write_lines(lines, self.out)
+        self._write(lines)
+        from azcp_cluster.run.summary import summary_line
+
+        summary = None if failed else summary_line(self.report)
+        if summary is not None:
+            self._write([summary], "summary")
 
     def _print(self, sections: list[tuple[str, str]], wanted: set[str]) -> None:
         lines = [line for section, line in sections if section in wanted and section not in self.printed]
         self.printed.update(wanted)
-        _write_lines(lines, self.out)
+        self._write(lines)
+
+    def _write(self, lines: list[str], kind: str = "report") -> None:
+        if self.console is not None:
+            self.console.report(lines, kind)
+        else:
+            _write_lines(lines, self.out)
 
 
 def _write_lines(lines: list[str], out: TextIO) -> None:
@@ -360,7 +377,9 @@ def report_lines(report: Report, failed: bool = False) -> list[str]:
     """The stable report lines (a contract: scripts parse them).
 
     ``failed``: the run stopped early; only the lines of the stages it reached (their figures
-    so far), the retries and ``[total]``.
+    so far), the retries and ``[total]`` (none at all if it reached none: an argument refused).
+    A line with nothing to say is left out: ``[download]`` where nothing was downloaded (a local
+    SOURCE, a rerun with nothing to do), ``[bcast]`` where nothing was fanned out.
     """
     return [line for _, line in report_sections(report, failed)]
 
@@ -378,6 +397,8 @@ def report_sections(report: Report, failed: bool = False) -> list[tuple[str, str
         "[download] ": st["download"].seconds > 0 or report.downloaded_bytes > 0,
         "[bcast] ": st["bcast"].seconds > 0 or report.broadcast_bytes > 0,
     }
+    if not any(reached.values()):
+        return []
     return [(section, line) for section, line in lines if reached.get(line[: line.index(" ") + 1], True)]
 
 
@@ -403,7 +424,8 @@ def _lines(report: Report) -> list[tuple[str, str]]:
             if report.source_rank is not None
             else f"{report.download_ranks} downloading"
         ),
-        f"[list] {report.files} files, {report.bytes} bytes T={st['list'].seconds:.3f}s" + _human(report.bytes),
+        f"[list] {report.files} file{_s(report.files)}, {report.bytes} bytes T={st['list'].seconds:.3f}s"
+        + _human(report.bytes),
         f"[diff] {report.transfer_files} to transfer ({report.peer_files} peer, {report.azure_files} "
         f"{'azure' if report.source_rank is None else 'source'}), "
         f"{report.skipped_files} skipped"
@@ -412,38 +434,50 @@ def _lines(report: Report) -> list[tuple[str, str]]:
     ]
     lines = list(zip(SECTIONS[:3], head, strict=True))
     if not report.dry_run:
-        lines += [
+        lines += _moved_lines(report)
+    lines.append(("end", f"[total] T={st['total'].seconds:.3f}s"))
+    return lines
+
+
+def _moved_lines(report: Report) -> list[tuple[str, str]]:
+    """``[download]``, ``[bcast]``, ``[verify]`` and the retries: each only where it has something to say."""
+    st = report.stages
+    lines = []
+    if report.downloaded_bytes:  # (nothing for a local SOURCE, nor for a rerun with nothing to do)
+        seconds = st["download"].seconds
+        lines.append(
             (
                 "transfer",
-                f"[download] {report.downloaded_bytes} bytes T={st['download'].seconds:.3f}s "
-                f"BW={gbps(report.downloaded_bytes, st['download'].seconds)}"
+                f"[download] {report.downloaded_bytes} bytes T={seconds:.3f}s "
+                f"BW={gbps(report.downloaded_bytes, seconds)}"
                 + _against_cap(report)
-                + _human(report.downloaded_bytes, st["download"].seconds),
-            ),
-        ]
-        # One node copying from Azure sends nothing: no broadcast line (a local SOURCE's copy is
-        # its reader's fan-out, reported as one).
-        if report.writers != 1 or report.source_rank is not None or report.source_readers:
-            lines.append(
-                (
-                    "transfer",
-                    f"[bcast] {report.broadcast_shards} shards {report.broadcast_bytes} bytes "
-                    f"T={st['bcast'].seconds:.3f}s BW={gbps(report.broadcast_bytes, st['bcast'].seconds)}"
-                    + _human(report.broadcast_bytes, st["bcast"].seconds)
-                    + _via(report.fanout),
-                )
+                + _human(report.downloaded_bytes, seconds),
             )
-        if report.verified_files:
-            lines.append(
-                (
-                    "verify",
-                    f"[verify] {report.verified_files} files T={st['verify'].seconds:.3f}s: all copies match "
-                    f"({report.verified_against_source} against the source's CRC-32C)",
-                )
+        )
+    # One node copying from Azure sends nothing: no broadcast line (a local SOURCE's copy is
+    # its reader's fan-out, reported as one); nor does a run with nothing to send.
+    if report.broadcast_bytes and (report.writers != 1 or report.source_rank is not None or report.source_readers):
+        shards, seconds = report.broadcast_shards, st["bcast"].seconds
+        lines.append(
+            (
+                "transfer",
+                f"[bcast] {shards} shard{_s(shards)} {report.broadcast_bytes} bytes "
+                f"T={seconds:.3f}s BW={gbps(report.broadcast_bytes, seconds)}"
+                + _human(report.broadcast_bytes, seconds)
+                + _via(report.fanout),
             )
-        if report.retries:
-            causes = ", ".join(f"{k}={v}" for k, v in sorted(report.retry_causes.items()))
-            ranks = ", ".join(f"{rank}:{n}" for rank, n in enumerate(report.retries_by_rank) if n)
-            lines.append(("end", f"[cluster] retries: {report.retries} ({causes}) by rank {ranks}"))
-    lines.append(("end", f"[total] T={st['total'].seconds:.3f}s"))
+        )
+    if report.verified_files:
+        files = report.verified_files
+        lines.append(
+            (
+                "verify",
+                f"[verify] {files} file{_s(files)} T={st['verify'].seconds:.3f}s: all copies match "
+                f"({report.verified_against_source} against the source's CRC-32C)",
+            )
+        )
+    if report.retries:
+        causes = ", ".join(f"{k}={v}" for k, v in sorted(report.retry_causes.items()))
+        ranks = ", ".join(f"{rank}:{n}" for rank, n in enumerate(report.retries_by_rank) if n)
+        lines.append(("end", f"[cluster] retries: {report.retries} ({causes}) by rank {ranks}"))
     return lines

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from azcp_cluster.core.comm import Comm
 from azcp_cluster.core.config import Config
@@ -23,9 +23,9 @@ from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import Made, expand_dest, free_bytes
 from azcp_cluster.run import collector
 from azcp_cluster.run.cluster import Cluster, StageOutcome
-from azcp_cluster.run.console import say
+from azcp_cluster.run.console import Console, say
 from azcp_cluster.run.figures import Recorder
-from azcp_cluster.run.progress import resolve_mode
+from azcp_cluster.run.progress import BAR_NEEDS_A_TERMINAL, resolve_mode
 from azcp_cluster.stages.nodeio import NodeIO
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class RunContext:
         record: Recorder,
         env: Mapping[str, str],
         wall: Callable[[], float],
-        out: TextIO,
+        console: Console,
         host: str,
         started: float,
         credential: Any = None,
@@ -55,7 +55,8 @@ class RunContext:
         self.record = record  # a stage's figures into the run's report (Report.record)
         self.env = env
         self.wall = wall
-        self.out = out
+        self.console = console  # what reaches the terminal and the log file (run/console.py)
+        self.out = console.out
         self.host = host
         self.started = started
         self.credential = credential  # the Python API's credential=, else None
@@ -64,7 +65,7 @@ class RunContext:
         self.dest = os.path.join(os.getcwd(), expand_dest(cfg.dest, self.rank, host))
         # Symlinks and "..": two spellings of one directory are still one directory.
         self.dest_identity = os.path.realpath(self.dest)
-        self.show_progress = resolve_mode(cfg.progress, self.rank)  # bar, lines or none
+        self.show_progress = self._progress_mode(cfg.progress)  # bar, lines or none
         # A SOURCE without a scheme is a path: the readers read it, the others receive it.
         self.local = not is_url(cfg.source)
         self.source_root = os.path.abspath(cfg.source) if self.local else ""
@@ -82,6 +83,14 @@ class RunContext:
         self.heap = collector.Hold()  # the listing, plan and schedule, frozen (collector.py) until the end
         self._node_comm: Comm | None = None  # the leaders' communicator, for the fan-out (setup)
         self._group_comm: Comm | None = None  # this node's ranks, its leader as rank 0 (setup)
+
+    def _progress_mode(self, requested: str) -> str:
+        """What rank 0 shows while a stage runs (progress.resolve_mode, then what the verbosity
+        allows); a ``--progress bar`` that gets lines (no terminal on stderr) says so once."""
+        mode = self.console.progress_mode(resolve_mode(requested, self.rank))
+        if requested == "bar" and mode == "lines":
+            self.console.note(BAR_NEEDS_A_TERMINAL)
+        return mode
 
     def split(self, node: Comm, group: Comm) -> None:
         """The communicators setup made: the leaders' (``node``) and this node's ranks' (``group``)."""

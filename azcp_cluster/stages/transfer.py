@@ -146,7 +146,7 @@ def downloader(
     ctx: RunContext,
     place: Placement,
     prepared: Prepared,
-    progress: Callable[[int], None],
+    progress: Callable[[int], None] | None,
     peer_failed: Callable[[], bool],
     notice: Callable[[Block], None] | None = None,
 ) -> Fetcher:
@@ -155,7 +155,7 @@ def downloader(
     would shorten the copy (workers.py). Its configuration is the shape's (a streamed copy's block size
     and requests in flight).
 
-    Its landing sink, composed here once: each block's bytes to ``progress``, the block to this rank's journal
+    Its landing sink, composed here once: each block's bytes to ``progress`` (if any), the block to this rank's journal
     (if any), to ``notice`` (streaming), and with ``--verify`` its CRC to the source pieces. It stops once
     ``peer_failed()``."""
     from azcp_cluster.download import workers as worker_processes
@@ -262,7 +262,8 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     fanned = FanOutTally(progress.add)
 
     def make_downloader(notice: Callable[[Block], None], peer_failed: Callable[[], bool]) -> Fetcher:
-        made.append(downloader(ctx, place, prepared, progress.add_download, peer_failed, notice))
+        # No progress of its own: the transfer's is the fan-out's landed bytes (progress.py).
+        made.append(downloader(ctx, place, prepared, None, peer_failed, notice))
         return made[-1]
 
     with cluster.stage(outcome):
@@ -292,13 +293,15 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     return FannedOut((), digests)
 
 
-def _transfer_progress(ctx: RunContext, prepared: Prepared) -> Progress:
-    """A streamed transfer's progress: its rail's bytes (what this rank's chain carries, which is
-    what it counts), this rank's download and its files."""
+def _transfer_progress(ctx: RunContext, prepared: Prepared, label: str = "transfer") -> Progress:
+    """A fan-out's progress (streamed or not): the bytes its rail's chain landed on this rank's
+    node, of its rail's payload (what it carries, which is what it counts), and the listing's
+    files complete there: every file ``[list]`` counted, those it does not carry (present, empty,
+    another rail's) complete from the start."""
     schedule = prepared.schedule
-    progress = Progress("transfer", schedule.payload, ctx.show_progress)
-    progress.expect_download(sum(s.length for s in prepared.plan.owned_by(ctx.rank)))
-    progress.expect_files(schedule.files)
+    progress = Progress(label, schedule.payload, ctx.show_progress)
+    listed = len(prepared.listed.listing.files)
+    progress.expect_files(listed, listed - schedule.files)
     return progress
 
 
@@ -429,8 +432,7 @@ def fan_out(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
         return FannedOut((), {})
     cluster = ctx.cluster
     t0 = cluster.clock()
-    progress = Progress("bcast", schedule.payload, ctx.show_progress)  # this rank's rail: what it counts
-    progress.expect_files(schedule.files)
+    progress = _transfer_progress(ctx, prepared, "bcast")
     outcome: StageOutcome[RankFanout] = StageOutcome()
     digests: dict[int, str] = {}
     fanned = FanOutTally(progress.add)
