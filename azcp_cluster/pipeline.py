@@ -93,8 +93,7 @@ def run(
         lines.rest(failed is not None, plan_lines)
     if failed is not None:
         console.log([failed.one_line()])  # the CLI says it on stderr; the log has it too
-    # A log inside DEST was refused by setup (exit 2): never opened, also not at the end.
-    console.close(open_first=not isinstance(failed, ReportPathError))
+    console.close(ctx.dest_identity)
     if failed is not None:
         raise failed from None
     return report
@@ -148,7 +147,7 @@ def execute(ctx: RunContext, report: Report, lines: ReportPrinter) -> list[str]:
     """
     cfg = ctx.cfg
     place = setup.setup(ctx)
-    ctx.console.open_log()  # setup found it outside DEST
+    ctx.console.open_log(ctx.dest_identity)  # (setup refused one inside DEST)
     lines.through("cluster")
     if ctx.rank == 0 and cfg.json_path:  # its place checked by setup (not inside DEST)
         ctx.cluster.interrupts.on_first = _report_at_signal(report, cfg.json_path, ctx.cluster, ctx.started)

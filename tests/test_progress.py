@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 from azcp_cluster.core.config import MiB
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.devtools.demo import checkpoint_like
 from azcp_cluster.run.progress import LINE_SECONDS, LINE_STEP, Progress, resolve_mode
 from tests.conftest import MPI_TIMEOUT, clean_env, mpiexec_path
 
@@ -34,38 +36,48 @@ def _bar(total: int, width: int = 200, mode: str = "bar") -> tuple[Progress, io.
     return Progress("transfer", total, mode, stream=out, clock=clock, width=width), out, clock
 
 
-def test_the_streaming_bar_shows_fan_out_download_files_rate_and_eta() -> None:
+def test_percent_bytes_rate_and_eta_come_from_one_measure_and_the_files_from_the_listing() -> None:
     bar, _, clock = _bar(4 * MiB)
-    bar.expect_download(2 * MiB)
-    bar.expect_files(10)
-    bar.done, bar.downloaded, bar.files_done = MiB, MiB, 3
-    line = bar.bar(clock.now + 1.0)  # one second in: 1 MiB/s fanned, 3 MiB to go
-    assert line.startswith("transfer [") and " 50.0%, " in line  # half of the download landed
-    assert "1.00 MiB / 4.00 MiB, 1.00 MiB/s, ETA 3s" in line
-    assert line.endswith(", downloaded 1.00 MiB / 2.00 MiB, 3/10 files")
+    bar.expect_files(10, present=2)  # the listing's 10: 2 already present (or empty) from the start
+    for _ in range(4):  # 0.5 MiB a second, steadily, for 4 s
+        clock.now += 1.0
+        bar.add(MiB // 2, files=1)
+    line = bar.bar(clock.now)
+    assert line.startswith("transfer [") and " 50.0%, 2.00 MiB / 4.00 MiB, 512.00 KiB/s, ETA 4s, 6/10 files" in line
+    assert "downloaded" not in line
+    assert bar.bar(clock.now).split("] ", 1)[1].strip() == bar.status(clock.now).split("transfer ", 1)[1].strip()
 
 
-def test_an_eta_from_the_first_second_while_only_the_download_moves() -> None:
-    bar, _, clock = _bar(8 * MiB)
-    bar.expect_download(4 * MiB)
-    bar.downloaded = MiB  # nothing fanned out yet
-    line = bar.bar(clock.now + 1.0)
-    assert " 25.0%, 0 B / 8.00 MiB, 1.00 MiB/s, ETA 3s" in line
+def test_no_eta_before_two_seconds_of_bytes_nor_while_the_rate_is_unsteady() -> None:
+    bar, _, clock = _bar(96 * MiB)
+    clock.now += 3.0  # nothing moved for 3 s (the first transfer's download)
+    bar.add(37)  # a first frame's few bytes promised 35 hours
+    clock.now += 0.2
+    assert bar.eta(clock.now) is None and "ETA" not in bar.bar(clock.now)
+    for _ in range(9):  # 1.91 s since the first bytes, at a steady MiB/s: still under 2 s
+        clock.now += 0.19
+        bar.add(MiB // 5)
+    assert bar.eta(clock.now) is None
+    clock.now += 0.3
+    bar.add(MiB // 5)
+    assert bar.eta(clock.now) is not None  # 2 s of a steady rate
+    clock.now += 4.0  # then a stall: the last half of the window much slower than the window
+    bar.add(1)
+    assert bar.eta(clock.now) is None and "ETA" not in bar.bar(clock.now)
 
 
 @pytest.mark.parametrize("width", [40, 60, 80, 120, 160])
 def test_the_bar_fits_the_terminal_with_one_column_spare(width: int) -> None:
     bar, _, clock = _bar(400 * 1024 * MiB, width=width)
-    bar.expect_download(100 * 1024 * MiB)
     bar.expect_files(123_456)
-    bar.done, bar.downloaded, bar.files_done = 3 * 1024 * MiB, 50 * 1024 * MiB, 9_999
-    line = bar.bar(clock.now + 30.0)
+    for _ in range(30):
+        clock.now += 1.0
+        bar.add(100 * MiB, files=333)
+    line = bar.bar(clock.now)
     assert len(line) <= width - 1, line
     assert "%, " in line and "ETA" in line  # the least useful parts go first, the ETA last of them
     if width >= 120:
-        assert "[" in line and "downloaded" in line
-    if width >= 160:
-        assert "files" in line
+        assert "[" in line and "files" in line
 
 
 def test_drawn_at_most_four_times_a_second_and_ended_clean() -> None:
@@ -88,7 +100,7 @@ def test_status_lines_each_step_or_each_interval_and_a_last_one() -> None:
     lines.add(10)  # 10 % but within the first second: not yet
     assert out.getvalue() == ""
     clock.now += 0.6
-    lines.add(1)  # 11 %, a second in: a line
+    lines.add(1)  # 11 %, a second in: a line (no ETA yet: 0.6 s of bytes moving)
     clock.now += 1.0
     lines.add(int(LINE_STEP * 100) - 1)  # less than a step more: none
     assert out.getvalue().count("\n") == 1
@@ -100,7 +112,7 @@ def test_status_lines_each_step_or_each_interval_and_a_last_one() -> None:
     got = out.getvalue().splitlines()
     assert len(got) == 3, got
     assert all(line.startswith("[progress] transfer ") and "\r" not in line for line in got)
-    assert got[0].startswith("[progress] transfer  11.0%, 11 B / 100 B, ") and "ETA" in got[0]
+    assert got[0].startswith("[progress] transfer  11.0%, 11 B / 100 B, ") and "ETA" not in got[0]
     assert "100.0%" in got[-1] and "ETA" not in got[-1]
 
 
@@ -177,14 +189,51 @@ def test_under_mpiexec_a_pipe_sees_stage_lines_as_they_end_and_status_lines_mean
     got = _stamped(proc)
     assert proc.returncode == 0, got
     out = dict((line.split(" ", 1)[0], at) for at, line in got["out"])
-    assert list(out) == ["[cluster]", "[list]", "[diff]", "[download]", "[bcast]", "[total]"], got["out"]
+    assert list(out) == ["[cluster]", "[list]", "[diff]", "[download]", "[bcast]", "[total]", "azcp-cluster:"], got
+    assert out["azcp-cluster:"] >= out["[total]"]  # the summary line last
     # The first three as soon as they are known, seconds before the end.
     assert out["[total]"] - out["[diff]"] > 3.0, got["out"]
     status = [(at, line) for at, line in got["err"] if line.startswith("[progress] ")]
     assert len(status) >= 3, got["err"]
     assert all(out["[diff]"] <= at <= out["[bcast]"] for at, _ in status), (status, out)
     assert status[-1][0] - status[0][0] > 2.0  # spread over the copy, not printed at its end
-    assert all(", ETA " in line or "100.0%" in line for _, line in status[1:]), status
+    assert any(", ETA " in line for _, line in status), status  # once the rate is steady
+
+
+_UNITS = {"B": 1, "KiB": 1024, "MiB": MiB, "GiB": 1024 * MiB}
+_LINE = re.compile(
+    r"\[progress\] transfer +(?P<pct>[\d.]+)%, (?P<done>[\d.]+) (?P<du>\w+) / (?P<total>[\d.]+) (?P<tu>\w+), "
+    r"[\d.]+ \w+/s(?P<eta>, ETA \w+)?, (?P<files>\d+)/(?P<of>\d+) files$"
+)
+
+
+def test_under_mpiexec_every_progress_line_adds_up(emulator: azurite.Emulator, tmp_path: Path) -> None:
+    # Four "nodes", a paced copy of the demo's dataset (27 files, one of them empty): each line's
+    # percent is its bytes over its total, no ETA in the first 2 s, the files counted as [list] does.
+    container = "progress-adds-up"
+    azurite.upload(emulator, container, checkpoint_like(20 * MiB))
+    cmd = [mpiexec_path(), "-n", "4", sys.executable, "-m", "azcp_cluster", emulator.url(container, "llama-tiny"),
+           str(tmp_path / "node{rank}"), "--max-bandwidth", "4MB/s", "--block-size", "1MiB"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=clean_env(emulator.key_env()), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    got = _stamped(proc)
+    assert proc.returncode == 0, got
+    out = {line.split(" ", 1)[0]: (at, line) for at, line in got["out"]}
+    listed = int(out["[list]"][1].split()[1])
+    assert listed == 27
+    status = [(at, line) for at, line in got["err"] if line.startswith("[progress] ")]
+    assert len(status) >= 3, got["err"]
+    for at, line in status:
+        m = _LINE.match(line)
+        assert m, line
+        done = float(m["done"]) * _UNITS[m["du"]]
+        total = float(m["total"]) * _UNITS[m["tu"]]
+        assert abs(float(m["pct"]) - 100 * done / total) <= 1.0, line
+        assert int(m["of"]) == listed, line
+        assert not m["eta"] or at - out["[diff]"][0] >= 2.0, (line, at - out["[diff]"][0])
+    assert any(_LINE.match(line)["eta"] for _, line in status), status  # type: ignore[index]
+    assert _LINE.match(status[-1][1])["files"] == str(listed)  # type: ignore[index]
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")

@@ -50,7 +50,8 @@ class UsageError(AzcpError):
 
 
 class ReportPathError(UsageError):
-    """``--json`` names a place the report must not go (inside DEST): refused, and no report written (exit 2)."""
+    """``--json`` or ``--log-file`` names a place it must not go (inside DEST): refused, and no report
+    or log written (exit 2)."""
 
     exit_code = 2
     stage = "arguments"

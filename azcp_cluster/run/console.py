@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
 from collections.abc import Iterable
@@ -111,13 +112,18 @@ class Console:
                     self._log.write("".join(f"{line}\n" for line in lines))
                     self._log.flush()
 
-    def open_log(self) -> None:
+    def open_log(self, dest: str) -> None:
         """Open the log file (appending: a job's reruns follow one another) and write what
-        waited; one that cannot be opened is a warning, as an unwritable ``--json`` is."""
+        waited; one that cannot be opened is a warning, as an unwritable ``--json`` is. Never
+        one inside ``dest`` (DEST's real path: setup refuses it, exit 2)."""
+        from azcp_cluster.core.config import json_inside_dest
+
         with self._lock:
             if self._pending is None or self.log_path is None:
                 return
             pending, self._pending = self._pending, None
+            if json_inside_dest(os.path.realpath(self.log_path), dest):
+                return
             try:
                 self._log = open(self.log_path, "a", encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
             except OSError as exc:
@@ -125,15 +131,14 @@ class Console:
                 return
         self.log(pending)
 
-    def close(self, open_first: bool = False) -> None:
-        """The libraries' loggers as they were, and the log file closed (``open_first``: opened
-        first if it was not yet, for the lines of a run that ended before it could be)."""
+    def close(self, dest: str) -> None:
+        """The libraries' loggers as they were, and the log file closed (opened first if it was
+        not yet, outside ``dest``, for the lines of a run that ended before it could be)."""
         for name in LIBRARY_LOGGERS:
             logger = logging.getLogger(name)
             logger.removeHandler(self._handler)
             logger.setLevel(self._levels.get(name, logging.NOTSET))
-        if open_first:
-            self.open_log()
+        self.open_log(dest)
         with self._lock:
             self._pending = None
             if self._log is not None:

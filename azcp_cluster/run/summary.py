@@ -23,7 +23,8 @@ def _copies(report: Report, preposition: str = "to") -> str:
 
 
 def summary_line(report: Report) -> str | None:
-    """``azcp-cluster: 27 files, 24.02 MiB to 4 nodes (96.08 MiB written) in 3.51 s, 0 retries``,
+    """``azcp-cluster: 27 files, 24.02 MiB to 4 nodes (96.08 MiB written) in 3.51 s, 0 retries``
+    (and `` (3 files already present)`` where some were),
     or ``azcp-cluster: nothing to do: 27 files already present on 4 nodes``; None for a failed
     run (its error line says how it ended) or a dry run (its plan says what it would do).
 
@@ -36,10 +37,10 @@ def summary_line(report: Report) -> str | None:
     if report.transfer_files == 0:
         return f"azcp-cluster: nothing to do: {counted(report.files, 'file')} already present {_copies(report, 'in')}"
     moved = report.bytes - report.skipped_bytes
-    present = f", {report.skipped_files} already present" if report.skipped_files else ""
+    present = f" ({counted(report.skipped_files, 'file')} already present)" if report.skipped_files else ""
     whole = report.peer_files == 0 and report.resumed_files == 0 and report.writers > 1
     written = f" ({format_bytes(moved * report.writers)} written)" if whole and moved else ""
     return (
         f"azcp-cluster: {counted(report.transfer_files, 'file')}, {format_bytes(moved)} {_copies(report)}"
-        f"{written}{present} in {report.stages['total'].seconds:.2f} s, {counted(report.retries, 'retry', 'retries')}"
+        f"{written} in {report.stages['total'].seconds:.2f} s, {counted(report.retries, 'retry', 'retries')}{present}"
     )

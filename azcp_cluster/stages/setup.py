@@ -114,6 +114,9 @@ def setup(ctx: RunContext) -> Placement:
             check_overlap(os.path.realpath(ctx.source_root), ctx.dest_identity)
         if cfg.json_path and json_inside_dest(os.path.realpath(cfg.json_path), ctx.dest_identity):
             raise ReportPathError(f"--json {cfg.json_path} lies inside DEST; write the report outside it")
+        log = ctx.console.log_path
+        if log and json_inside_dest(os.path.realpath(log), ctx.dest_identity):
+            raise ReportPathError(f"--log-file {log} lies inside DEST; write the log outside it")
         if leader:
             open_dest(ctx)
         made_here.stats = list(ctx.dest_made.paths)
