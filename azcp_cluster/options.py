@@ -213,12 +213,12 @@ OPTIONS: tuple[Option, ...] = (
            value="verbose", short="-v"),
     # The Python API's form of -q and -v (no flag of its own).
     Option("", "verbosity", GROUPS[3], "choice",
-           "what reaches the terminal: 'quiet' (-q), 'normal' (default), 'verbose' (-v)", "LEVEL",
+           "what reaches the terminal: 'quiet' (-q), 'normal' (default), 'verbose' (-v)", "MODE",
            VERBOSITY_LEVELS),
     Option("--log-file", "log_file", GROUPS[3], "path",
-           "append every line of the run to FILE whatever -q or -v say: the stage lines, the summary, "
+           "append every line of the run to PATH whatever -q or -v say: the stage lines, the summary, "
            "errors and the libraries' log records; {rank} and {host} expand as in DEST (without "
-           "{rank}, rank 0 alone writes it); not inside DEST", "FILE"),
+           "{rank}, rank 0 alone writes it); not inside DEST", "PATH"),
     Option("--lock", "lock", GROUPS[3], "choice",
            "another run on the same DEST: 'wait' for it (see --lock-timeout) or 'fail' at once; exit 9 if "
            "it is still there (default wait)", "MODE", LOCK_MODES),

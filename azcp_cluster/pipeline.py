@@ -22,10 +22,10 @@ from azcp_cluster.core.errors import AzcpError, ReportPathError
 from azcp_cluster.core.plan import Plan, plan_transfers
 from azcp_cluster.run import collector, figures
 from azcp_cluster.run.cluster import Cluster
-from azcp_cluster.run.console import Console, log_path_for
+from azcp_cluster.run.console import Console
 from azcp_cluster.run.report import Report, ReportPrinter, write_json_report
 from azcp_cluster.stages import allocate, finish, scheduling, setup, survey, transfer
-from azcp_cluster.stages.context import RunContext
+from azcp_cluster.stages.context import RunContext, log_path_for
 
 if TYPE_CHECKING:
     from azcp_cluster.run.interrupts import Interrupts

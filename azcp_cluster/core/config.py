@@ -388,7 +388,7 @@ class Config:
         if self.json_path is not None and not self.json_path:
             raise UsageError("--json PATH is empty")
         if self.log_file is not None and not self.log_file:
-            raise UsageError("--log-file FILE is empty")
+            raise UsageError("--log-file PATH is empty")
         if not self.source:
             raise UsageError("SOURCE is empty")
         if not self.dest:

@@ -41,16 +41,6 @@ def say(line: str) -> None:
         sys.stderr.flush()
 
 
-def log_path_for(template: str | None, rank: int, host: str) -> str | None:
-    """This rank's ``--log-file``, ``{rank}`` and ``{host}`` expanded as in DEST; None where this
-    rank writes none (no ``{rank}`` in it: rank 0 alone writes it, so ranks never share a file)."""
-    from azcp_cluster.dest.localfs import expand_dest  # (when needed: say()'s importers need none of it)
-
-    if not template or (rank != 0 and "{rank}" not in template):
-        return None
-    return expand_dest(template, rank, host)
-
-
 class Console:
     """One rank's output: the terminal's share by verbosity (:data:`SHOWN`) and every line in
     the log file (opened by :meth:`open_log` once the run knows it lies outside DEST; the lines

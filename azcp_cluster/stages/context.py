@@ -35,6 +35,14 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+def log_path_for(template: str | None, rank: int, host: str) -> str | None:
+    """This rank's ``--log-file``, ``{rank}`` and ``{host}`` expanded as in DEST; None where this
+    rank writes none (no ``{rank}`` in it: rank 0 alone writes it, so ranks never share a file)."""
+    if not template or (rank != 0 and "{rank}" not in template):
+        return None
+    return expand_dest(template, rank, host)
+
+
 class RunContext:
     """One run on one rank: the facts every stage reads and the handles closed at its end."""
 

@@ -112,11 +112,7 @@ def setup(ctx: RunContext) -> Placement:
         leader = topo.is_leader(ctx.rank)
         if ctx.local:  # on every rank: each knows only its own DEST
             check_overlap(os.path.realpath(ctx.source_root), ctx.dest_identity)
-        if cfg.json_path and json_inside_dest(os.path.realpath(cfg.json_path), ctx.dest_identity):
-            raise ReportPathError(f"--json {cfg.json_path} lies inside DEST; write the report outside it")
-        log = ctx.console.log_path
-        if log and json_inside_dest(os.path.realpath(log), ctx.dest_identity):
-            raise ReportPathError(f"--log-file {log} lies inside DEST; write the log outside it")
+        _check_outside_dest(ctx)
         if leader:
             open_dest(ctx)
         made_here.stats = list(ctx.dest_made.paths)
@@ -144,6 +140,16 @@ def setup(ctx: RunContext) -> Placement:
         lane=lane,
         owners=owners,
     )
+
+
+def _check_outside_dest(ctx: RunContext) -> None:
+    """The JSON report and the log file lie outside DEST (each rank's own DEST): exit 2 otherwise."""
+    json_path = ctx.cfg.json_path
+    if json_path and json_inside_dest(os.path.realpath(json_path), ctx.dest_identity):
+        raise ReportPathError(f"--json {json_path} lies inside DEST; write the report outside it")
+    log = ctx.console.log_path
+    if log and json_inside_dest(os.path.realpath(log), ctx.dest_identity):
+        raise ReportPathError(f"--log-file {log} lies inside DEST; write the log outside it")
 
 
 def _split(ctx: RunContext, topo: Topology, leader: bool, lane: int | None) -> None:

@@ -262,8 +262,7 @@ def stream(ctx: RunContext, place: Placement, prepared: Prepared) -> FannedOut:
     fanned = FanOutTally(progress.add)
 
     def make_downloader(notice: Callable[[Block], None], peer_failed: Callable[[], bool]) -> Fetcher:
-        # No progress of its own: the transfer's is the fan-out's landed bytes (progress.py).
-        made.append(downloader(ctx, place, prepared, None, peer_failed, notice))
+        made.append(downloader(ctx, place, prepared, None, peer_failed, notice))  # progress: the fan-out's
         return made[-1]
 
     with cluster.stage(outcome):
