@@ -1239,7 +1239,8 @@ def test_usage_names_every_exit_code_report_line_and_json_field() -> None:
     assert [code for code in EXIT_CODES if f"| {code} |" not in usage] == []
     assert [f.name for f in dataclasses.fields(Report) if f"`{f.name}`" not in usage] == []
     assert [s for s in STAGES if f"`{s}`" not in usage] == []
-    report = Report(verified_files=1, retries=1, retry_causes={"503": 1})
+    # Every line has something to say (a line with nothing to say is left out: report_lines).
+    report = Report(verified_files=1, retries=1, retry_causes={"503": 1}, downloaded_bytes=1, broadcast_bytes=1)
     tags = {line.split("]")[0] + "]" for line in report_lines(report)}
     assert tags == {"[cluster]", "[list]", "[diff]", "[download]", "[bcast]", "[verify]", "[total]"}
     assert [t for t in tags if f"{t} " not in usage] == []
