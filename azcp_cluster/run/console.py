@@ -1,7 +1,7 @@
 """What the run prints and where: the one place that decides what each verbosity level shows.
 
-Every rank says its warnings and notices on stderr (:func:`say`). Rank 0 also prints the report's
-stage lines and the summary line on stdout (the stable lines scripts parse, and ``--json`` for
+Every rank says its warnings and notices on stderr (:func:`say`; its log file has them too).
+Rank 0 also prints the report's stage lines and the summary line on stdout (the stable lines scripts parse, and ``--json`` for
 the rest) and the progress on stderr. :class:`Console` decides which of them reach the terminal
 (:data:`SHOWN`, by ``-q`` / ``-v``), and copies every one of them to ``--log-file`` whatever the
 level, with the libraries' log records (azure-identity's, azure-core's) at INFO and up, which
@@ -31,11 +31,23 @@ SHOWN = {
 LIBRARY_LOGGERS = ("azure", "msal", "urllib3")
 
 
+# The consoles of the runs in progress in this process (one, but for a host program's threads):
+# a warning said anywhere reaches their log files too.
+_ACTIVE: list[Console] = []
+
+
 def say(line: str) -> None:
-    """``line`` on stderr in one write, flushed (a closed stderr loses it, nothing more).
+    """``line`` on stderr in one write, flushed (a closed stderr loses it, nothing more), and in
+    the log file of the run in progress, if it has one.
 
     One write: under ``PYTHONUNBUFFERED`` print() writes the text and its newline apart, and
     two ranks' lines on one launcher's stderr then run together on one line."""
+    _stderr(line)
+    for console in tuple(_ACTIVE):
+        console.log([line])
+
+
+def _stderr(line: str) -> None:
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
@@ -65,6 +77,7 @@ class Console:
             # A handler of ours, even one that shows nothing, keeps the last-resort handler
             # from printing their warnings; a host program's own handlers still get them.
             logger.addHandler(self._handler)
+        _ACTIVE.append(self)
 
     def shows(self, kind: str) -> bool:
         """Whether ``kind`` of output (:data:`SHOWN`) reaches the terminal at this level."""
@@ -89,7 +102,7 @@ class Console:
     def note(self, line: str, kind: str = "note") -> None:
         """A line on stderr if this level shows ``kind`` (errors: always); in the log file always."""
         if kind == "error" or self.shows(kind):
-            say(line)
+            _stderr(line)
         self.log([line])
 
     def log(self, lines: Iterable[str]) -> None:
@@ -117,13 +130,15 @@ class Console:
             try:
                 self._log = open(self.log_path, "a", encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
             except OSError as exc:
-                say(f"azcp-cluster: warning: cannot write the log to {self.log_path}: {exc.strerror}")
+                _stderr(f"azcp-cluster: warning: cannot write the log to {self.log_path}: {exc.strerror}")
                 return
         self.log(pending)
 
     def close(self, dest: str) -> None:
         """The libraries' loggers as they were, and the log file closed (opened first if it was
         not yet, outside ``dest``, for the lines of a run that ended before it could be)."""
+        with contextlib.suppress(ValueError):
+            _ACTIVE.remove(self)
         for name in LIBRARY_LOGGERS:
             logger = logging.getLogger(name)
             logger.removeHandler(self._handler)
