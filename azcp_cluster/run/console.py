@@ -1,12 +1,13 @@
 """What the run prints and where: the one place that decides what each verbosity level shows.
 
 Every rank says its warnings and notices on stderr (:func:`say`; its log file has them too).
-Rank 0 also prints the report's stage lines and the summary line on stdout (the stable
-lines scripts parse, and ``--json`` for the rest) and the progress on stderr. :class:`Console` decides which of them reach the terminal
-(:data:`SHOWN`, by ``-q`` / ``-v``), and copies every one of them to ``--log-file`` whatever the
-level, with the libraries' log records (azure-identity's, azure-core's) at INFO and up, which
-reach the terminal only with ``-v`` (their own warnings, such as ``ImdsCredential.get_token
-failed``, leaked onto it through :mod:`logging`'s last-resort handler).
+Rank 0 also prints the report's stage lines and the summary line on stdout (the stable lines
+scripts parse, and ``--json`` for the rest) and the progress on stderr. :class:`Console` decides
+which of them reach the terminal (:data:`SHOWN`, by ``-q`` / ``-v``), and copies every one of
+them to ``--log-file`` whatever the level, with the libraries' log records (azure-identity's,
+azure-core's) at INFO and up, which reach the terminal only with ``-v`` (their own warnings,
+such as ``ImdsCredential.get_token failed``, leaked onto it through :mod:`logging`'s last-resort
+handler).
 """
 
 from __future__ import annotations
