@@ -368,6 +368,8 @@ def config_from_args(argv: Sequence[str] | None) -> Config:
     argv = normalise_verify(sys.argv[1:] if argv is None else argv)
     check_option_names(argv, parser)
     given = vars(parser.parse_args(argv))
+    if "--quiet" in given and "--verbose" in given:  # one field: the later would silently win
+        raise UsageError("-q (--quiet) and -v (--verbose) contradict each other; give one of them")
     fields: dict[str, Any] = {}
     for option in OPTIONS:  # in table order: --no-progress after --progress, as argparse would have it
         if not option.flag or option.flag not in given:

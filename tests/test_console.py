@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from azcp_cluster.core.config import MiB
+from azcp_cluster.core.errors import UsageError
 from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.options import config_from_args
 from azcp_cluster.run.console import Console, say
 from azcp_cluster.run.progress import BAR_NEEDS_A_TERMINAL
 from azcp_cluster.stages.context import log_path_for
@@ -79,6 +81,14 @@ def test_a_log_file_is_expanded_like_dest_and_without_rank_written_by_rank_0_alo
     assert log_path_for("/logs/run.log", 0, "n7") == "/logs/run.log"
     assert log_path_for("/logs/run.log", 3, "n7") is None
     assert log_path_for(None, 0, "n7") is None
+
+
+def test_quiet_and_verbose_together_are_refused() -> None:
+    with pytest.raises(UsageError, match="contradict"):
+        config_from_args(["/src", "/dest", "-q", "--verbose"])
+    assert config_from_args(["/src", "/dest", "-v"]).verbosity == "verbose"
+    assert config_from_args(["/src", "/dest", "--quiet"]).verbosity == "quiet"
+    assert config_from_args(["/src", "/dest"]).verbosity == "normal"
 
 
 def _source(tmp_path: Path) -> Path:
