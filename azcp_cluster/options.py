@@ -151,6 +151,10 @@ OPTIONS: tuple[Option, ...] = (
            "with a warning); default: exit 3 naming it, as a typo in a job script should"),
     Option("--dry-run", "dry_run", GROUPS[0], "flag",
            "list, compare and print the plan (files and bytes per rank); write nothing"),
+    Option("--delete", "delete", GROUPS[0], "flag",
+           "a mirror: after a copy complete on every node, remove from each DEST the files SOURCE no longer "
+           "has (only paths --include/--exclude select; never a link, nor the tool's own files); "
+           "--dry-run lists them"),
     # download
     Option("--concurrency", "concurrency", GROUPS[1], "int",
            f"ranged GETs in flight per rank, 1 to {MAX_CONCURRENCY} (default 64)", "N", source=BLOB),

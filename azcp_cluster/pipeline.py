@@ -20,7 +20,7 @@ from azcp_cluster.core.comm import Comm
 from azcp_cluster.core.config import Config, format_bytes
 from azcp_cluster.core.errors import AzcpError, ReportPathError
 from azcp_cluster.core.plan import Plan, plan_transfers
-from azcp_cluster.run import collector, figures
+from azcp_cluster.run import collector, dryrun, figures
 from azcp_cluster.run.cluster import Cluster
 from azcp_cluster.run.report import Report, ReportPrinter, write_json_report
 from azcp_cluster.stages import allocate, finish, scheduling, setup, survey, transfer
@@ -167,7 +167,7 @@ def execute(ctx: RunContext, report: Report, lines: ReportPrinter) -> list[str]:
         # The fan-out runs between leaders: a shard goes out from its owner's leader.
         schedule = None if cfg.dry_run else scheduling.schedule_for(cfg, ctx.local, place, plan)
     if schedule is None:
-        return plan_lines(ctx, list(diff.transfer), plan)
+        return plan_lines(ctx, list(diff.transfer), plan) + dry_run_lines(ctx, listed, diff)
     prepared = allocate.allocate(ctx, place, listed, diff, plan, schedule)
     moved = transfer.move(ctx, place, prepared)
     for _ in range(SEND_AGAIN):
@@ -191,7 +191,18 @@ def execute(ctx: RunContext, report: Report, lines: ReportPrinter) -> list[str]:
     ctx.cluster.interrupts.seal()
     finish.rename(ctx, place, moved)
     finish.record(ctx, place, moved, verified)
+    # Past the record's agreement: every node's copy is complete and recorded.
+    if cfg.delete:
+        finish.delete(ctx, place, moved)
     return []
+
+
+def dry_run_lines(ctx: RunContext, listed: survey.Listed, diff: survey.Diff) -> list[str]:
+    """The dry run's line per file and its total, on rank 0 (run/dryrun.py)."""
+    if ctx.rank != 0:
+        return []
+    files = listed.listing.files
+    return dryrun.file_lines(files, diff.transfer, diff.holders, diff.partial, diff.stale_by)
 
 
 def plan_lines(ctx: RunContext, transfer: list[int], plan: Plan) -> list[str]:

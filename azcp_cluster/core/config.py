@@ -225,6 +225,9 @@ class Config:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     dry_run: bool = False
+    # A mirror: after a complete copy on every node, each node's DEST loses the files (among
+    # those the filters select) that SOURCE no longer has (dest/mirror.py).
+    delete: bool = False
     # "" (no verification), or one of VERIFY_MODES: "disk" (read every copy back after the
     # fsync and hash it) or "stream" (hash the bytes as they stream). Truthy: some verification.
     verify: str = ""

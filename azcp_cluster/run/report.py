@@ -113,6 +113,14 @@ class Report:
     plan_loads: list[int] = field(default_factory=list)
     plan_spread: float = 0.0
     verified_files: int = 0
+    # --delete: the files removed from the nodes' DESTs (each node's count), their bytes, the
+    # nodes that removed any, the distinct paths (the first mirror.REPORTED_PATHS, in order),
+    # and the files chosen but changed or gone since DEST was looked at (left as they were).
+    deleted_files: int = 0
+    deleted_bytes: int = 0
+    deleted_nodes: int = 0
+    deleted_paths: list[str] = field(default_factory=list)
+    deleted_kept: int = 0
     verified_against_source: int = 0  # of those, checked against the source's CRC-32C (core/crc.py)
     peak_rss_bytes: int = 0  # the largest peak resident memory of any rank, at the last agreement (Cluster.peak_rss)
     stages: dict[str, StageFigures] = field(default_factory=lambda: {s: StageFigures() for s in STAGES})
@@ -153,6 +161,9 @@ class Report:
                 self.bytes = figures.bytes
             case fig.Finished():
                 self.stages["bcast"].seconds += figures.seconds
+            case fig.Deleted():
+                self.deleted_files, self.deleted_bytes, self.deleted_nodes = figures.files, figures.bytes, figures.nodes
+                self.deleted_paths, self.deleted_kept = list(figures.paths), figures.kept
             case fig.Verified():
                 self.stages["verify"] = StageFigures(figures.seconds, self.bytes)
                 if figures.files is not None:
@@ -439,6 +450,15 @@ def _lines(report: Report) -> list[tuple[str, str]]:
                     "verify",
                     f"[verify] {report.verified_files} files T={st['verify'].seconds:.3f}s: all copies match "
                     f"({report.verified_against_source} against the source's CRC-32C)",
+                )
+            )
+        if report.deleted_files:
+            lines.append(
+                (
+                    "end",
+                    f"[delete] {report.deleted_files} file{_s(report.deleted_files)}, {report.deleted_bytes} bytes "
+                    f"removed on {report.deleted_nodes} node{_s(report.deleted_nodes)} (not in SOURCE)"
+                    + _human(report.deleted_bytes),
                 )
             )
         if report.retries:
