@@ -40,7 +40,10 @@ def test_only_unlisted_regular_files_the_filters_select_are_chosen(
     missed = [
         e
         for e in found
-        if e not in chosen and e.kind == mirror.FILE and e.rel not in listed and matches_filters(e.rel, include, exclude)
+        if e not in chosen
+        and e.kind == mirror.FILE
+        and e.rel not in listed
+        and matches_filters(e.rel, include, exclude)
     ]
     assert all(mirror.tool_owned(e.rel) for e in missed)
 

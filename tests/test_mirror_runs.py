@@ -131,7 +131,11 @@ def test_links_and_what_lies_outside_dest_are_never_touched(tmp_path: Path) -> N
     assert (outside / "dir" / "victim.bin").read_bytes() == b"stale" and (outside / "file.bin").exists()
     assert beside.exists()
     for node in nodes:
-        assert (node / "linkdir").is_symlink() and (node / "linkfile.bin").is_symlink() and (node / "a" / "up").is_symlink()
+        assert (
+            (node / "linkdir").is_symlink()
+            and (node / "linkfile.bin").is_symlink()
+            and (node / "a" / "up").is_symlink()
+        )
 
 
 def test_nothing_is_removed_from_any_node_while_another_run_holds_one_dest(tmp_path: Path) -> None:
@@ -214,7 +218,9 @@ def test_the_dry_run_lists_exactly_what_the_real_run_copies_on_the_demos_dataset
     written.discard(".azcp-manifest.json")
     assert written == copied_listed  # every file the dry run said moves, and no other, was written
     assert real.json is not None
-    assert set(real.json["deleted_paths"]) == listed["delete"] == {"extra/part-99.bin", "model-00009-of-00009.safetensors"}
+    assert (
+        set(real.json["deleted_paths"]) == listed["delete"] == {"extra/part-99.bin", "model-00009-of-00009.safetensors"}
+    )
     assert real.json["transfer_files"] == len(copied_listed)
     selected = {p.removeprefix("llama-tiny/") for p in blobs}
     selected = {p for p in selected if p.endswith((".safetensors", ".json")) or p.startswith("extra/")}
