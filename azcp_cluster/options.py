@@ -150,7 +150,8 @@ OPTIONS: tuple[Option, ...] = (
            "a SOURCE (prefix, directory, --include/--exclude) that yields no file is an empty copy (exit 0 "
            "with a warning); default: exit 3 naming it, as a typo in a job script should"),
     Option("--dry-run", "dry_run", GROUPS[0], "flag",
-           "list, compare and print the plan (files and bytes per rank); write nothing"),
+           "list, compare and print what would happen to each file (new, peer, resume, skip, delete), a "
+           "total and the plan (files and bytes per rank); write nothing"),
     Option("--delete", "delete", GROUPS[0], "flag",
            "a mirror: after a copy complete on every node, remove from each DEST the files SOURCE no longer "
            "has (only paths --include/--exclude select; never a link, nor the tool's own files); "

@@ -185,16 +185,22 @@ def execute(ctx: RunContext, report: Report, lines: ReportPrinter) -> list[str]:
     # Before the rename: a mismatch leaves no final name.
     verified = finish.verify(ctx, place, moved) if cfg.verify else {}
     lines.through("verify")
-    # Every byte is durable everywhere (and verified): the renames and the manifest follow, and
-    # a signal from now on changes nothing (a stop halfway would leave a complete copy reported
-    # as stopped, with no manifest).
+    _complete(ctx, place, moved, verified)
+    return []
+
+
+def _complete(
+    ctx: RunContext, place: setup.Placement, moved: transfer.Transferred, verified: Mapping[int, str]
+) -> None:
+    """Every byte is durable everywhere (and verified): the renames and the manifest follow, and
+    a signal from now on changes nothing (a stop halfway would leave a complete copy reported
+    as stopped, with no manifest); then ``--delete``'s removals, past the record's agreement:
+    every node's copy is complete and recorded."""
     ctx.cluster.interrupts.seal()
     finish.rename(ctx, place, moved)
     finish.record(ctx, place, moved, verified)
-    # Past the record's agreement: every node's copy is complete and recorded.
-    if cfg.delete:
+    if ctx.cfg.delete:
         finish.delete(ctx, place, moved)
-    return []
 
 
 def dry_run_lines(ctx: RunContext, listed: survey.Listed, diff: survey.Diff) -> list[str]:

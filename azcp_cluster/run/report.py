@@ -452,18 +452,19 @@ def _lines(report: Report) -> list[tuple[str, str]]:
                     f"({report.verified_against_source} against the source's CRC-32C)",
                 )
             )
-        if report.deleted_files:
-            lines.append(
-                (
-                    "end",
-                    f"[delete] {report.deleted_files} file{_s(report.deleted_files)}, {report.deleted_bytes} bytes "
-                    f"removed on {report.deleted_nodes} node{_s(report.deleted_nodes)} (not in SOURCE)"
-                    + _human(report.deleted_bytes),
-                )
-            )
+        lines += _deleted(report)
         if report.retries:
             causes = ", ".join(f"{k}={v}" for k, v in sorted(report.retry_causes.items()))
             ranks = ", ".join(f"{rank}:{n}" for rank, n in enumerate(report.retries_by_rank) if n)
             lines.append(("end", f"[cluster] retries: {report.retries} ({causes}) by rank {ranks}"))
     lines.append(("end", f"[total] T={st['total'].seconds:.3f}s"))
     return lines
+
+
+def _deleted(report: Report) -> list[tuple[str, str]]:
+    """``--delete``'s line, only when something was removed."""
+    if not report.deleted_files:
+        return []
+    n, nodes = report.deleted_files, report.deleted_nodes
+    line = f"[delete] {n} file{_s(n)}, {report.deleted_bytes} bytes removed on {nodes} node{_s(nodes)} (not in SOURCE)"
+    return [("end", line + _human(report.deleted_bytes))]
