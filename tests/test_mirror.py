@@ -162,3 +162,22 @@ def test_the_dry_runs_lines_say_each_files_action_size_and_nodes() -> None:
         "on 3 nodes",
     ]
     assert dryrun.file_lines(files[3:], [], [(0,)], {}, [[]])[-1] == "[dry-run] 1 file: 1 skip (5 B)"
+
+
+def test_a_mount_point_below_dest_is_not_descended(tmp_path: Path) -> None:
+    from tests.conftest import bind_mount
+
+    outside = _write(tmp_path / "outside" / "victim.bin").parent
+    dest = tmp_path / "dest"
+    _write(dest / "stale.bin")
+    with bind_mount(outside, dest / "mounted"):  # the same filesystem: only the mount table tells
+        tree = DestRoot(str(dest))
+        try:
+            found = mirror.walk(tree)
+            chosen = mirror.choose([], found)
+            assert [e.rel for e in chosen] == ["stale.bin"]
+            assert {e.rel: e.kind for e in found}["mounted"] == mirror.MOUNT
+            mirror.remove(tree, chosen)
+        finally:
+            tree.close()
+    assert (outside / "victim.bin").exists() and not (dest / "stale.bin").exists()

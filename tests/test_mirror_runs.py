@@ -177,6 +177,7 @@ def test_delete_with_one_file_as_source_is_refused(tmp_path: Path) -> None:
     result = run_cli([str(src), str(tmp_path / "dest" / "node{rank}"), "--no-progress", "--delete"], n=NODES)
     assert result.returncode == 2, result.output
     assert "--delete mirrors a directory, but SOURCE names one file" in result.stderr
+    assert "Traceback" not in result.output
     assert (dest / "other.bin").exists()
 
 
@@ -226,3 +227,15 @@ def test_the_dry_run_lists_exactly_what_the_real_run_copies_on_the_demos_dataset
     selected = {p for p in selected if p.endswith((".safetensors", ".json")) or p.startswith("extra/")}
     selected = {p for p in selected if not p.startswith("extra/part-1")}
     assert copied_listed | listed.get("skip", set()) == selected
+
+
+def test_delete_with_one_blob_as_source_is_refused(
+    emulator: azurite.Emulator, demo_dataset: str, tmp_path: Path
+) -> None:
+    stale = _write(tmp_path / "node0" / "other.bin")
+    args = [emulator.url(demo_dataset, "llama-tiny/config.json"), str(tmp_path / "node{rank}"), "--delete"]
+    result = run_cli([*args, "--no-progress"], n=NODES, env=emulator.key_env())
+    assert result.returncode == 2, result.output
+    assert "--delete mirrors a directory, but SOURCE names one file" in result.stderr
+    assert "Traceback" not in result.output
+    assert stale.exists()

@@ -14,8 +14,9 @@ walk of DEST found (:func:`walk`):
 
 The walk itself (:func:`walk`) reaches every directory from DEST's root descriptor one
 component at a time (``O_NOFOLLOW | O_DIRECTORY``) and never descends into a symbolic link,
-the block journal, or a directory that holds the tool's manifest or lock file (another
-DEST nested below this one, perhaps written by another run at this moment).
+the block journal, a directory that holds the tool's manifest or lock file (another DEST
+nested below this one, perhaps written by another run at this moment), or a mount point
+(another filesystem, or a bind mount of a tree from elsewhere).
 
 :func:`remove` unlinks each chosen file by name relative to its directory's descriptor
 (``unlinkat``: a link is never followed, and no path leaves DEST's real path), only if the
@@ -37,12 +38,13 @@ from typing import NamedTuple
 from azcp_cluster.core.errors import LocalFSError
 from azcp_cluster.core.naming import JOURNAL_DIR, LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX, matches_filters
 from azcp_cluster.dest.destroot import DIR_FLAGS, DestRoot, identity, split
-from azcp_cluster.dest.localfs import fs_error
+from azcp_cluster.dest.localfs import fs_error, mount_points_below
 
 # Kinds of entry a walk reports.
 FILE = "file"  # a regular file with one link: the only kind ever removed
 LINK = "link"
 DIR = "dir"
+MOUNT = "mount"  # a directory on another filesystem, or a mount point, below DEST: not descended
 OTHER = "other"  # a hard-linked file, a FIFO, a socket, a device
 # The removed paths the JSON report names (the counts cover them all).
 REPORTED_PATHS = 1000
@@ -94,11 +96,13 @@ def descend(rel: str, names: Iterable[str]) -> bool:
     return not any(name in (MANIFEST_NAME, LOCK_NAME) for name in names)
 
 
-def _kind(st: os.stat_result) -> str:
+def _kind(st: os.stat_result, device: int | None = None, mounted: bool = False) -> str:
+    """What ``st`` is to the walk (``device``: DEST's filesystem; ``mounted``: a mount point is
+    there; a directory of either kind is a mount, not descended)."""
     if stat.S_ISLNK(st.st_mode):
         return LINK
     if stat.S_ISDIR(st.st_mode):
-        return DIR
+        return MOUNT if mounted or (device is not None and st.st_dev != device) else DIR
     if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
         return FILE
     return OTHER
@@ -114,6 +118,8 @@ def walk(tree: DestRoot) -> list[Entry]:
         return []
     found: list[Entry] = []
     pending: list[str] = [""]
+    device = os.fstat(tree.fd).st_dev
+    mounts = mount_points_below(tree.real)
     while pending:
         rel_dir = pending.pop()
         try:
@@ -132,7 +138,8 @@ def walk(tree: DestRoot) -> list[Entry]:
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # removed since the listing of its directory
-                entry = Entry(rel, _kind(st), st.st_size, identity(st), st.st_mtime_ns)
+                kind = _kind(st, device, rel in mounts)
+                entry = Entry(rel, kind, st.st_size, identity(st), st.st_mtime_ns)
                 found.append(entry)
                 if entry.kind == DIR:
                     pending.append(rel)
