@@ -467,4 +467,6 @@ def _deleted(report: Report) -> list[tuple[str, str]]:
         return []
     n, nodes = report.deleted_files, report.deleted_nodes
     line = f"[delete] {n} file{_s(n)}, {report.deleted_bytes} bytes removed on {nodes} node{_s(nodes)} (not in SOURCE)"
+    if report.deleted_kept:  # chosen by the walk, changed or gone since: left as they are
+        line += f", {report.deleted_kept} changed since and kept"
     return [("end", line + _human(report.deleted_bytes))]
