@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as dt
 import json
 import os
 import shlex
@@ -81,11 +82,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from azcp_cluster.azure.credentials import container_sas
 from azcp_cluster.core.config import MiB
 from azcp_cluster.dest.directio import aligned_buffer
 from azcp_cluster.dest.localfs import pwritev_all
@@ -93,6 +96,7 @@ from azcp_cluster.devtools import azurite, box
 from azcp_cluster.devtools.box import Box, Link
 from azcp_cluster.devtools.bytecode import compile_package
 from azcp_cluster.devtools.datasets import checkpoint, pseudo_random
+from benchmarks import boxprobes
 from benchmarks.run import mpiexec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,14 +119,24 @@ def dataset(size: int, layout: str = "shards") -> dict[str, bytes]:
 
 
 def bounds(
-    case: str, size: int, hosts: int, front: Link, fabric: Link, disk: float | None = None, rails: int = 1
+    case: str,
+    size: int,
+    hosts: int,
+    front: Link,
+    fabric: Link,
+    disk: float | None = None,
+    rails: int = 1,
+    small: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """The physical bound of a case (``bound_s``) and its parts, from the link rates (``rails``
     fabric NICs per host: R·B per host for the cases that use every rail, ON_EVERY_RAIL) and
     ``disk``, the bytes per second the box's one disk took from all its hosts' writers at once
     (:func:`disk_rate`; None: not measured). The tool's cases write S on every host, all to
     that disk (a cluster's nodes each have their own): ``disk_s`` = N·S / disk, a part of
-    the bound like the links'. The raw patterns write nothing."""
+    the bound like the links'. The raw patterns write nothing. ``small``: the small files'
+    parts measured in the same box (benchmarks/boxprobes.py): ``requests_s``, what the
+    emulator's request rate allows them (the cases that download), and ``files_s``, what the
+    disk's file-creation rate allows them on every host (the tool's cases)."""
     fe, b = front.bytes_per_s, fabric.bytes_per_s
     assert fe is not None and b is not None
     b *= rails if case in ON_EVERY_RAIL else 1
@@ -138,6 +152,10 @@ def bounds(
         parts = {"download_s": download, "fanout_s": fanout, "sum_s": download + fanout}
     if disk is not None and case not in RAW:
         parts["disk_s"] = hosts * size / disk
+    if small and case in MPI_TOOL:
+        parts["files_s"] = small["files_s"]
+        if case != "local":
+            parts["requests_s"] = small["requests_s"]
     return {"bound_s": max(v for k, v in parts.items() if k != "sum_s"), **parts}
 
 
@@ -196,6 +214,21 @@ def disk_rate(bx: Box, size: int) -> float:
         first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
         raise RuntimeError(f"measuring the disk: {first!r}") from first
     return len(paths) * size / seconds
+
+
+def small_parts(bench: Bench, args: argparse.Namespace) -> dict[str, float]:
+    """The small files' parts of the bound, measured now in this box (benchmarks/boxprobes.py):
+    ``requests_s``, every host GETting its 1/N of them from the emulator at once with the tool's
+    requests in flight (``--concurrency`` 64 per rank); ``files_s``, every host making all of them
+    on the box's one disk at once. Medians of three."""
+    small = boxprobes.small_files(bench.files)
+    start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=15)
+    sas = container_sas(azurite.ACCOUNT, CONTAINER, azurite.ACCOUNT_KEY, "r", start, start + dt.timedelta(hours=4))
+    base = bench.emu.url(CONTAINER).split("?")[0]
+    in_flight = 64 * args.ranks_per_host
+    requests = [boxprobes.request_seconds(bench.bx, base, sas, list(small), in_flight, bench.env()) for _ in range(3)]
+    files = [boxprobes.create_seconds(bench.bx, small) for _ in range(3)]
+    return {"requests_s": statistics.median(requests), "files_s": statistics.median(files)}
 
 
 def clear_dest(bx: Box) -> None:
@@ -411,13 +444,14 @@ def row(
     size: int,
     args: argparse.Namespace,
     disk: float | None = None,
+    small: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The row of one case on ``hosts`` hosts: the median sample's figures, its bound (``disk``:
-    the box's disk rate, :func:`disk_rate`), every sample."""
+    the box's disk rate, :func:`disk_rate`; ``small``: :func:`small_parts`), every sample."""
     front, fabric = Link(args.front), Link(args.fabric)
     median = statistics.median(s["tool_s"] for s in samples)
     chosen = min(samples, key=lambda s: abs(s["tool_s"] - median))  # the sample closest to the median
-    bound = bounds(case, size, hosts, front, fabric, disk, args.rails)
+    bound = bounds(case, size, hosts, front, fabric, disk, args.rails, small)
     rails = chosen.get("rail_bytes") or [0]
     return {
         "case": case,
@@ -476,6 +510,10 @@ def bench_hosts(hosts: int, files: dict[str, bytes], source: Path, args: argpars
         if disk is not None:
             print(f"# {hosts} hosts: the disk took {disk / MiB:.0f} MiB/s from {hosts} writers", file=sys.stderr)
         bench = Bench(bx, emu, source, files, args)
+        small = small_parts(bench, args) if args.layout == "checkpoint" and not args.tmpfs else None
+        if small:
+            print(f"# {hosts} hosts: the small files take {small['requests_s']:.2f} s of the emulator's "
+                  f"requests, {small['files_s']:.2f} s of the disk's file creation", file=sys.stderr)  # fmt: skip
         if any(case in MPI_TOOL for case in args.cases):
             # Untimed, the links warmed first. The first copy of the tool in a fresh box ran 0.5
             # to 2.3 s slower than the ones after it at 8 hosts (6.6 to 8.3 s against 5.9 to 6.4:
@@ -489,7 +527,7 @@ def bench_hosts(hosts: int, files: dict[str, bytes], source: Path, args: argpars
                 samples[case].append(bench.run(case))
                 print(f"# {hosts} hosts {case}: {samples[case][-1]['tool_s']:.2f} s", file=sys.stderr, flush=True)
         for case in args.cases:
-            rows.append(row(case, hosts, samples[case], size, args, disk))
+            rows.append(row(case, hosts, samples[case], size, args, disk, small))
     return rows
 
 
