@@ -191,7 +191,7 @@ def test_ranks_sharing_a_dest_on_one_host_have_one_writer(
     args = [emulator.url(container, "ckpt"), str(tmp_path / "one-node"), "--shard-size", "1MiB"]
     result = run_cli(args, env=emulator.key_env(), json_path=tmp_path / "r.json")
     assert result.returncode == 0, result.output
-    assert "[cluster] 1 node, 4 ranks, 1 writer, 4 downloading" in result.stdout
+    assert "[cluster] 4 ranks on 1 host, 1 copy, 4 downloading" in result.stdout
     doc = result.json
     assert doc is not None
     assert (doc["nodes"], doc["ranks"], doc["writers"], doc["download_ranks"]) == (1, 4, 1, 4)
