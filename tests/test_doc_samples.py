@@ -99,6 +99,6 @@ def test_a_drifted_sample_does_not_match(printed: list[str]) -> None:
     stale = "[bcast] 33 shards 67730965 bytes T=1.279s BW=0.42 Gb/s (64.59 MiB at 50.50 MiB/s)"
     assert not matches(stale, printed)
     assert matches(stale + " via chain (1 MiB pieces)", printed)
-    assert not matches("[cluster] 2 nodes, 16 ranks, 2 writers, 16 downloading", printed)  # ours is 1 node
-    assert matches("[cluster] 1 node, 16 ranks, 2 writers, 16 downloading", printed)
+    assert not matches("[cluster] 1 node, 2 ranks, 2 writers, 2 downloading", printed)  # the old words
+    assert matches("[cluster] 16 ranks on 1 host, 2 copies, 16 downloading", printed)
     assert not matches("[verify] 27 files T=0.120s: all copies match", printed)

@@ -394,8 +394,10 @@ def _via(fanout: Mapping[str, object]) -> str:
 def _lines(report: Report) -> list[tuple[str, str]]:
     st = report.stages
     head = [
-        f"[cluster] {report.nodes} node{_s(report.nodes)}, {report.ranks} rank{_s(report.ranks)}, "
-        f"{report.writers} writer{_s(report.writers)}, "
+        # "copies", the one word the demo uses too: a copy is one (host, DEST), and several ranks on one
+        # host with a DEST each (the demo, the tests) make several copies on one node (issue 41).
+        f"[cluster] {report.ranks} rank{_s(report.ranks)} on {report.nodes} host{_s(report.nodes)}, "
+        f"{report.writers} {'copy' if report.writers == 1 else 'copies'}, "
         + (
             f"source read by ranks {', '.join(map(str, report.source_readers))}"
             if len(report.source_readers) > 1
