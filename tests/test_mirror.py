@@ -159,7 +159,7 @@ def test_the_dry_runs_lines_say_each_files_action_size_and_nodes() -> None:
         "skip            5 B  3/3  d",
         "delete          7 B  2/3  old",
         "[dry-run] 4 files: 1 new (1.00 GiB), 1 peer (10 B), 1 resume (2.00 KiB), 1 skip (5 B); 1 delete (7 B) "
-        "on 3 nodes",
+        "on 3 copies",
     ]
     assert dryrun.file_lines(files[3:], [], [(0,)], {}, [[]])[-1] == "[dry-run] 1 file: 1 skip (5 B)"
 

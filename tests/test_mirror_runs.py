@@ -79,15 +79,15 @@ def test_delete_removes_on_every_node_exactly_what_the_dry_run_listed(tmp_path: 
     assert listed["delete"] == {"old/deep/gone.bin", "a/old.bin", "removed.bin"}
     assert "delete          5 B  1/2  removed.bin" in dry.stdout.splitlines()
     assert listed["peer"] == {"z.txt"} and listed["new"] == {"a/x.bin", "b/y.bin"}
-    assert "[dry-run] 3 files: 2 new (2.94 KiB), 1 peer (1 B); 3 delete (15 B) on 2 nodes" in dry.stdout
+    assert "[dry-run] 3 files: 2 new (2.94 KiB), 1 peer (1 B); 3 delete (15 B) on 2 copies" in dry.stdout
     before = [_files(node) for node in nodes]
 
     real = _run(src, template, "--delete", json_path=tmp_path / "r.json")
     assert real.returncode == 0, real.output
     assert real.json is not None
     assert real.json["deleted_paths"] == sorted(listed["delete"])
-    assert (real.json["deleted_files"], real.json["deleted_bytes"], real.json["deleted_nodes"]) == (3, 15, 2)
-    assert "[delete] 3 files, 15 bytes removed on 2 nodes (not in SOURCE)" in real.stdout
+    assert (real.json["deleted_files"], real.json["deleted_bytes"], real.json["deleted_copies"]) == (3, 15, 2)
+    assert "[delete] 3 files, 15 bytes removed from 2 copies (not in SOURCE)" in real.stdout
     # On each node the files the dry run listed there, and the directories their removal emptied; nothing else.
     gone = [{"old/deep/gone.bin", "a/old.bin", "old/deep", "old"}, {"removed.bin"}]
     for node, was, expected in zip(nodes, before, gone, strict=True):

@@ -1,4 +1,4 @@
-"""The dry run's file list: what the run would do to each file, on how many nodes. Pure code.
+"""The dry run's file list: what the run would do to each file, in how many copies. Pure code.
 
 Rank 0 prints the cluster's picture, from the diff every rank agreed on (the same decision
 the real run then acts on: survey.diff, not a second look at DEST). One line per file, in
@@ -12,9 +12,10 @@ columns a script can cut::
 the action (``new``: no node has it, it comes from SOURCE; ``peer``: some node has it and
 the others get it from there, not from SOURCE; ``resume``: some node kept blocks of it from
 a stopped run, only the rest moves; ``skip``: every node has it; ``delete``: ``--delete``
-removes it), the file's size, the nodes the action concerns out of the run's nodes (those
-that lack the file; for ``skip`` those that have it; for ``delete`` those whose DEST holds
-it), and the path below DEST (the rest of the line, spaces and all). Then one total line.
+removes it), the file's size, the copies the action concerns out of the run's copies (a
+copy: one node's DEST, the word of the ``[cluster]`` line; those that lack the file, for
+``skip`` those that have it, for ``delete`` those whose DEST holds it), and the path below
+DEST (the rest of the line, spaces and all). Then one total line.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ def file_lines(
     stale_by: Sequence[Sequence[tuple[str, int]]],
 ) -> list[str]:
     """Every file's line, then every file ``--delete`` removes, then the total (``stale_by``: per
-    node, the (path, size) its DEST would lose; its length is the number of nodes)."""
-    nodes = max(1, len(stale_by))
-    width = len(f"{nodes}/{nodes}")
+    copy, the (path, size) its DEST would lose; its length is the number of copies)."""
+    copies = max(1, len(stale_by))
+    width = len(f"{copies}/{copies}")
     moving = set(transfer)
     counts: Counter[str] = Counter()
     sizes: Counter[str] = Counter()
@@ -57,13 +58,13 @@ def file_lines(
     def line(action: str, size: int, concerned: int, path: str) -> str:
         counts[action] += 1
         sizes[action] += size
-        return f"{action:<8} {format_bytes(size):>10}  {f'{concerned}/{nodes}':>{width}}  {path}"
+        return f"{action:<8} {format_bytes(size):>10}  {f'{concerned}/{copies}':>{width}}  {path}"
 
     for i, f in enumerate(files):
         action = action_of(i, moving, holders, partial)
-        concerned = nodes if action == "skip" else nodes - len(holders[i])
+        concerned = copies if action == "skip" else copies - len(holders[i])
         lines.append(line(action, f.size, concerned, f.path))
-    doomed: dict[str, tuple[int, int]] = {}  # path -> (size on the first node that has it, nodes)
+    doomed: dict[str, tuple[int, int]] = {}  # path -> (size in the first copy that has it, copies)
     for stale in stale_by:
         for path, size in stale:
             first, seen = doomed.get(path, (size, 0))
@@ -71,15 +72,15 @@ def file_lines(
     for path in sorted(doomed):
         size, seen = doomed[path]
         lines.append(line("delete", size, seen, path))
-    return [*lines, total_line(counts, sizes, nodes)]
+    return [*lines, total_line(counts, sizes, copies)]
 
 
-def total_line(counts: Mapping[str, int], sizes: Mapping[str, int], nodes: int) -> str:
-    """``[dry-run] 27 files: 20 new (96.02 MiB), 7 skip (1.20 MiB); 2 delete (3.00 KiB) on 4 nodes``
+def total_line(counts: Mapping[str, int], sizes: Mapping[str, int], copies: int) -> str:
+    """``[dry-run] 27 files: 20 new (96.02 MiB), 7 skip (1.20 MiB); 2 delete (3.00 KiB) on 4 copies``
     (an action no file takes is left out)."""
     listed = sum(n for action, n in counts.items() if action != "delete")
     parts = [f"{counts[a]} {a} ({format_bytes(sizes[a])})" for a in ACTIONS if counts.get(a) and a != "delete"]
     text = f"[dry-run] {listed} file{'' if listed == 1 else 's'}" + (f": {', '.join(parts)}" if parts else "")
     if counts.get("delete"):
         text += f"; {counts['delete']} delete ({format_bytes(sizes['delete'])})"
-    return text + (f" on {nodes} nodes" if nodes > 1 else "")
+    return text + (f" on {copies} copies" if copies > 1 else "")

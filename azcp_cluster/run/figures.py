@@ -139,9 +139,9 @@ class Verified:
 class Deleted:
     """What ``--delete`` removed (delete), over every node."""
 
-    files: int  # files removed, counted on each node that removed one
+    files: int  # files removed, counted in each copy that lost one
     bytes: int
-    nodes: int  # nodes that removed something
+    copies: int  # copies (nodes' DESTs) that lost something
     paths: tuple[str, ...]  # the distinct paths removed, in order, up to mirror.REPORTED_PATHS
     kept: int  # files chosen at the walk but changed or gone since: left as they were
 

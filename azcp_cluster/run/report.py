@@ -113,12 +113,12 @@ class Report:
     plan_loads: list[int] = field(default_factory=list)
     plan_spread: float = 0.0
     verified_files: int = 0
-    # --delete: the files removed from the nodes' DESTs (each node's count), their bytes, the
-    # nodes that removed any, the distinct paths (the first mirror.REPORTED_PATHS, in order),
+    # --delete: the files removed from the copies (each copy's count), their bytes, the
+    # copies that lost any, the distinct paths (the first mirror.REPORTED_PATHS, in order),
     # and the files chosen but changed or gone since DEST was looked at (left as they were).
     deleted_files: int = 0
     deleted_bytes: int = 0
-    deleted_nodes: int = 0
+    deleted_copies: int = 0
     deleted_paths: list[str] = field(default_factory=list)
     deleted_kept: int = 0
     verified_against_source: int = 0  # of those, checked against the source's CRC-32C (core/crc.py)
@@ -162,8 +162,8 @@ class Report:
             case fig.Finished():
                 self.stages["bcast"].seconds += figures.seconds
             case fig.Deleted():
-                self.deleted_files, self.deleted_bytes, self.deleted_nodes = figures.files, figures.bytes, figures.nodes
-                self.deleted_paths, self.deleted_kept = list(figures.paths), figures.kept
+                self.deleted_files, self.deleted_bytes, self.deleted_kept = figures.files, figures.bytes, figures.kept
+                self.deleted_copies, self.deleted_paths = figures.copies, list(figures.paths)
             case fig.Verified():
                 self.stages["verify"] = StageFigures(figures.seconds, self.bytes)
                 if figures.files is not None:
@@ -405,8 +405,10 @@ def _via(fanout: Mapping[str, object]) -> str:
 def _lines(report: Report) -> list[tuple[str, str]]:
     st = report.stages
     head = [
-        f"[cluster] {report.nodes} node{_s(report.nodes)}, {report.ranks} rank{_s(report.ranks)}, "
-        f"{report.writers} writer{_s(report.writers)}, "
+        # "copies", the one word the demo uses too: a copy is one (host, DEST), and several ranks on one
+        # host with a DEST each (the demo, the tests) make several copies on one node (issue 41).
+        f"[cluster] {report.ranks} rank{_s(report.ranks)} on {report.nodes} host{_s(report.nodes)}, "
+        f"{report.writers} {'copy' if report.writers == 1 else 'copies'}, "
         + (
             f"source read by ranks {', '.join(map(str, report.source_readers))}"
             if len(report.source_readers) > 1
@@ -465,8 +467,9 @@ def _deleted(report: Report) -> list[tuple[str, str]]:
     """``--delete``'s line, only when something was removed."""
     if not report.deleted_files:
         return []
-    n, nodes = report.deleted_files, report.deleted_nodes
-    line = f"[delete] {n} file{_s(n)}, {report.deleted_bytes} bytes removed on {nodes} node{_s(nodes)} (not in SOURCE)"
+    n, copies = report.deleted_files, report.deleted_copies
+    where = f"{copies} cop{'y' if copies == 1 else 'ies'}"
+    line = f"[delete] {n} file{_s(n)}, {report.deleted_bytes} bytes removed from {where} (not in SOURCE)"
     if report.deleted_kept:  # chosen by the walk, changed or gone since: left as they are
         line += f", {report.deleted_kept} changed since and kept"
     return [("end", line + _human(report.deleted_bytes))]

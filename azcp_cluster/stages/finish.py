@@ -227,7 +227,7 @@ def delete(ctx: RunContext, place: Placement, moved: Transferred) -> None:
         figures.Deleted(
             files=sum(len(r.paths) for r in removed),
             bytes=sum(r.bytes for r in removed),
-            nodes=sum(1 for r in removed if r.paths),
+            copies=sum(1 for r in removed if r.paths),
             paths=tuple(paths[: mirror.REPORTED_PATHS]),
             kept=sum(len(r.kept) for r in removed),
         )
