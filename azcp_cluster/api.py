@@ -17,7 +17,7 @@ from azcp_cluster.core.comm import Comm
 from azcp_cluster.core.config import Config, parse_rate, parse_size, shown
 from azcp_cluster.core.errors import UsageError
 from azcp_cluster.options import OPTIONS as OPTION_TABLE
-from azcp_cluster.options import check_source_kind
+from azcp_cluster.options import check_source_kind, did_you_mean
 from azcp_cluster.run.report import Report, check_json_path
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in ("source", "dest"))
@@ -29,9 +29,7 @@ def make_config(source: str, dest: str, options: dict[str, Any]) -> Config:
     Sizes may be given as byte counts or as strings (``"64MiB"``); ``include`` and
     ``exclude`` as one glob or a list of globs. Anything else raises :class:`UsageError`.
     """
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise UsageError(f"unknown option(s) {', '.join(unknown)}; valid: {', '.join(OPTIONS)}")
+    check_option_keys(options)
     if not isinstance(source, str) or not isinstance(dest, str):
         raise UsageError("source and dest must be strings")
     values = {name: coerce(name, value) for name, value in options.items()}  # as the command line reads them
@@ -39,6 +37,18 @@ def make_config(source: str, dest: str, options: dict[str, Any]) -> Config:
     check_source_kind(cfg)  # an option for the other kind of SOURCE, as on the command line
     check_json_path(cfg.json_path)
     return cfg
+
+
+def check_option_keys(options: dict[str, object]) -> None:
+    """Refuse a keyword option no Config field has, with the command line's suggestion
+    (:func:`azcp_cluster.options.did_you_mean`) for each, and the valid names when one has none."""
+    unknown = sorted((name for name in options if name not in OPTIONS), key=str)  # a key may be any object
+    if not unknown:
+        return
+    hints = [(shown(name) if not isinstance(name, str) else name, did_you_mean(str(name), OPTIONS)) for name in unknown]
+    named = ", ".join(f"{name} ({hint})" if hint else name for name, hint in hints)
+    valid = "" if all(hint for _, hint in hints) else f"; valid: {', '.join(OPTIONS)}"
+    raise UsageError(f"unknown option(s) {named}{valid}")
 
 
 def coerce(field: str, value: object) -> Any:

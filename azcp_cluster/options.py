@@ -11,7 +11,7 @@ import difflib
 import shutil
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -152,7 +152,11 @@ OPTIONS: tuple[Option, ...] = (
            "a SOURCE (prefix, directory, --include/--exclude) that yields no file is an empty copy (exit 0 "
            "with a warning); default: exit 3 naming it, as a typo in a job script should"),
     Option("--dry-run", "dry_run", GROUPS[0], "flag",
-           "list, compare and print the plan (files and bytes per rank); write nothing"),
+           "list, compare and print each file's action (new, peer, resume, skip, delete) and the plan; "
+           "write nothing"),
+    Option("--delete", "delete", GROUPS[0], "flag",
+           "a mirror: once the copy is complete on every node, remove from each DEST the files SOURCE no "
+           "longer has (of those the filters select; never a link)"),
     # download
     Option("--concurrency", "concurrency", GROUPS[1], "int",
            f"ranged GETs in flight per rank, 1 to {MAX_CONCURRENCY} (default 64)", "N", source=BLOB),
@@ -415,6 +419,16 @@ def source_kinds_text() -> str:
     )
 
 
+def did_you_mean(name: str, known: Iterable[str]) -> str | None:
+    """``did you mean X?`` for the known name closest to a misspelled ``name``, or None when none is close.
+
+    The one suggestion for an unknown option, on the command line (``--bcast-chunks``) and in the
+    Python API (``bcast_chunks=``), so both propose the same way.
+    """
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return f"did you mean {close[0]}?" if close else None
+
+
 def check_option_names(argv: Sequence[str], parser: argparse.ArgumentParser) -> None:
     """Refuse an option name the parser does not know, naming it and the closest known one.
 
@@ -432,8 +446,7 @@ def check_option_names(argv: Sequence[str], parser: argparse.ArgumentParser) -> 
         name = token.split("=", 1)[0]
         if name in known or any(option.startswith(name) for option in known):
             continue
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else "see --help"
+        hint = did_you_mean(name, known) or "see --help"
         label = name if name.isprintable() and len(name) <= 64 else shown(name)
         raise UsageError(f"unrecognized option {label} ({hint})")
 

@@ -20,10 +20,11 @@ from azcp_cluster.core.comm import Comm
 from azcp_cluster.core.config import Config, format_bytes
 from azcp_cluster.core.errors import AzcpError, ReportPathError
 from azcp_cluster.core.plan import Plan, plan_transfers
-from azcp_cluster.run import collector, figures
+from azcp_cluster.run import collector, dryrun, figures
 from azcp_cluster.run.cluster import Cluster
 from azcp_cluster.run.console import Console
 from azcp_cluster.run.report import Report, ReportPrinter, write_json_report
+from azcp_cluster.run.summary import summary_line
 from azcp_cluster.stages import allocate, finish, scheduling, setup, survey, transfer
 from azcp_cluster.stages.context import RunContext, log_path_for
 
@@ -91,6 +92,9 @@ def run(
         if cfg.json_path and not isinstance(failed, ReportPathError):
             write_json_report(report, cfg.json_path)
         lines.rest(failed is not None, plan_lines)
+        summary = None if failed is not None else summary_line(report)
+        if summary is not None:  # the last line, for people (-q keeps it alone)
+            console.report([summary], "summary")
     if failed is not None:
         console.log([failed.one_line()])  # the CLI says it on stderr; the log has it too
     console.close(ctx.dest_identity)
@@ -174,7 +178,7 @@ def execute(ctx: RunContext, report: Report, lines: ReportPrinter) -> list[str]:
         # The fan-out runs between leaders: a shard goes out from its owner's leader.
         schedule = None if cfg.dry_run else scheduling.schedule_for(cfg, ctx.local, place, plan)
     if schedule is None:
-        return plan_lines(ctx, list(diff.transfer), plan)
+        return plan_lines(ctx, list(diff.transfer), plan) + dry_run_lines(ctx, listed, diff)
     prepared = allocate.allocate(ctx, place, listed, diff, plan, schedule)
     moved = transfer.move(ctx, place, prepared)
     for _ in range(SEND_AGAIN):
@@ -192,13 +196,30 @@ def execute(ctx: RunContext, report: Report, lines: ReportPrinter) -> list[str]:
     # Before the rename: a mismatch leaves no final name.
     verified = finish.verify(ctx, place, moved) if cfg.verify else {}
     lines.through("verify")
-    # Every byte is durable everywhere (and verified): the renames and the manifest follow, and
-    # a signal from now on changes nothing (a stop halfway would leave a complete copy reported
-    # as stopped, with no manifest).
+    _complete(ctx, place, moved, verified)
+    return []
+
+
+def _complete(
+    ctx: RunContext, place: setup.Placement, moved: transfer.Transferred, verified: Mapping[int, str]
+) -> None:
+    """Every byte is durable everywhere (and verified): the renames and the manifest follow, and
+    a signal from now on changes nothing (a stop halfway would leave a complete copy reported
+    as stopped, with no manifest); then ``--delete``'s removals, past the record's agreement:
+    every node's copy is complete and recorded."""
     ctx.cluster.interrupts.seal()
     finish.rename(ctx, place, moved)
     finish.record(ctx, place, moved, verified)
-    return []
+    if ctx.cfg.delete:
+        finish.delete(ctx, place, moved)
+
+
+def dry_run_lines(ctx: RunContext, listed: survey.Listed, diff: survey.Diff) -> list[str]:
+    """The dry run's line per file and its total, on rank 0 (run/dryrun.py)."""
+    if ctx.rank != 0:
+        return []
+    files = listed.listing.files
+    return dryrun.file_lines(files, diff.transfer, diff.holders, diff.partial, diff.stale_by)
 
 
 def plan_lines(ctx: RunContext, transfer: list[int], plan: Plan) -> list[str]:

@@ -63,6 +63,11 @@ received on each rail (their NICs' counters), and ``rail_spread``, the busiest r
 mean, minus 1. ``--layout checkpoint``: S as one large file and 1,600 small ones (config,
 tokenizer, metadata) instead of four equal shards.
 
+Prints a table, one row per case and host count under a header (time, bound, ratio, egress, CPUs,
+rails, fan-out), then one line: on the most hosts measured, the tool against every node downloading
+("the tool (stream) 3.2 s against every node downloading 11.8 s (3.7 x); egress 1.00 x S against
+8.00 x S"); ``--json`` has every figure.
+
 ``--quick``: 32 MiB, one run each (about 2 minutes). The full run: 128 MiB, 3 runs each.
 Needs root (network namespaces).
 """
@@ -71,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as dt
 import json
 import os
 import shlex
@@ -81,11 +87,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from azcp_cluster.azure.credentials import container_sas
 from azcp_cluster.core.config import MiB
 from azcp_cluster.dest.directio import aligned_buffer
 from azcp_cluster.dest.localfs import pwritev_all
@@ -93,6 +101,7 @@ from azcp_cluster.devtools import azurite, box
 from azcp_cluster.devtools.box import Box, Link
 from azcp_cluster.devtools.bytecode import compile_package
 from azcp_cluster.devtools.datasets import checkpoint, pseudo_random
+from benchmarks import boxprobes
 from benchmarks.run import mpiexec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,14 +124,24 @@ def dataset(size: int, layout: str = "shards") -> dict[str, bytes]:
 
 
 def bounds(
-    case: str, size: int, hosts: int, front: Link, fabric: Link, disk: float | None = None, rails: int = 1
+    case: str,
+    size: int,
+    hosts: int,
+    front: Link,
+    fabric: Link,
+    disk: float | None = None,
+    rails: int = 1,
+    small: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """The physical bound of a case (``bound_s``) and its parts, from the link rates (``rails``
     fabric NICs per host: R·B per host for the cases that use every rail, ON_EVERY_RAIL) and
     ``disk``, the bytes per second the box's one disk took from all its hosts' writers at once
     (:func:`disk_rate`; None: not measured). The tool's cases write S on every host, all to
     that disk (a cluster's nodes each have their own): ``disk_s`` = N·S / disk, a part of
-    the bound like the links'. The raw patterns write nothing."""
+    the bound like the links'. The raw patterns write nothing. ``small``: the small files'
+    parts measured in the same box (benchmarks/boxprobes.py): ``requests_s``, what the
+    emulator's request rate allows them (the cases that download), and ``files_s``, what the
+    disk's file-creation rate allows them on every host (the tool's cases)."""
     fe, b = front.bytes_per_s, fabric.bytes_per_s
     assert fe is not None and b is not None
     b *= rails if case in ON_EVERY_RAIL else 1
@@ -138,6 +157,10 @@ def bounds(
         parts = {"download_s": download, "fanout_s": fanout, "sum_s": download + fanout}
     if disk is not None and case not in RAW:
         parts["disk_s"] = hosts * size / disk
+    if small and case in MPI_TOOL:
+        parts["files_s"] = small["files_s"]
+        if case != "local":
+            parts["requests_s"] = small["requests_s"]
     return {"bound_s": max(v for k, v in parts.items() if k != "sum_s"), **parts}
 
 
@@ -196,6 +219,21 @@ def disk_rate(bx: Box, size: int) -> float:
         first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
         raise RuntimeError(f"measuring the disk: {first!r}") from first
     return len(paths) * size / seconds
+
+
+def small_parts(bench: Bench, args: argparse.Namespace) -> dict[str, float]:
+    """The small files' parts of the bound, measured now in this box (benchmarks/boxprobes.py):
+    ``requests_s``, every host GETting its 1/N of them from the emulator at once with the tool's
+    requests in flight (``--concurrency`` 64 per rank); ``files_s``, every host making all of them
+    on the box's one disk at once. Medians of three."""
+    small = boxprobes.small_files(bench.files)
+    start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=15)
+    sas = container_sas(azurite.ACCOUNT, CONTAINER, azurite.ACCOUNT_KEY, "r", start, start + dt.timedelta(hours=4))
+    base = bench.emu.url(CONTAINER).split("?")[0]
+    in_flight = 64 * args.ranks_per_host
+    requests = [boxprobes.request_seconds(bench.bx, base, sas, list(small), in_flight, bench.env()) for _ in range(3)]
+    files = [boxprobes.create_seconds(bench.bx, small) for _ in range(3)]
+    return {"requests_s": statistics.median(requests), "files_s": statistics.median(files)}
 
 
 def clear_dest(bx: Box) -> None:
@@ -411,13 +449,14 @@ def row(
     size: int,
     args: argparse.Namespace,
     disk: float | None = None,
+    small: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The row of one case on ``hosts`` hosts: the median sample's figures, its bound (``disk``:
-    the box's disk rate, :func:`disk_rate`), every sample."""
+    the box's disk rate, :func:`disk_rate`; ``small``: :func:`small_parts`), every sample."""
     front, fabric = Link(args.front), Link(args.fabric)
     median = statistics.median(s["tool_s"] for s in samples)
     chosen = min(samples, key=lambda s: abs(s["tool_s"] - median))  # the sample closest to the median
-    bound = bounds(case, size, hosts, front, fabric, disk, args.rails)
+    bound = bounds(case, size, hosts, front, fabric, disk, args.rails, small)
     rails = chosen.get("rail_bytes") or [0]
     return {
         "case": case,
@@ -476,6 +515,10 @@ def bench_hosts(hosts: int, files: dict[str, bytes], source: Path, args: argpars
         if disk is not None:
             print(f"# {hosts} hosts: the disk took {disk / MiB:.0f} MiB/s from {hosts} writers", file=sys.stderr)
         bench = Bench(bx, emu, source, files, args)
+        small = small_parts(bench, args) if args.layout == "checkpoint" and not args.tmpfs else None
+        if small:
+            print(f"# {hosts} hosts: the small files take {small['requests_s']:.2f} s of the emulator's "
+                  f"requests, {small['files_s']:.2f} s of the disk's file creation", file=sys.stderr)  # fmt: skip
         if any(case in MPI_TOOL for case in args.cases):
             # Untimed, the links warmed first. The first copy of the tool in a fresh box ran 0.5
             # to 2.3 s slower than the ones after it at 8 hosts (6.6 to 8.3 s against 5.9 to 6.4:
@@ -489,7 +532,7 @@ def bench_hosts(hosts: int, files: dict[str, bytes], source: Path, args: argpars
                 samples[case].append(bench.run(case))
                 print(f"# {hosts} hosts {case}: {samples[case][-1]['tool_s']:.2f} s", file=sys.stderr, flush=True)
         for case in args.cases:
-            rows.append(row(case, hosts, samples[case], size, args, disk))
+            rows.append(row(case, hosts, samples[case], size, args, disk, small))
     return rows
 
 
@@ -538,6 +581,46 @@ def plot(doc: dict[str, Any], path: str) -> None:
     right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+COLUMNS = ("hosts", "case", "time s", "bound s", "ratio", "egress", "CPUs busy", "stolen", "rails", "fan-out")
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows as a table under a header: each case's time against its bound, and what it cost."""
+    cells = [
+        (
+            str(r["hosts"]),
+            r["case"],
+            f"{r['tool_s']:.2f}",
+            f"{r['bound_s']:.2f}",
+            f"{r['ratio']:.2f}",
+            f"{r['egress_ratio']:.2f} x S",
+            str(r["cpu_busy"]),
+            str(r["cpu_steal"]),
+            str(r["rail_bytes"]),
+            (r["fanout"] or {}).get("method", ""),
+        )
+        for r in rows
+    ]
+    widths = [max(len(c[i]) for c in [COLUMNS, *cells]) for i in range(len(COLUMNS))]
+    return ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [COLUMNS, *cells]]
+
+
+def verdict(rows: list[dict[str, Any]]) -> str:
+    """The one line a user wants: on the most hosts measured, the tool (streamed, else two-phase, else
+    from the local directory) against every node downloading the dataset itself, in time and egress."""
+    by = {(r["hosts"], r["case"]): r for r in rows}
+    for hosts in sorted({r["hosts"] for r in rows}, reverse=True):
+        tool = next((by[hosts, c] for c in ("stream", "two-phase", "local") if (hosts, c) in by), None)
+        naive = by.get((hosts, "every-node"))
+        if tool is not None and naive is not None:
+            return (
+                f"on {hosts} hosts, S = {tool['bytes'] / MiB:g} MiB: the tool ({tool['case']}) {tool['tool_s']:.1f} s "
+                f"against every node downloading {naive['tool_s']:.1f} s ({naive['tool_s'] / tool['tool_s']:.1f} x); "
+                f"egress {tool['egress_ratio']:.2f} x S against {naive['egress_ratio']:.2f} x S"
+            )
+    return "no host count has both a tool case and every-node: run both for the one-line result"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -595,11 +678,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_hosts(hosts, files, source, args)
     doc = {"rows": rows, "quick": args.quick, "repeats": args.repeats, "cpus": os.cpu_count(),
            "seconds": round(time.time() - started, 1)}  # fmt: skip
-    for r in rows:
-        via = (r["fanout"] or {}).get("method", "") if r["fanout"] else ""
-        print(f"{r['hosts']} hosts {r['case']:>10}: {r['tool_s']:6.2f} s, bound {r['bound_s']:5.2f} s, "
-              f"ratio {r['ratio']:5.2f}, egress {r['egress_ratio']:.2f} x S, "
-              f"CPUs busy {r['cpu_busy']}, stolen {r['cpu_steal']}, rails {r['rail_bytes']} {via}")  # fmt: skip
+    print("\n".join(table(rows)))
+    print(verdict(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     if args.plot:

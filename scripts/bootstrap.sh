@@ -31,8 +31,9 @@ if ! { [ -f "$py_stamp" ] && [ "$(cat "$py_stamp")" = "$py_want" ] && [ -x .venv
         say "creating .venv and installing $what: 1 to 2 minutes"
         "$python" -m venv .venv
     fi
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+    # pip's and npm's output goes to stderr: stdout is the demo's (scripts/demo runs this first).
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip >&2
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]' >&2
     echo "$py_want" > "$py_stamp"
     did=1
 fi
@@ -43,10 +44,10 @@ node_want="$(cat package.json package-lock.json 2>/dev/null | sha256sum | cut -d
 if ! { [ -f "$node_stamp" ] && [ "$(cat "$node_stamp")" = "$node_want" ] && [ -x node_modules/.bin/azurite-blob ]; }; then
     if [ -f package-lock.json ]; then
         say "installing the Azure Storage emulator (Azurite, pinned in package-lock.json) into node_modules with npm ci: 20 to 40 s"
-        npm ci --no-audit --no-fund --loglevel=error
+        npm ci --no-audit --no-fund --loglevel=error >&2
     else
         say "installing the Azure Storage emulator (Azurite) into node_modules with npm install: 20 to 40 s"
-        npm install --no-audit --no-fund --loglevel=error
+        npm install --no-audit --no-fund --loglevel=error >&2
     fi
     echo "$node_want" > "$node_stamp"
     did=1

@@ -22,15 +22,38 @@ import pytest
 from azcp_cluster.core.naming import JOURNAL_DIR, MANIFEST_NAME
 from azcp_cluster.devtools import azurite, box
 from azcp_cluster.devtools.bytecode import compile_package
+from tests import leftovers
 
 REPO = Path(__file__).resolve().parents[1]
 MPI_TIMEOUT = 120
 
 
+LEFTOVERS = pytest.StashKey[leftovers.Snapshot]()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the package once: the hundreds of ranks the suite starts then load its bytecode
-    instead of each compiling it (devtools/bytecode.py; a fifth of a 4-rank run's time here)."""
+    instead of each compiling it (devtools/bytecode.py; a fifth of a 4-rank run's time here).
+    Note what /dev/shm and the temporary directory hold, to say at the end what the run left."""
     compile_package()
+    factory = getattr(session.config, "_tmp_path_factory", None)  # pytest's own; its base directory
+    session.config.stash[LEFTOVERS] = leftovers.take(factory.getbasetemp() if factory is not None else None)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's tmpdir plugin has removed what it does not retain
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Remove the MPI shared-memory segments that killed ranks left (tests/leftovers.py)."""
+    snapshot = session.config.stash.get(LEFTOVERS, None)
+    if snapshot is not None:
+        leftovers.remove_orphan_segments(snapshot)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """Say what the run leaves on disk, in yellow above 500 MiB (issue 41: a run left 8.4 GB)."""
+    snapshot = config.stash.get(LEFTOVERS, None)
+    if snapshot is not None:
+        line, over = leftovers.summary(snapshot)
+        terminalreporter.write_line(line, yellow=over)
 
 
 def _find_mpiexec() -> str | None:

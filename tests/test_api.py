@@ -131,6 +131,26 @@ def test_values_no_kind_takes_are_refused(field: str, value: object) -> None:
         coerce(field, value)
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"bcast_chunks": 1}, "unknown option(s) bcast_chunks (did you mean bcast_chunk?)"),
+        (
+            {"bcast-chunk": 1, "concurency": 2},
+            "bcast-chunk (did you mean bcast_chunk?), concurency (did you mean concurrency?)",
+        ),
+        ({"frobnicate": 1}, "unknown option(s) frobnicate; valid: compare, concurrency,"),
+    ],
+)
+def test_unknown_option_gets_the_command_lines_suggestion(options: dict[str, object], message: str) -> None:
+    """The API proposes the closest option name as the command line does (options.did_you_mean), and lists
+    the valid names only where it has no suggestion."""
+    with pytest.raises(UsageError) as caught:
+        make_config("s", "d", options)
+    assert message in str(caught.value)
+    assert ("valid:" in str(caught.value)) == ("frobnicate" in options)
+
+
 def test_coerce_knows_only_the_fields_an_option_sets() -> None:
     with pytest.raises(UsageError, match="unknown option source"):
         coerce("source", "s")

@@ -9,7 +9,7 @@ import pytest
 
 from azcp_cluster.core.config import MiB
 from azcp_cluster.devtools.box import Link
-from benchmarks.cluster import CASES, RAW, bounds, check_copies, disk_rate
+from benchmarks.cluster import CASES, COLUMNS, RAW, bounds, check_copies, disk_rate, table, verdict
 
 S = 128 * MiB
 FRONT, FABRIC = Link(mbit=100), Link(mbit=400)
@@ -118,3 +118,22 @@ def test_with_rails_the_tools_cases_and_the_chain_per_rail_are_bound_with_every_
         assert bounds(one_rank_per_host, S, 4, FRONT, FABRIC, rails=rails) == bounds(
             one_rank_per_host, S, 4, FRONT, FABRIC
         )
+
+
+def _row(hosts: int, case: str, seconds: float, egress: float) -> dict[str, object]:
+    """A row as benchmarks.cluster.row makes it, with the fields the table and the verdict read."""
+    return {"hosts": hosts, "case": case, "bytes": S, "tool_s": seconds, "bound_s": 1.0, "ratio": seconds,
+            "egress_ratio": egress, "cpu_busy": 0.5, "cpu_steal": 0.0, "rail_bytes": [1], "fanout": None}  # fmt: skip
+
+
+def test_the_table_has_a_header_and_the_last_line_is_the_tool_against_every_node() -> None:
+    rows = [_row(2, "stream", 2.0, 1.0), _row(2, "every-node", 5.0, 2.0),
+            _row(4, "stream", 3.2, 1.0), _row(4, "chain", 1.0, 0.0), _row(4, "every-node", 11.8, 4.0)]  # fmt: skip
+    lines = table(rows)
+    assert lines[0].split() == " ".join(COLUMNS).split() and len(lines) == 1 + len(rows)
+    assert lines[1].split()[:5] == ["2", "stream", "2.00", "1.00", "2.00"]
+    assert verdict(rows) == (
+        "on 4 hosts, S = 128 MiB: the tool (stream) 3.2 s against every node downloading 11.8 s (3.7 x); "
+        "egress 1.00 x S against 4.00 x S"
+    )
+    assert verdict(rows[3:4]).startswith("no host count has both")

@@ -60,7 +60,7 @@ def copy_in_box(bx: Box, source: str, json_path: Path, env: dict[str, str] | Non
         timeout=MPI_TIMEOUT, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"[cluster] {HOSTS} nodes, {HOSTS * PER_HOST} ranks, {HOSTS} writers" in proc.stdout, proc.stdout
+    assert f"[cluster] {HOSTS * PER_HOST} ranks on {HOSTS} hosts, {HOSTS} copies" in proc.stdout, proc.stdout
     report: dict[str, object] = json.loads(json_path.read_text())
     return report
 

@@ -59,7 +59,7 @@ def _no_secret(text: str) -> None:
     assert "AccountKey=" not in text
 
 
-def test_demo_stages_to_four_nodes_prints_its_command_and_ends_with_the_next_step() -> None:
+def test_demo_stages_four_copies_prints_its_command_and_ends_with_the_next_step() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "azcp_cluster.devtools.demo", "--size", "6MiB"],
         env=clean_env(),
@@ -75,7 +75,10 @@ def test_demo_stages_to_four_nodes_prints_its_command_and_ends_with_the_next_ste
     assert lines[0].startswith("== azcp-cluster demo: "), lines[0]
     assert lines[1].startswith("== emulator on ")
     assert NOTHING_MOVED in out  # the rerun moved nothing
-    assert "all 4 node directories hold identical copies" in out
+    assert "all 4 copies are identical to the source" in out
+    # One word for a rank's own DEST, in the banner and in the report's [cluster] line: "copies", not "nodes".
+    assert " to 4 copies (" in lines[0] and "nodes" not in lines[0].split("(")[0], lines[0]
+    assert "[cluster] 4 ranks on 1 host, 4 copies, 4 downloading" in out, out
 
     cmd = _printed_command(out)
     mpiexec, n, ranks, tool, source, dest = cmd  # the README's command: nothing added
@@ -83,7 +86,7 @@ def test_demo_stages_to_four_nodes_prints_its_command_and_ends_with_the_next_ste
     emulator = _after(out, "== emulator on ").split(";")[0]
     assert source == f"http://{emulator}/{azurite.ACCOUNT}/models/llama-tiny"
     assert dest.endswith("/node{rank}")
-    # Removed: the node directories and the emulator.
+    # Removed: the copies and the emulator.
     work = Path(dest).parent
     assert work.name.startswith("azcp-demo-") and not work.exists()
     host, port = emulator.rsplit(":", 1)

@@ -252,11 +252,11 @@ def test_one_directory_reached_by_two_paths_on_one_machine_is_one_node(tmp_path:
                    sys.executable, "-m", "azcp_cluster", *args]  # fmt: skip
             proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
             result_code, out, err = proc.returncode, proc.stdout, proc.stderr
-            cluster = "[cluster] 2 nodes, 2 ranks, 1 writer"  # two host names, one machine, one directory
+            cluster = "[cluster] 2 ranks on 2 hosts, 1 copy"  # two host names, one machine, one directory
         else:
             result = run_cli(args, n=2)
             result_code, out, err = result.returncode, result.stdout, result.stderr
-            cluster = "[cluster] 1 node, 2 ranks, 1 writer"
+            cluster = "[cluster] 2 ranks on 1 host, 1 copy"
         assert result_code == 0, out + err
         assert cluster in out, out
         assert tree_of(base / "0") == files

@@ -1192,7 +1192,7 @@ def test_stage_sbatch_runs_with_any_launcher(emulator: azurite.Emulator, tmp_pat
     report = tmp_path / "r.json"
     result = _run_stage([emulator.url(container, "w"), str(dest), "--json", str(report)], env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "[cluster] 1 node, 2 ranks, 2 writers, 2 downloading" in result.stdout
+    assert "[cluster] 2 ranks on 1 host, 2 copies, 2 downloading" in result.stdout
     assert result.stdout.rstrip().endswith("[stage] exit 0")
     for rank in range(2):
         assert tree_of(tmp_path / str(rank)) == {"a.safetensors": blobs["w/a.safetensors"], "cfg/config.json": b"{}"}

@@ -19,6 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "docs" / "figures"
+RESULTS = ROOT / "benchmarks" / "results"
 COMMITTED = sorted(p.stem for p in FIGURES.glob("*.svg"))
 
 
@@ -62,14 +63,14 @@ def test_figure_is_what_its_source_draws(name: str, render: ModuleType, tmp_path
 def test_a_changed_datum_makes_a_stale_figure(render: ModuleType, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The comparison sees one number of a benchmark's result change."""
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for name in ("bench-cluster.json", "bench-listing.json", "bench-reruns.json"):
-        shutil.copy(ROOT / "docs" / name, docs / name)
-    result = json.loads((docs / "bench-cluster.json").read_text(encoding="utf-8"))
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("bench-cluster-local.json", "bench-cluster-stream.json", "bench-listing.json", "bench-reruns.json"):
+        shutil.copy(RESULTS / name, results / name)
+    result = json.loads((results / "bench-cluster-local.json").read_text(encoding="utf-8"))
     result["rows"][0]["tool_s"] += 0.5
-    (docs / "bench-cluster.json").write_text(json.dumps(result), encoding="utf-8")
-    monkeypatch.setattr(render, "DOCS", docs)
+    (results / "bench-cluster-local.json").write_text(json.dumps(result), encoding="utf-8")
+    monkeypatch.setattr(render, "RESULTS", results)
     out = tmp_path / "out"
     out.mkdir()
     assert render.render("bench-cluster", out).read_bytes() != (FIGURES / "bench-cluster.svg").read_bytes()
@@ -85,7 +86,7 @@ def test_small_files_figures_are_the_benchmarks_docs() -> None:
     """docs/figures/small-files.json transcribes docs/benchmarks.md: every number of it is there."""
     data = json.loads((FIGURES / "small-files.json").read_text(encoding="utf-8"))
     doc = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
-    numbers = [data["before_issue_14_s"]]
+    numbers = [data["before_packing_s"]]
     for runs in [*data["runs_s"].values(), *data["sync_stage_s"].values()]:
         numbers.extend(runs)
         assert ", ".join(f"{v:.2f}" for v in runs) in doc

@@ -46,7 +46,7 @@ def test_each_hosts_copy_is_written_by_its_own_ranks_only(tmp_path: Path) -> Non
         cmd = bx.mpiexec(mpiexec_path(), flavour, argv, per_host=PER_HOST)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=MPI_TIMEOUT, cwd=REPO)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert f"[cluster] {HOSTS} nodes, {HOSTS * PER_HOST} ranks, {HOSTS} writers" in proc.stdout, proc.stdout
+        assert f"[cluster] {HOSTS * PER_HOST} ranks on {HOSTS} hosts, {HOSTS} copies" in proc.stdout, proc.stdout
         copies = sorted(p.name for p in dest.iterdir())
         hosts = [h.name for h in bx.hosts]  # in rank order: ranks 0..PER_HOST-1 on the first
         assert copies == sorted(hosts)

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.core.config import MiB
+from azcp_cluster.core.config import GiB, MiB
 from azcp_cluster.core.naming import MANIFEST_NAME
 from azcp_cluster.core.throttle import BURST_SECONDS
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import tricky_tree, with_traps
+from azcp_cluster.stages.setup import available_memory
 from tests.conftest import assert_copies, cached_pages, fstype, run_cli, tree_of
 
 RANKS = 4
@@ -190,7 +191,7 @@ def test_ranks_sharing_a_dest_on_one_host_have_one_writer(
     args = [emulator.url(container, "ckpt"), str(tmp_path / "one-node"), "--shard-size", "1MiB"]
     result = run_cli(args, env=emulator.key_env(), json_path=tmp_path / "r.json")
     assert result.returncode == 0, result.output
-    assert "[cluster] 1 node, 4 ranks, 1 writer, 4 downloading" in result.stdout
+    assert "[cluster] 4 ranks on 1 host, 1 copy, 4 downloading" in result.stdout
     doc = result.json
     assert doc is not None
     assert (doc["nodes"], doc["ranks"], doc["writers"], doc["download_ranks"]) == (1, 4, 1, 4)
@@ -397,6 +398,20 @@ def test_buffers_beyond_memory_are_refused(emulator: azurite.Emulator, tmp_path:
     )
     assert result.returncode == 2, result.output
     assert "--bcast-pipeline" in result.stderr and "available" in result.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_buffers_that_fit_one_rank_but_not_every_rank_of_the_machine_are_refused(
+    emulator: azurite.Emulator, tmp_path: Path
+) -> None:
+    """Each rank has its own slots: four ranks on one machine (a rank per rail) each asking for
+    40 % of the memory fit alone and not together, and are refused before anything is made."""
+    available = available_memory()
+    pipeline = max(2, (available * 4 // 10) // GiB)
+    args = [emulator.url("whatever"), str(tmp_path / "{rank}"), "--bcast-chunk", "1GiB", "--bcast-pipeline"]
+    result = run_cli([*args, str(pipeline)], env=emulator.key_env(), n=4)
+    assert result.returncode == 2, result.output
+    assert "4 ranks on this machine" in result.stderr and "available" in result.stderr
     assert not any(tmp_path.iterdir())
 
 

@@ -311,7 +311,7 @@ def test_stage_sbatch_on_a_real_slurm(slurm: Cluster, emulator: azurite.Emulator
     report = slurm.root / "first.json"
     first = slurm.submit([*nodes_args, str(STAGE), source, dest, "--json", str(report)], env)
     assert (first.state, first.exit_code) == ("COMPLETED", "0:0"), first.output + slurm.logs()
-    assert f"[cluster] 1 node, {TASKS} ranks, {TASKS} writers, {TASKS} downloading" in first.output
+    assert f"[cluster] {TASKS} ranks on 1 host, {TASKS} copies, {TASKS} downloading" in first.output
     assert "[stage] exit 0" in first.output
     doc = json.loads(report.read_text())
     assert (doc["ranks"], doc["files"], doc["transfer_files"], doc["exit_code"]) == (TASKS, len(blobs), len(blobs), 0)
@@ -336,7 +336,7 @@ def test_stage_sbatch_on_a_real_slurm(slurm: Cluster, emulator: azurite.Emulator
     default = slurm.submit(["--nodes=1", str(STAGE)], env_default)
     assert (default.state, default.exit_code) == ("COMPLETED", "0:0"), default.output + slurm.logs()
     assert "[stage] launcher: srun --ntasks=1 --ntasks-per-node=1" in default.output
-    assert "[cluster] 1 node, 1 rank, 1 writer, 1 downloading" in default.output
+    assert "[cluster] 1 rank on 1 host, 1 copy, 1 downloading" in default.output
     assert tree_of(Path(plain)) == blobs
 
     # 4. A failure is the job's failure, with the tool's exit code (3: the listing failed).
@@ -453,7 +453,7 @@ def test_apptainer_sbatch_stages_image_and_weights_then_runs_the_container_step(
     assert f"train.py --weights {nvme}/models/tiny" in job.output
     for name, data in blobs.items():
         assert f"[torchrun-stub] file {name} {len(data)}" in job.output
-    assert job.output.count("[cluster] 1 node, 2 ranks, 1 writer, 2 downloading") == 2  # image, then weights
+    assert job.output.count("[cluster] 2 ranks on 1 host, 1 copy, 2 downloading") == 2  # image, then weights
     assert job.output.count("[torchrun-stub] --nnodes") == 1  # one torchrun per node, whatever the job's tasks
 
 

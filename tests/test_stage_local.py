@@ -47,7 +47,7 @@ def test_tree_reaches_every_rank_and_a_rerun_is_a_fast_no_op(
     assert doc["files"] == len(tree) and doc["bytes"] == sum(map(len, tree.values()))
     assert doc["source_rank"] == 0 and doc["downloaded_bytes"] == 0
     assert doc["broadcast_bytes"] == doc["bytes"]
-    assert "[cluster] 1 node, 4 ranks, 4 writers, source read by rank 0" in first.stdout
+    assert "[cluster] 4 ranks on 1 host, 4 copies, source read by rank 0" in first.stdout
     assert f"[diff] {len(tree)} to transfer (0 peer, {len(tree)} source), 0 skipped" in first.stdout
     second = run_cli(args, json_path=tmp_path / "second.json")
     assert second.returncode == 0, second.output
@@ -144,7 +144,7 @@ def test_one_node_without_placeholder_has_one_writer(
     dest = tmp_path / "one-node"
     result = run_cli([str(root), str(dest), "--bcast-chunk", "1MiB"], json_path=tmp_path / "r.json")
     assert result.returncode == 0, result.output
-    assert "[cluster] 1 node, 4 ranks, 1 writer," in result.stdout
+    assert "[cluster] 4 ranks on 1 host, 1 copy," in result.stdout
     assert result.json is not None and (result.json["nodes"], result.json["ranks"], result.json["writers"]) == (1, 4, 1)
     got = tree_of(dest)
     assert got == tree

@@ -227,6 +227,9 @@ class Config:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     dry_run: bool = False
+    # A mirror: after a complete copy on every node, each node's DEST loses the files (among
+    # those the filters select) that SOURCE no longer has (dest/mirror.py).
+    delete: bool = False
     # "" (no verification), or one of VERIFY_MODES: "disk" (read every copy back after the
     # fsync and hash it) or "stream" (hash the bytes as they stream). Truthy: some verification.
     verify: str = ""
@@ -406,13 +409,19 @@ class Config:
             return self.bcast_chunk
         return IBCAST_CHUNK if self.fanout == "ibcast" else CHAIN_CHUNK
 
-    def check_memory(self, available: int, download_pool: int) -> None:
-        """Refuse settings whose buffers (slots plus ``download_pool``) cannot fit in ``available`` bytes."""
+    def check_memory(self, available: int, download_pool: int, ranks_here: int = 1) -> None:
+        """Refuse settings whose buffers (slots plus ``download_pool``) cannot fit in ``available``
+        bytes, shared by the ``ranks_here`` ranks the launcher started on this machine (each has
+        its own: with a rank per rail, four ranks that each fit alone could still not fit together)."""
         need = self.bcast_pipeline * self.chunk + download_pool
-        if need > available:
+        ranks_here = max(1, ranks_here)
+        if need * ranks_here > available:
+            together = ""
+            if ranks_here > 1:
+                together = f", {ranks_here} ranks on this machine {format_bytes(need * ranks_here)},"
             raise UsageError(
                 f"--bcast-pipeline {self.bcast_pipeline} x --bcast-chunk {format_bytes(self.chunk)} plus "
-                f"download buffers need {format_bytes(need)} per rank, but only {format_bytes(available)} "
+                f"download buffers need {format_bytes(need)} per rank{together} but only {format_bytes(available)} "
                 "of memory is available; lower --bcast-chunk, --bcast-pipeline or --concurrency"
             )
 

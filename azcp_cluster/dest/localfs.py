@@ -65,6 +65,14 @@ def _mounts() -> list[tuple[str, str, str]]:
     return mounts
 
 
+def mount_points_below(real: str) -> set[str]:
+    """The mount points strictly below the directory at the real path ``real``, as paths
+    relative to it (a bind mount of a tree of the same filesystem too, which its device does
+    not tell)."""
+    top = real.rstrip("/") + "/"
+    return {point[len(top) :] for point, _, _ in _mounts() if point.startswith(top) and len(point) > len(top)}
+
+
 def locate_dest(real: str) -> tuple[str, str, str]:
     """Where the directory at the real path ``real`` lies on this machine, whether or not it
     exists yet: ``(directory, mount, within)``.

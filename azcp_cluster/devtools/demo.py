@@ -1,4 +1,4 @@
-"""The README's demo: a 4-"node" staging run against a local emulator, end to end.
+"""The README's demo: a staging run to 4 copies (4 ranks, each its own DEST) from a local emulator, end to end.
 
 Starts Azurite on loopback, uploads a generated checkpoint-like dataset, prints the command and
 runs it (``mpiexec -n 4 azcp-cluster SOURCE '/tmp/.../node{rank}'``), runs it again to show
@@ -102,18 +102,20 @@ def next_step(mpiexec: str, tool: str, ranks: int) -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="96MiB", help="dataset size to generate (default 96MiB)")
-    parser.add_argument("-n", "--ranks", type=int, default=4, help="MPI ranks, one per simulated node")
+    parser.add_argument(
+        "-n", "--ranks", type=int, default=4, help="MPI ranks, each writing its own copy (DEST node{rank})"
+    )
     parser.add_argument(
         "--keep",
         action="store_true",
-        help="keep the node directories and the emulator's data, and leave the emulator running, "
+        help="keep the copies and the emulator's data, and leave the emulator running, "
         "so the printed command can be run again (the demo says where they are and how to stop it)",
     )
     return parser
 
 
 def _check_copies(work: Path, ranks: int, blobs: dict[str, bytes]) -> int:
-    """Raise :class:`_Failed` unless every node directory holds the dataset; the number of files."""
+    """Raise :class:`_Failed` unless every copy holds the dataset; the number of files."""
     expected = {name[len("llama-tiny/") :]: hashlib.md5(data).hexdigest() for name, data in blobs.items()}
     for rank in range(ranks):
         node = work / f"node{rank}"
@@ -143,7 +145,7 @@ def _say_kept(
     print(f"== kept (--keep), in {work}:")
     print(f"   the copies: {work}/node0 .. node{ranks - 1}")
     print(f"   the emulator's data: {emulator_data}; the emulator still serves it on {emu.host}:{emu.port}")
-    print(f"   the command again, from {os.getcwd()} (nothing moves; remove a node directory and it is copied anew):")
+    print(f"   the command again, from {os.getcwd()} (nothing moves; remove a copy and it is made anew):")
     print(f"   . {shlex.quote(str(env_file))}    # exports {CREDENTIAL_VARIABLE}")
     print(f"   {shlex.join(cmd)}")
     print(f"   stop the emulator: kill {emu.pid}")
@@ -157,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     dest = str(work / "node{rank}")
     print(
         f"== azcp-cluster demo: a generated checkpoint-like dataset of {args.size} goes from a local Azure "
-        f'Storage emulator (Azurite) to {args.ranks} "nodes" ({dest}), with one MPI job, run twice',
+        # "copies", the word of the report's [cluster] line: ranks on one host, each its own DEST, stand for nodes.
+        f"Storage emulator (Azurite) to {args.ranks} copies ({dest}: one per rank, as {args.ranks} nodes would each "
+        "hold one), with one MPI job, run twice",
         flush=True,
     )
     mpiexec, tool = programs()
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== {attempt}", flush=True)
                 subprocess.run(cmd, env=env, check=True)
             files = _check_copies(work, args.ranks, blobs)
-            print(f"== all {args.ranks} node directories hold identical copies of the {files} files")
+            print(f"== all {args.ranks} copies are identical to the source ({files} files)")
             if args.keep:
                 env_file = _write_env_file(work, emu)
                 kept = True

@@ -135,8 +135,21 @@ class Verified:
     against_source: int | None = None
 
 
+@dataclass(frozen=True)
+class Deleted:
+    """What ``--delete`` removed (delete), over every node."""
+
+    files: int  # files removed, counted in each copy that lost one
+    bytes: int
+    copies: int  # copies (nodes' DESTs) that lost something
+    paths: tuple[str, ...]  # the distinct paths removed, in order, up to mirror.REPORTED_PATHS
+    kept: int  # files chosen at the walk but changed or gone since: left as they were
+
+
 # One stage's entry in the report's timeline: {"stage": name, "start": [per rank], "end": [per rank]}.
 TimelineEntry = dict[str, Any]
 
-Figures = Roles | Listed | Compared | Planned | FanoutChosen | Downloaded | FannedOut | Resent | Finished | Verified
+Figures = (
+    Roles | Listed | Compared | Planned | FanoutChosen | Downloaded | FannedOut | Resent | Finished | Verified | Deleted
+)
 Recorder = Callable[[Figures], None]  # the run's report's record, handed to the stages

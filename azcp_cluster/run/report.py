@@ -116,6 +116,14 @@ class Report:
     plan_loads: list[int] = field(default_factory=list)
     plan_spread: float = 0.0
     verified_files: int = 0
+    # --delete: the files removed from the copies (each copy's count), their bytes, the
+    # copies that lost any, the distinct paths (the first mirror.REPORTED_PATHS, in order),
+    # and the files chosen but changed or gone since DEST was looked at (left as they were).
+    deleted_files: int = 0
+    deleted_bytes: int = 0
+    deleted_copies: int = 0
+    deleted_paths: list[str] = field(default_factory=list)
+    deleted_kept: int = 0
     verified_against_source: int = 0  # of those, checked against the source's CRC-32C (core/crc.py)
     peak_rss_bytes: int = 0  # the largest peak resident memory of any rank, at the last agreement (Cluster.peak_rss)
     stages: dict[str, StageFigures] = field(default_factory=lambda: {s: StageFigures() for s in STAGES})
@@ -156,6 +164,9 @@ class Report:
                 self.bytes = figures.bytes
             case fig.Finished():
                 self.stages["bcast"].seconds += figures.seconds
+            case fig.Deleted():
+                self.deleted_files, self.deleted_bytes, self.deleted_kept = figures.files, figures.bytes, figures.kept
+                self.deleted_copies, self.deleted_paths = figures.copies, list(figures.paths)
             case fig.Verified():
                 self.stages["verify"] = StageFigures(figures.seconds, self.bytes)
                 if figures.files is not None:
@@ -313,9 +324,8 @@ SECTIONS = ("cluster", "list", "diff", "transfer", "verify", "end")
 
 
 class ReportPrinter:
-    """Rank 0's report lines on ``out``, each section once, as soon as its stage has ended, and
-    the summary line last (run/summary.py); through ``console`` where given (what ``-q`` shows,
-    and the log file: run/console.py).
+    """Rank 0's report lines on ``out`` (through ``console`` where given: run/console.py), each
+    section once, as soon as its stage has ended.
 
     Under a launcher the run's output is a pipe or a log: ``[cluster]`` and ``[list]``, known in
     the first second, should not wait for the end of a copy of hours. A reader that went away
@@ -347,11 +357,6 @@ class ReportPrinter:
             lines[at:at] = after_diff
         self.printed.update(SECTIONS)
         self._write(lines)
-        from azcp_cluster.run.summary import summary_line
-
-        summary = None if failed else summary_line(self.report)
-        if summary is not None:
-            self._write([summary], "summary")
 
     def _print(self, sections: list[tuple[str, str]], wanted: set[str]) -> None:
         lines = [line for section, line in sections if section in wanted and section not in self.printed]
@@ -378,8 +383,7 @@ def report_lines(report: Report, failed: bool = False) -> list[str]:
 
     ``failed``: the run stopped early; only the lines of the stages it reached (their figures
     so far), the retries and ``[total]`` (none at all if it reached none: an argument refused).
-    A line with nothing to say is left out: ``[download]`` where nothing was downloaded (a local
-    SOURCE, a rerun with nothing to do), ``[bcast]`` where nothing was fanned out.
+    No ``[download]`` where nothing was downloaded (local SOURCE, no-op rerun), no ``[bcast]`` if none sent.
     """
     return [line for _, line in report_sections(report, failed)]
 
@@ -415,8 +419,10 @@ def _via(fanout: Mapping[str, object]) -> str:
 def _lines(report: Report) -> list[tuple[str, str]]:
     st = report.stages
     head = [
-        f"[cluster] {report.nodes} node{_s(report.nodes)}, {report.ranks} rank{_s(report.ranks)}, "
-        f"{report.writers} writer{_s(report.writers)}, "
+        # "copies", the one word the demo uses too: a copy is one (host, DEST), and several ranks on one
+        # host with a DEST each (the demo, the tests) make several copies on one node (issue 41).
+        f"[cluster] {report.ranks} rank{_s(report.ranks)} on {report.nodes} host{_s(report.nodes)}, "
+        f"{report.writers} {'copy' if report.writers == 1 else 'copies'}, "
         + (
             f"source read by ranks {', '.join(map(str, report.source_readers))}"
             if len(report.source_readers) > 1
@@ -440,7 +446,7 @@ def _lines(report: Report) -> list[tuple[str, str]]:
 
 
 def _moved_lines(report: Report) -> list[tuple[str, str]]:
-    """``[download]``, ``[bcast]``, ``[verify]`` and the retries: each only where it has something to say."""
+    """``[download]``, ``[bcast]``, ``[verify]``, ``[delete]``, retries: each where it has something to say."""
     st = report.stages
     lines = []
     if report.downloaded_bytes:  # (nothing for a local SOURCE, nor for a rerun with nothing to do)
@@ -467,17 +473,24 @@ def _moved_lines(report: Report) -> list[tuple[str, str]]:
                 + _via(report.fanout),
             )
         )
-    if report.verified_files:
-        files = report.verified_files
-        lines.append(
-            (
-                "verify",
-                f"[verify] {files} file{_s(files)} T={st['verify'].seconds:.3f}s: all copies match "
-                f"({report.verified_against_source} against the source's CRC-32C)",
-            )
-        )
+    if files := report.verified_files:
+        match = f"all copies match ({report.verified_against_source} against the source's CRC-32C)"
+        lines.append(("verify", f"[verify] {files} file{_s(files)} T={st['verify'].seconds:.3f}s: {match}"))
+    lines += _deleted(report)
     if report.retries:
         causes = ", ".join(f"{k}={v}" for k, v in sorted(report.retry_causes.items()))
         ranks = ", ".join(f"{rank}:{n}" for rank, n in enumerate(report.retries_by_rank) if n)
         lines.append(("end", f"[cluster] retries: {report.retries} ({causes}) by rank {ranks}"))
     return lines
+
+
+def _deleted(report: Report) -> list[tuple[str, str]]:
+    """``--delete``'s line, only when something was removed."""
+    if not report.deleted_files:
+        return []
+    n, copies = report.deleted_files, report.deleted_copies
+    where = f"{copies} cop{'y' if copies == 1 else 'ies'}"
+    line = f"[delete] {n} file{_s(n)}, {report.deleted_bytes} bytes removed from {where} (not in SOURCE)"
+    if report.deleted_kept:  # chosen by the walk, changed or gone since: left as they are
+        line += f", {report.deleted_kept} changed since and kept"
+    return [("end", line + _human(report.deleted_bytes))]

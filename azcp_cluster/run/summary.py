@@ -15,17 +15,15 @@ def counted(count: int, noun: str, plural: str = "") -> str:
     return f"{count} {noun if count == 1 else plural or noun + 's'}"
 
 
-def _copies(report: Report, preposition: str = "to") -> str:
-    """``to 4 nodes``, or where several copies share a host (several DESTs), ``to 4 copies on 1 node``."""
-    if report.writers == report.nodes:
-        return f"{'on' if preposition == 'in' else preposition} {counted(report.nodes, 'node')}"
-    return f"{preposition} {counted(report.writers, 'copy', 'copies')} on {counted(report.nodes, 'node')}"
+def _copies(report: Report) -> str:
+    """``4 copies``: the report's one word for a node's DEST (one per host and DEST, as ``[cluster]`` counts them)."""
+    return counted(report.writers, "copy", "copies")
 
 
 def summary_line(report: Report) -> str | None:
-    """``azcp-cluster: 27 files, 24.02 MiB to 4 nodes (96.08 MiB written) in 3.51 s, 0 retries``
+    """``azcp-cluster: 27 files, 24.02 MiB to 4 copies (96.08 MiB written) in 3.51 s, 0 retries``
     (and `` (3 files already present)`` where some were),
-    or ``azcp-cluster: nothing to do: 27 files already present on 4 nodes``; None for a failed
+    or ``azcp-cluster: nothing to do: 27 files already present in 4 copies``; None for a failed
     run (its error line says how it ended) or a dry run (its plan says what it would do).
 
     The bytes written over all the copies are given where every copy wrote every file copied
@@ -35,12 +33,12 @@ def summary_line(report: Report) -> str | None:
     if report.exit_code or report.error or report.dry_run:
         return None
     if report.transfer_files == 0:
-        return f"azcp-cluster: nothing to do: {counted(report.files, 'file')} already present {_copies(report, 'in')}"
+        return f"azcp-cluster: nothing to do: {counted(report.files, 'file')} already present in {_copies(report)}"
     moved = report.bytes - report.skipped_bytes
     present = f" ({counted(report.skipped_files, 'file')} already present)" if report.skipped_files else ""
     whole = report.peer_files == 0 and report.resumed_files == 0 and report.writers > 1
     written = f" ({format_bytes(moved * report.writers)} written)" if whole and moved else ""
     return (
-        f"azcp-cluster: {counted(report.transfer_files, 'file')}, {format_bytes(moved)} {_copies(report)}"
+        f"azcp-cluster: {counted(report.transfer_files, 'file')}, {format_bytes(moved)} to {_copies(report)}"
         f"{written} in {report.stages['total'].seconds:.2f} s, {counted(report.retries, 'retry', 'retries')}{present}"
     )

@@ -36,7 +36,7 @@ from azcp_cluster.run.cluster import StageOutcome, StageResult, error_from_paylo
 from azcp_cluster.stages import shape as shapes
 from azcp_cluster.stages.context import RunContext
 from azcp_cluster.stages.scheduling import Schedule, schedule_for, writes_here
-from azcp_cluster.stages.setup import Placement, available_memory
+from azcp_cluster.stages.setup import Placement, available_memory, ranks_here
 from azcp_cluster.stages.shape import TransferShape
 from azcp_cluster.stages.survey import Diff, Listed
 
@@ -130,7 +130,9 @@ def _download_buffers(ctx: RunContext, shape: TransferShape, mine: Sequence[Shar
     if shape.workers > 1:
         from azcp_cluster.download.workers import WORKER_MEMORY
 
-        cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency) + shape.workers * WORKER_MEMORY)
+        cfg.check_memory(
+            available_memory(), pool_bytes(cfg.concurrency) + shape.workers * WORKER_MEMORY, ranks_here(ctx)
+        )
     if shape.workers == 1 or cfg.download_workers is None:  # auto starts alone
         from azcp_cluster.download.writepool import WritePool
 

@@ -17,7 +17,7 @@ from azcp_cluster.core.crc import expected
 from azcp_cluster.core.digests import against_source, verdict
 from azcp_cluster.core.errors import VerifyError
 from azcp_cluster.core.model import FileEntry
-from azcp_cluster.dest import journal, manifest
+from azcp_cluster.dest import journal, manifest, mirror
 from azcp_cluster.run import figures
 from azcp_cluster.run.cluster import StageOutcome, StageResult
 from azcp_cluster.stages.context import RunContext
@@ -202,3 +202,33 @@ def record(ctx: RunContext, place: Placement, moved: Transferred, verified: Mapp
             journal.remove(tree)  # every file is under its final name: nothing to resume
     cluster.note("record", t0)
     cluster.conclude(cluster.clock(), outcome)
+
+
+def delete(ctx: RunContext, place: Placement, moved: Transferred) -> None:
+    """``--delete``: each leader removes from its DEST what its diff's walk chose (dest/mirror.py).
+
+    Called once every rank has passed the record stage's agreement: every node's copy is
+    complete, durable and recorded, so a failed or stopped copy anywhere deletes nothing
+    anywhere. A file changed, replaced or gone since the walk is left as it is (and a file
+    put into DEST after the walk was never chosen). Its figures reach the report: the count
+    and bytes over every node, and the paths up to mirror.REPORTED_PATHS.
+    """
+    cluster = ctx.cluster
+    t0 = cluster.clock()
+    outcome: StageOutcome[mirror.Removed] = StageOutcome()
+    with cluster.stage(outcome):
+        outcome.stats = mirror.Removed((), 0, ())
+        if place.leader and moved.diff.stale:
+            outcome.stats = mirror.remove(ctx.dest_tree(), moved.diff.stale)
+    result = cluster.conclude(t0, outcome, stage="delete")
+    removed = [removed for removed in result.each(mirror.Removed((), 0, ())) if removed.paths or removed.kept]
+    paths = sorted({path for r in removed for path in r.paths})
+    ctx.record(
+        figures.Deleted(
+            files=sum(len(r.paths) for r in removed),
+            bytes=sum(r.bytes for r in removed),
+            copies=sum(1 for r in removed if r.paths),
+            paths=tuple(paths[: mirror.REPORTED_PATHS]),
+            kept=sum(len(r.kept) for r in removed),
+        )
+    )

@@ -33,7 +33,7 @@ from azcp_cluster.dest.localsource import check_overlap
 from azcp_cluster.run import figures
 from azcp_cluster.run.cluster import StageOutcome
 from azcp_cluster.run.console import say
-from azcp_cluster.run.rails import RAIL_DEVICE_ENV
+from azcp_cluster.run.rails import RAIL_DEVICE_ENV, local_size
 from azcp_cluster.stages.context import RunContext
 
 if TYPE_CHECKING:
@@ -68,6 +68,11 @@ class Placement:
     def fans_out(self) -> bool:
         """This rank takes part in the fan-out (a chain of its rail): every rank with several rails, else the leader."""
         return self.leader or self.rails > 1
+
+
+def ranks_here(ctx: RunContext) -> int:
+    """How many ranks share this machine's memory, as the launcher says (1 where none says)."""
+    return local_size(ctx.env) or 1
 
 
 def available_memory() -> int:
@@ -182,7 +187,7 @@ def _check_arguments(ctx: RunContext) -> tuple[Authorizer | None, Proxy | None, 
         if cfg.source_rank in (None, ctx.rank):
             sees = os.path.exists(ctx.source_root)
         if not cfg.dry_run:
-            cfg.check_memory(available_memory(), 0)
+            cfg.check_memory(available_memory(), 0, ranks_here(ctx))
         return None, None, sees
     # Imported here: a local SOURCE never pays for the Azure and HTTP libraries.
     from azcp_cluster.azure.credentials import Authorizer, resolve_credential
@@ -190,7 +195,7 @@ def _check_arguments(ctx: RunContext) -> tuple[Authorizer | None, Proxy | None, 
 
     source = parse_blob_url(cfg.source)
     if not cfg.dry_run:
-        cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency))
+        cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency), ranks_here(ctx))
     auth = Authorizer(source, resolve_credential(source, ctx.env, cfg.auth, ctx.credential), ctx.wall)
     proxy = proxy_for(source.endpoint, ctx.env)  # a proxy variable that cannot be used: exit 2 here
     return auth, proxy, False

@@ -16,12 +16,13 @@ from typing import NamedTuple, TypeVar
 
 import numpy as np
 
-from azcp_cluster.core.errors import InternalError, ListError
+from azcp_cluster.core.errors import InternalError, ListError, UsageError
 from azcp_cluster.core.model import FileEntry, Listing, decode_listing, encode_listing
 from azcp_cluster.core.naming import RawEntry, Selected, merge, prefilter
 from azcp_cluster.core.resume import Segment, segments, total
 from azcp_cluster.core.source import BlobSource, parse_blob_url
-from azcp_cluster.dest import journal, manifest
+from azcp_cluster.dest import journal, manifest, mirror
+from azcp_cluster.dest.destroot import DestRoot
 from azcp_cluster.dest.localsource import list_local
 from azcp_cluster.run import figures
 from azcp_cluster.run.cluster import StageOutcome, error_from_payload, error_payload
@@ -53,6 +54,10 @@ class Diff:
     partial: Mapping[int, tuple[Segment, ...]] = field(default_factory=dict)
     # What this rank's node kept (leaders; a file's temporary file is then kept, not made anew).
     kept: Mapping[int, journal.Kept] = field(default_factory=dict)
+    # --delete: the files this rank's node removes after a complete copy (a leader's, as its
+    # walk of DEST found them), and every node's (path, size) of them, for the dry run's lines.
+    stale: tuple[mirror.Entry, ...] = ()
+    stale_by: tuple[tuple[tuple[str, int], ...], ...] = ()
 
     def without(self, changed: list[int]) -> Diff:
         """The same, with ``changed`` held by nobody (a local file that changed while it was read)."""
@@ -63,6 +68,8 @@ class Diff:
             tuple(False if i in gone else h for i, h in enumerate(self.have)),
             {i: s for i, s in self.partial.items() if i not in gone},
             {i: k for i, k in self.kept.items() if i not in gone},
+            self.stale,
+            self.stale_by,
         )
 
 
@@ -270,6 +277,7 @@ class Seen(NamedTuple):
     present: bytes  # per file, whether it is here (packed bits)
     list_seconds: float  # this rank's time in the list stage
     kept: Mapping[int, tuple[tuple[int, int], ...]]  # per file a stopped run kept blocks of: the spans
+    stale: tuple[tuple[str, int], ...] = ()  # --delete: the files this node would remove (path, size)
 
 
 def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
@@ -279,6 +287,8 @@ def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
     outcome: StageOutcome[Seen] = StageOutcome()
     files = listed.listing.files
     kept: dict[int, journal.Kept] = {}
+    stale: list[mirror.Entry] = []
+    check_mirror(ctx, listed)
     with cluster.stage(outcome):
         present = b""
         if place.leader:  # one check per copy: the other ranks of a node share the leader's
@@ -291,8 +301,10 @@ def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
                 with cluster.abandonable():  # the kept blocks read back: a signal stops it at once
                     # --verify keeps only blocks that came from the source on this node (journal.load).
                     kept = journal.load(tree, files, lacking, ctx.origin, received=not ctx.cfg.verify)
+            if ctx.cfg.delete:
+                stale = stale_in(ctx, tree, files)
         spans = {i: k.spans for i, k in kept.items()}
-        outcome.stats = Seen(present, listed.seconds, spans)
+        outcome.stats = Seen(present, listed.seconds, spans, tuple((e.rel, e.size) for e in stale))
     result = cluster.conclude(t0, outcome, stage="diff")
     seen = result.each(Seen(b"", 0.0, {}))
     leaders = place.topo.leaders
@@ -319,7 +331,29 @@ def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
             seconds=result.seconds,
         )
     )
-    return Diff(transfer, holders, tuple(matrix[place.group].tolist()), partial, kept)
+    stale_by = tuple(seen[leader].stale for leader in leaders)
+    return Diff(transfer, holders, tuple(matrix[place.group].tolist()), partial, kept, tuple(stale), stale_by)
+
+
+def check_mirror(ctx: RunContext, listed: Listed) -> None:
+    """``--delete`` mirrors a tree: refused (exit 2, on every rank alike) where SOURCE names one file."""
+    if not ctx.cfg.delete:
+        return
+    files = listed.listing.files
+    one_blob = (
+        not ctx.local
+        and len(files) == 1
+        and not ctx.cfg.source.endswith("/")
+        and files[0].name == parse_blob_url(ctx.cfg.source).prefix
+    )
+    if listed.single_file or one_blob:
+        raise UsageError("--delete mirrors a directory, but SOURCE names one file; leave --delete out")
+
+
+def stale_in(ctx: RunContext, tree: DestRoot, files: tuple[FileEntry, ...]) -> list[mirror.Entry]:
+    """What ``--delete`` removes from this node's DEST (mirror.choose over a walk of it)."""
+    cfg = ctx.cfg
+    return mirror.choose((f.path for f in files), mirror.walk(tree), cfg.include, cfg.exclude)
 
 
 def holders_of(matrix: np.ndarray, leaders: list[int] | tuple[int, ...]) -> tuple[tuple[int, ...], ...]:

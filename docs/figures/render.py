@@ -4,8 +4,8 @@
     python docs/figures/render.py --check  # exit 1 if a committed figure is not what its source draws
 
 Each figure is a function of this module that draws one `Figure`; the benchmark plots read their
-numbers from the committed results (docs/bench-*.json, and docs/figures/small-files.json, which
-holds figures of docs/benchmarks.md that have no JSON of their own). The SVGs are written
+numbers from the committed results (benchmarks/results/bench-*.json, and docs/figures/small-files.json,
+which holds figures of docs/benchmarks.md that have no JSON of their own). The SVGs are written
 byte for byte the same on every run of one matplotlib version (fixed hash salt and ids, no date,
 text as paths), so tests/test_figures.py can render each into a temporary directory and compare:
 a figure that was not redrawn after its source or its data changed fails the suite.
@@ -28,7 +28,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 HERE = Path(__file__).resolve().parent
-DOCS = HERE.parent
+RESULTS = HERE.parents[1] / "benchmarks" / "results"  # the benchmarks' committed output
 
 # What makes the SVG the same bytes on every run (same matplotlib, same bundled fonts).
 STABLE = {
@@ -50,7 +50,7 @@ INK = "#222222"
 
 
 def _load(name: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((DOCS / name).read_text(encoding="utf-8"))
+    data: dict[str, Any] = json.loads((RESULTS / name).read_text(encoding="utf-8"))
     return data
 
 
@@ -155,43 +155,51 @@ def dataflow_local() -> Figure:
     return fig
 
 
-# The cluster benchmark's cases (benchmarks/cluster.py), in the order of its table.
+# The cluster benchmark's cases (benchmarks/cluster.py) drawn here: each copy of the tool beside the raw
+# MPI pattern it uses, run in the same batch over the same links, and the physical bound of both.
 CASES = {
-    "local": ("the tool, local SOURCE (one reader)", "o"),
-    "stream": ("the tool, blob SOURCE, streaming", "s"),
-    "two-phase": ("the tool, blob SOURCE, --no-overlap", "D"),
-    "ibcast": ("raw pipelined Ibcast (no disk)", "^"),
-    "chain": ("raw point-to-point chain (no disk)", "v"),
-    "every-node": ("every host downloads it all", "x"),
+    "local": ("the tool, local SOURCE (one reader)", "o", "C0"),
+    "chain": ("raw point-to-point chain (no disk)", "v", "C5"),
+    "stream": ("the tool, blob SOURCE, streamed", "s", "C1"),
+    "ring": ("raw ring of the same bytes (no download, no disk)", "<", "C4"),
 }
-BOUNDS = {"local": "bound S/B", "stream": "bound max(S/(N·fe), S(N−1)/(N·B))", "every-node": "bound S/fe"}
+PANELS = (("bench-cluster-local.json", "local", "chain", "bound S/B"),
+          ("bench-cluster-stream.json", "stream", "ring", "bound max(S/(N·fe), S(N−1)/(N·B))"))  # fmt: skip
+
+
+def _case(ax: Any, rows: list[dict[str, Any]], case: str) -> list[dict[str, Any]]:
+    """One case's medians against hosts; its rows, by hosts."""
+    label, marker, color = CASES[case]
+    mine = sorted((r for r in rows if r["case"] == case), key=lambda r: r["hosts"])
+    ax.plot([r["hosts"] for r in mine], [r["tool_s"] for r in mine], marker=marker, color=color, label=label)
+    return mine
 
 
 def cluster() -> Figure:
-    """docs/bench-cluster.json: time against hosts, with the physical bounds; the emulator's egress over S."""
-    rows = _load("bench-cluster.json")["rows"]
-    fig = Figure(figsize=(9.0, 4.0))
-    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.1, 1]})
-    colors = dict(zip(CASES, ("C0", "C1", "C2", "C4", "C5", "C3"), strict=True))
-    hosts_all = sorted({r["hosts"] for r in rows})
-    for case, (label, marker) in CASES.items():
-        mine = sorted((r for r in rows if r["case"] == case), key=lambda r: r["hosts"])
+    """benchmarks/results/bench-cluster-{local,stream}.json: time against hosts beside the raw pattern and the
+    physical bound; the emulator's egress over S."""
+    fig = Figure(figsize=(10.0, 3.8))
+    axes = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1, 1, 0.8]})
+    for ax, (name, tool, raw, bound) in zip(axes, PANELS, strict=False):
+        rows = _load(name)["rows"]
+        mine = _case(ax, rows, tool)
+        _case(ax, rows, raw)
         hosts = [r["hosts"] for r in mine]
-        left.plot(hosts, [r["tool_s"] for r in mine], marker=marker, color=colors[case], label=label)
-        if case in BOUNDS:
-            left.plot(hosts, [r["bound_s"] for r in mine], linestyle="--", color=colors[case], linewidth=1,
-                      label=BOUNDS[case])  # fmt: skip
-        if case in ("stream", "two-phase", "every-node"):
-            right.plot(hosts, [r["egress_ratio"] for r in mine], marker=marker, color=colors[case], label=label)
-    first = rows[0]
-    left.set(xlabel="hosts (one rank each)", ylabel="seconds (total − list)", xticks=hosts_all, ylim=(0, None),
-             title=f"{first['bytes'] / 2**20:.0f} MiB, fe {first['front_mbit']:g} Mbit/s, "
-             f"fabric B {first['fabric_mbit']:g} Mbit/s, {first['mpi']}")  # fmt: skip
-    left.legend(fontsize=6.5, ncol=2, loc="upper left")
-    right.set(xlabel="hosts", ylabel="bytes the emulator sent / S", xticks=hosts_all, ylim=(0, None),
-              title="egress from \"Azure\"")  # fmt: skip
-    right.legend(fontsize=6.5, loc="upper left")
-    for ax in (left, right):
+        ax.plot(hosts, [r["bound_s"] for r in mine], linestyle="--", color=INK, linewidth=1, label=bound)
+        first = mine[0]
+        ax.set(xlabel="hosts (one rank each)", ylabel="seconds (total − list)", xticks=hosts, ylim=(0, None),
+               title=f"{first['bytes'] / 2**20:.0f} MiB, fe {first['front_mbit']:g} Mbit/s, "
+               f"B {first['fabric_mbit']:g} Mbit/s, {first['mpi']}")  # fmt: skip
+        ax.legend(fontsize=6.5, loc="lower right")
+    stream = sorted((r for r in _load("bench-cluster-stream.json")["rows"] if r["case"] == "stream"),
+                    key=lambda r: r["hosts"])  # fmt: skip
+    hosts = [r["hosts"] for r in stream]
+    axes[2].plot(hosts, [r["egress_ratio"] for r in stream], marker="s", color="C1", label="the tool, streamed")
+    axes[2].plot(hosts, hosts, linestyle="--", color="C3", linewidth=1, label="every host downloading: N")
+    axes[2].set(xlabel="hosts", ylabel="bytes the emulator sent / S", xticks=hosts, ylim=(0, None),
+                title="egress from \"Azure\"")  # fmt: skip
+    axes[2].legend(fontsize=6.5, loc="upper left")
+    for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
@@ -207,7 +215,7 @@ def _runs(ax: Any, labels: list[str], runs: list[list[float]], colors: list[str]
 
 
 def listing() -> Figure:
-    """docs/bench-listing.json and docs/bench-reruns.json: the 100,000-blob listing; no-op reruns on every shape."""
+    """benchmarks/results/bench-listing.json, bench-reruns.json: the 100,000-blob listing; no-op reruns."""
     doc = _load("bench-listing.json")["listing"]
     reruns = _load("bench-reruns.json")
     fig = Figure(figsize=(9.0, 3.6))
@@ -238,8 +246,9 @@ def small_files() -> Figure:
     copy, sync = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.6, 1]})
     _runs(copy, ["the tool,\n[total]", "the tool,\nwhole mpiexec", "two tar copies\n+ sync"],
           list(doc["runs_s"].values()), ["C2", "C2", "#bbbbbb"])  # fmt: skip
-    copy.axhline(doc["before_issue_14_s"], color="#777777", linestyle=":", linewidth=1)
-    copy.text(-0.4, doc["before_issue_14_s"], f"the tool before issue 14: {doc['before_issue_14_s']:g} s",
+    copy.axhline(doc["before_packing_s"], color="#777777", linestyle=":", linewidth=1)
+    before = f"the tool before small files shared a transfer: {doc['before_packing_s']:g} s"
+    copy.text(-0.4, doc["before_packing_s"], before,
               color="#555555", fontsize=7, va="bottom")  # fmt: skip
     copy.set(ylabel="seconds", ylim=(0, 15),
              title=f"{doc['files']:,} files of 0 to 16 KiB, local SOURCE → {doc['ranks']} nodes")  # fmt: skip
