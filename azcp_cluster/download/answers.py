@@ -34,10 +34,11 @@ RANGE_MD5_LIMIT = 4 * 1024 * 1024
 class Retryable(Exception):
     """A transient fault of one request (the service's, or a hop's): asked again, counted by ``cause``."""
 
-    def __init__(self, cause: str, retry_after: float | None = None) -> None:
+    def __init__(self, cause: str, retry_after: float | None = None, detail: str = "") -> None:
         super().__init__(cause)
         self.cause = cause
         self.retry_after = retry_after
+        self.detail = detail  # the cause in words, where the key is terse ("503": "HTTP 503 ServerBusy")
 
 
 def error_for(head: Head, entry: FileEntry, proxy: Proxy | None, deleted: bool) -> Exception:
@@ -46,7 +47,8 @@ def error_for(head: Head, entry: FileEntry, proxy: Proxy | None, deleted: bool) 
     status = head.status
     code = head.headers.get("x-ms-error-code", head.reason)
     if status in RETRYABLE_STATUS:
-        return Retryable(str(status), parse_retry_after(head.headers.get("retry-after"), time.time()))
+        retry_after = parse_retry_after(head.headers.get("retry-after"), time.time())
+        return Retryable(str(status), retry_after, f"HTTP {status} {code}".rstrip())
     if status == 412:
         return DownloadError(BLOB_DELETED if deleted else BLOB_CHANGED, path=entry.name)
     if status == 404:
