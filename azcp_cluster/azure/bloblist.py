@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 from azcp_cluster.azure import blobrest
 from azcp_cluster.azure.blobrest import Lister, Refused, Unreachable, gather_all
-from azcp_cluster.azure.credentials import Authorizer
+from azcp_cluster.azure.credentials import Authorizer, Credential, denied
 from azcp_cluster.azure.netfailure import host_port
 from azcp_cluster.azure.tls import ssl_context
 from azcp_cluster.core.config import Config
@@ -330,7 +330,7 @@ def _run(source: BlobSource, auth: Authorizer, cfg: Config, work: Callable[[List
     try:
         return asyncio.run(_session(source, auth, cfg, ssl, work))
     except Refused as exc:
-        raise _explain(exc.status, exc.code, source, auth.credential.origin) from None
+        raise _explain(exc.status, exc.code, source, auth.credential) from None
     except Unreachable as exc:
         raise ListError(f"cannot reach {host_port(source.endpoint)} ({source.endpoint}): {exc}") from None
     except (ET.ParseError, ValueError) as exc:
@@ -347,14 +347,13 @@ async def _session(
         await lister.close()
 
 
-def _explain(status: int, code: str, source: BlobSource, origin: str) -> ListError:
+def _explain(status: int, code: str, source: BlobSource, credential: Credential) -> ListError:
     """A one-line cause, as listing._explain gives for the SDK's errors; never a URL's query."""
     where = source.redacted()
-    used = f" ({origin}; --auth selects another)" if origin else ""
     if status == 404 and code == "ContainerNotFound":
         return ListError(f"container '{source.container}' not found at {source.endpoint}")
     if status == 404:
         return ListError(f"{where}: not found ({code or 'NotFound'})")
     if status in (401, 403):
-        return ListError(f"{where}: access denied (HTTP {status}, {code}); check the credentials{used}")
+        return ListError(f"{where}: {denied(status, code, credential)}")
     return ListError(f"{where}: listing failed (HTTP {status}, {code})")

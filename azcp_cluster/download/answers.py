@@ -12,6 +12,7 @@ import base64
 import hashlib
 import time
 
+from azcp_cluster.azure.credentials import ANONYMOUS, Credential, denied
 from azcp_cluster.azure.proxies import Proxy, proxy_refused, refusal_message
 from azcp_cluster.core.errors import DownloadError
 from azcp_cluster.core.model import FileEntry
@@ -41,9 +42,12 @@ class Retryable(Exception):
         self.detail = detail  # the cause in words, where the key is terse ("503": "HTTP 503 ServerBusy")
 
 
-def error_for(head: Head, entry: FileEntry, proxy: Proxy | None, deleted: bool) -> Exception:
+def error_for(
+    head: Head, entry: FileEntry, proxy: Proxy | None, deleted: bool, credential: Credential = ANONYMOUS
+) -> Exception:
     """What an answer other than 200 or 206 means: a :class:`Retryable` (429, 5xx: with its
-    Retry-After), or the run's :class:`DownloadError` (``deleted``: a 412 whose blob is gone)."""
+    Retry-After), or the run's :class:`DownloadError` (``deleted``: a 412 whose blob is gone;
+    ``credential``: the one a 401 or 403 refused)."""
     status = head.status
     code = head.headers.get("x-ms-error-code", head.reason)
     if status in RETRYABLE_STATUS:
@@ -59,7 +63,7 @@ def error_for(head: Head, entry: FileEntry, proxy: Proxy | None, deleted: bool) 
         # Through a proxy, an answer without the service's x-ms-request-id is the proxy's.
         return DownloadError(refusal_message(proxy, "the request", status, head.reason), path=entry.name)
     if status in (401, 403):
-        return DownloadError(f"access denied (HTTP {status}, {code}); check the credentials", path=entry.name)
+        return DownloadError(denied(status, code, credential), path=entry.name)
     return DownloadError(f"unexpected HTTP {status} ({code})", path=entry.name)
 
 

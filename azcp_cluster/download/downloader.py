@@ -348,7 +348,7 @@ class Downloader:
         # If-Match failed: the blob was replaced, or deleted (Azure and Azurite may answer a
         # deleted blob's conditional GET with 412, not 404). Ask which.
         deleted = head.status == 412 and await self._blob_exists(entry) is False
-        raise error_for(head, entry, self.proxy, deleted)
+        raise error_for(head, entry, self.proxy, deleted, self.auth.credential)
 
     async def _blob_exists(self, entry: FileEntry) -> bool | None:
         """Whether blob ``entry`` still exists: a HEAD without If-Match on a new connection (None: no answer).
