@@ -25,20 +25,26 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from azcp_cluster.azure.credentials import Authorizer
-from azcp_cluster.azure.netfailure import hopeless, host_port, network_cause
 from azcp_cluster.azure.proxies import Proxy
 from azcp_cluster.azure.tls import ssl_context
 from azcp_cluster.core.blocks import Block, requests_for
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import AzcpError, DownloadError
 from azcp_cluster.core.model import FileEntry
-from azcp_cluster.core.retry import RETRYABLE_STATUS, Notify, Retries
+from azcp_cluster.core.retry import Notify, Retries
 from azcp_cluster.core.source import API_VERSION
 from azcp_cluster.core.throttle import Booking, Pacer
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import fs_error
 from azcp_cluster.dest.nodewriter import NodeWriter
-from azcp_cluster.download.answers import RANGE_MD5_LIMIT, BodyCheck, Retryable, check_answer, error_for
+from azcp_cluster.download.answers import (
+    RANGE_MD5_LIMIT,
+    BodyCheck,
+    Retryable,
+    check_answer,
+    error_for,
+    failed_attempt,
+)
 from azcp_cluster.download.fetcher import DownloadStats, LandingSink
 from azcp_cluster.download.http1 import ConnectFailed, Connection, Link, TunnelRefused
 from azcp_cluster.download.httpwire import Head, ProtocolError, request_bytes
@@ -80,10 +86,7 @@ class Downloader:
     ) -> None:
         self.files = files
         self.notify = notify  # told of each retry: the process's notices, or a worker's rank
-        # Whether the endpoint has answered a request of this download yet (``answered``: one
-        # of the rank's already did, for a download worker). Until it has, a failure that
-        # asking again will not mend (refused, no such name, TLS that cannot agree) ends the
-        # download at once; after it, it may be a blip of one of the service's front-ends.
+        # Whether the endpoint has answered a request of this download (answers.failed_attempt).
         self.answered = answered
         # Auto download workers (workers.AutoDownloader): asked at every watchdog tick until it
         # answers. True: the blocks no request has taken go elsewhere; the requests in flight
@@ -234,7 +237,7 @@ class Downloader:
                 await self._get_once(link, request, entry, booking, landed)
                 return
             except (Retryable, asyncio.TimeoutError, OSError, TunnelRefused, ProtocolError) as exc:
-                cause, retry_after, detail = self._retried(exc, entry)
+                cause, retry_after, detail = failed_attempt(exc, entry, self.answered, self.auth.source.endpoint)
             request = request[len(landed) :]  # what landed stays landed: never twice
             if not request:
                 return  # (the error came once every block had landed)
@@ -249,32 +252,6 @@ class Downloader:
             self.stats.retry_causes[cause] += 1
             what = f"GET of {entry.name!r} bytes {first.offset}-{first.offset + length - 1}"
             await retries.pause(retry_after, what, detail or cause)
-
-    def _retried(self, exc: BaseException, entry: FileEntry) -> tuple[str, float | None, str]:
-        """A failed attempt's cause (the retry counts' key), the server's Retry-After and the
-        cause in words; raises the run's error where asking again will not help."""
-        if isinstance(exc, Retryable):
-            return exc.cause, exc.retry_after, exc.detail
-        if isinstance(exc, asyncio.TimeoutError):  # before OSError: it is one on Python 3.11+
-            return "timeout", None, ""
-        if not self.answered and hopeless(exc):  # the first contact: see ``answered``
-            said = str(exc) if isinstance(exc, ConnectFailed) else f"cannot reach {self._where()}: {network_cause(exc)}"
-            raise DownloadError(said, path=entry.name) from None
-        if isinstance(exc, ConnectFailed):  # the endpoint or the proxy cannot be reached: say which
-            return exc.cause_name, None, str(exc)
-        if isinstance(exc, TunnelRefused):
-            if exc.status not in RETRYABLE_STATUS:  # 403, 407: asking again gets the same answer
-                raise DownloadError(str(exc), path=entry.name) from None
-            return f"proxy {exc.status}", None, str(exc)
-        if isinstance(exc, ProtocolError):  # a malformed response (or a proxy's): retried, said
-            return type(exc).__name__, None, str(exc)
-        # Reset connections, TLS failures: retried, on a new connection. The cause is the
-        # class name only (an OSError's text can carry a URL).
-        return type(exc).__name__, None, network_cause(exc) or ""
-
-    def _where(self) -> str:
-        """``host:port`` of the endpoint, for a line that says it cannot be reached."""
-        return host_port(self.auth.source.endpoint)
 
     async def _get_once(
         self, link: Link, blocks: list[Block], entry: FileEntry, booking: Booking | None, landed: list[Block]
