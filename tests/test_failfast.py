@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from azcp_cluster.api import make_config
-from azcp_cluster.azure import blobrest
+from azcp_cluster.azure import bloblist, blobrest
 from azcp_cluster.azure.credentials import Authorizer, resolve_credential
 from azcp_cluster.azure.netfailure import hopeless
 from azcp_cluster.core.blocks import blocks_for
 from azcp_cluster.core.config import Config
-from azcp_cluster.core.errors import DownloadError
+from azcp_cluster.core.errors import DownloadError, ListError
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.plan import Shard
 from azcp_cluster.core.retry import RetryNotices
@@ -35,6 +35,7 @@ from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
 from azcp_cluster.download.downloader import Downloader
+from azcp_cluster.run.notices import NOTICES
 from tests.conftest import assert_copies, run_cli
 
 # The acceptance's bound. Retried (5 times, backoff from 0.5 s doubling, jitter), the same
@@ -235,3 +236,23 @@ def test_retry_notices_say_the_first_then_one_every_few_seconds_with_the_count()
     notices.start("rank 0")  # a new run: its first retry said at once
     notices.retrying(1, 5, "x", "y")
     assert said[-1] == "azcp-cluster: notice: rank 0: retrying (1/5) x: y"
+
+
+def test_the_listing_fails_at_once_at_its_first_step_and_retries_in_the_later_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The later steps (other ranks' directories, a listing of minutes) come after the endpoint
+    # answered the first: a refusal there may be a front-end's blip, said and retried.
+    monkeypatch.setattr("azcp_cluster.core.retry.backoff_delay", lambda *args: 0.0)
+    source, cfg = _refused_source(tmp_path)
+    parsed = parse_blob_url(source)
+    auth = Authorizer(parsed, resolve_credential(parsed, {}), time.time)
+    NOTICES.start("rank 0")
+    with pytest.raises(ListError, match=r"connection refused$"):
+        bloblist.list_start(parsed, auth, cfg, 8)
+    assert "retrying" not in capsys.readouterr().err
+    NOTICES.start("rank 1")
+    with pytest.raises(ListError, match=r"connection refused$"):
+        bloblist.list_folders(parsed, auth, cfg, ["a/", "b/"])
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and said[0].startswith("azcp-cluster: notice: rank 1: retrying (1/2) listing of 'gone/"), said

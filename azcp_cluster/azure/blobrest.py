@@ -147,6 +147,7 @@ class Lister:
         cfg: Config,
         ssl: SSLContext | None = None,
         notify: Notify | None = NOTICES.retrying,
+        answered: bool = False,
     ) -> None:
         self.source = source
         self.auth = auth
@@ -160,11 +161,12 @@ class Lister:
         self.start_from: bool | None = None  # whether the service takes startFrom (None: not asked)
         self.probe = asyncio.Lock()  # one probe, whichever directory asks first
         self.notify = notify  # told of each retry (the process's notices)
-        # Whether the endpoint has answered anything yet. Until it has, a failure that asking
-        # again will not mend (refused, no such name, TLS that cannot agree) ends the listing
-        # at once: retried, it cost 8 to 15 s of silence for the same line. After it, such a
-        # failure may be a blip of one of the service's front-ends, and is retried.
-        self.answered = False
+        # Whether the endpoint has answered anything yet (``answered``: it answered the
+        # listing's first steps already). Until it has, a failure that asking again will not
+        # mend (refused, no such name, TLS that cannot agree) ends the listing at once:
+        # retried, it cost 8 to 15 s of silence for the same line. After it, such a failure
+        # may be a blip of one of the service's front-ends in a listing of minutes: retried.
+        self.answered = answered
 
     def plain(self, on: bool) -> None:
         """Send the next requests one at a time through ``http.client`` (``on``), or, from now
