@@ -13,7 +13,7 @@ from azcp_cluster.core.config import MiB
 from azcp_cluster.core.errors import UsageError
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.options import config_from_args
-from azcp_cluster.run.console import Console, say
+from azcp_cluster.run.console import Console, notice, say
 from azcp_cluster.run.progress import BAR_NEEDS_A_TERMINAL
 from azcp_cluster.stages.context import log_path_for
 from tests.conftest import run_cli
@@ -64,6 +64,7 @@ def test_quiet_keeps_the_summary_and_the_log_keeps_all(tmp_path: Path, capfd: py
     console.report(["[cluster] 2 nodes", "[total] T=1.000s"])
     console.note(BAR_NEEDS_A_TERMINAL)
     say("azcp-cluster: warning: O_DIRECT refused")  # any module's warning: on stderr, and in the log
+    notice("azcp-cluster: rank 1: retrying (1/5) in 0.5 s: HTTP 503")  # a notice: in the log only
     console.report(["azcp-cluster: 1 file"], "summary")
     console.close(str(tmp_path / "dest"))
     say("azcp-cluster: warning: after the run")  # not in a closed log
@@ -72,6 +73,7 @@ def test_quiet_keeps_the_summary_and_the_log_keeps_all(tmp_path: Path, capfd: py
                                                    "azcp-cluster: warning: after the run"]  # fmt: skip
     assert log.read_text().splitlines() == ["[cluster] 2 nodes", "[total] T=1.000s", BAR_NEEDS_A_TERMINAL,
                                             "azcp-cluster: warning: O_DIRECT refused",
+                                            "azcp-cluster: rank 1: retrying (1/5) in 0.5 s: HTTP 503",
                                             "azcp-cluster: 1 file"]  # fmt: skip
     assert console.progress_mode("bar") == "none"
 

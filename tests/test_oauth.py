@@ -117,7 +117,9 @@ def test_download_workers_take_their_tokens_from_the_rank(secure: Secure, tmp_pa
             "bad-download-token",
             "DownloadError",
             5,
-            "access denied (HTTP 403, AuthenticationFailed); check the credentials",
+            "access denied (HTTP 403, AuthenticationFailed); credential used: credential= (TestCredential); "
+            "its identity needs the role Storage Blob Data Reader on the account or the container "
+            "(--auth selects another)",
         ),
         # The credential yields no token: a credentials error, the first line of its message.
         (
@@ -194,7 +196,7 @@ def test_cli_with_auth_azure_cli(secure: Secure, tmp_path: Path) -> None:
     # The same URL without a credential: refused, and the hint names what was used.
     denied = run_cli([url, str(tmp_path / "anon{rank}"), "--auth", "anonymous"], env=env, n=2)
     assert denied.returncode == 3, denied.output
-    assert "access denied (HTTP 403" in denied.stderr and "(anonymous access; --auth selects another)" in denied.stderr
+    assert "access denied (HTTP 403" in denied.stderr and "no credential was sent (anonymous access)" in denied.stderr
 
 
 def test_cli_forced_method_without_its_inputs_is_a_usage_error(secure: Secure, tmp_path: Path) -> None:

@@ -31,11 +31,11 @@ import xml.etree.ElementTree as ET
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from azcp_cluster.azure import blobrest
 from azcp_cluster.azure.blobrest import Lister, Refused, Unreachable, gather_all
-from azcp_cluster.azure.credentials import Authorizer
+from azcp_cluster.azure.credentials import Authorizer, Credential, denied
 from azcp_cluster.azure.netfailure import host_port
 from azcp_cluster.azure.tls import ssl_context
 from azcp_cluster.core.config import Config
@@ -120,7 +120,7 @@ def list_start(source: BlobSource, auth: Authorizer, cfg: Config, parallel: int)
             return first
         return await _descend_alone(lister, first, directory_prefix(source.prefix), parallel)
 
-    return _run(source, auth, cfg, start)
+    return _run(source, auth, cfg, start, answered=False)  # the first contact: see Lister.answered
 
 
 async def _first_page(lister: Lister, source: BlobSource, cfg: Config) -> Start | FirstPage:
@@ -324,37 +324,36 @@ def finish(source: BlobSource, cfg: Config, here: Iterable[RawEntry], parts: Ite
     return select(source.prefix, None, chain(here, *parts), cfg.include, cfg.exclude)
 
 
-def _run(source: BlobSource, auth: Authorizer, cfg: Config, work: Callable[[Lister], Awaitable[T]]) -> T:
-    """``work`` on a session of its own; failures as one ListError line (never a URL's query)."""
+def _run(
+    source: BlobSource, auth: Authorizer, cfg: Config, work: Callable[[Lister], Awaitable[T]], answered: bool = True
+) -> T:
+    """``work`` on a session of its own; failures as one ListError line (never a URL's query).
+    ``answered``: the endpoint answered the listing's first steps (list_start) already."""
     ssl = ssl_context() if source.endpoint.lower().startswith("https:") else None
     try:
-        return asyncio.run(_session(source, auth, cfg, ssl, work))
+        return asyncio.run(_session(Lister(source, auth, cfg, ssl, answered=answered), work))
     except Refused as exc:
-        raise _explain(exc.status, exc.code, source, auth.credential.origin) from None
+        raise _explain(exc.status, exc.code, source, auth.credential) from None
     except Unreachable as exc:
         raise ListError(f"cannot reach {host_port(source.endpoint)} ({source.endpoint}): {exc}") from None
     except (ET.ParseError, ValueError) as exc:
         raise ListError(f"{source.redacted()}: the listing's answer cannot be read ({type(exc).__name__})") from None
 
 
-async def _session(
-    source: BlobSource, auth: Authorizer, cfg: Config, ssl: Any, work: Callable[[Lister], Awaitable[T]]
-) -> T:
-    lister = Lister(source, auth, cfg, ssl)
+async def _session(lister: Lister, work: Callable[[Lister], Awaitable[T]]) -> T:
     try:
         return await work(lister)
     finally:
         await lister.close()
 
 
-def _explain(status: int, code: str, source: BlobSource, origin: str) -> ListError:
+def _explain(status: int, code: str, source: BlobSource, credential: Credential) -> ListError:
     """A one-line cause, as listing._explain gives for the SDK's errors; never a URL's query."""
     where = source.redacted()
-    used = f" ({origin}; --auth selects another)" if origin else ""
     if status == 404 and code == "ContainerNotFound":
         return ListError(f"container '{source.container}' not found at {source.endpoint}")
     if status == 404:
         return ListError(f"{where}: not found ({code or 'NotFound'})")
     if status in (401, 403):
-        return ListError(f"{where}: access denied (HTTP {status}, {code}); check the credentials{used}")
+        return ListError(f"{where}: {denied(status, code, credential)}")
     return ListError(f"{where}: listing failed (HTTP {status}, {code})")

@@ -27,12 +27,13 @@ from urllib.parse import quote, urlsplit
 
 from azcp_cluster.azure.blobxml import parse_page
 from azcp_cluster.azure.credentials import Authorizer
-from azcp_cluster.azure.netfailure import network_cause
+from azcp_cluster.azure.netfailure import hopeless, network_cause, speaks_tls, tls_hint
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.keyspace import ascending, cut_points, in_piece, order
 from azcp_cluster.core.naming import RawEntry
-from azcp_cluster.core.retry import RETRYABLE_STATUS, Retries, parse_retry_after
+from azcp_cluster.core.retry import RETRYABLE_STATUS, Notify, Retries, parse_retry_after
 from azcp_cluster.core.source import API_VERSION, BlobSource
+from azcp_cluster.run.notices import NOTICES
 
 if TYPE_CHECKING:
     from ssl import SSLContext
@@ -64,7 +65,7 @@ class OutOfOrder(Exception):
 
 
 class Unreachable(Exception):
-    """The endpoint could not be reached (after the retries)."""
+    """The endpoint could not be reached (after the retries, or at the first contact, at once)."""
 
 
 async def gather_all(*awaitables: Awaitable[T]) -> list[T]:
@@ -139,7 +140,15 @@ class Plain:
 class Lister:
     """The REST calls of one listing, with the run's credential and retries."""
 
-    def __init__(self, source: BlobSource, auth: Authorizer, cfg: Config, ssl: SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        source: BlobSource,
+        auth: Authorizer,
+        cfg: Config,
+        ssl: SSLContext | None = None,
+        notify: Notify | None = NOTICES.retrying,
+        answered: bool = False,
+    ) -> None:
         self.source = source
         self.auth = auth
         self.cfg = cfg
@@ -151,6 +160,13 @@ class Lister:
         self.rng = random.Random()
         self.start_from: bool | None = None  # whether the service takes startFrom (None: not asked)
         self.probe = asyncio.Lock()  # one probe, whichever directory asks first
+        self.notify = notify  # told of each retry (the process's notices)
+        # Whether the endpoint has answered anything yet (``answered``: it answered the
+        # listing's first steps already). Until it has, a failure that asking again will not
+        # mend (refused, no such name, TLS that cannot agree) ends the listing at once:
+        # retried, it cost 8 to 15 s of silence for the same line. After it, such a failure
+        # may be a blip of one of the service's front-ends in a listing of minutes: retried.
+        self.answered = answered
 
     def plain(self, on: bool) -> None:
         """Send the next requests one at a time through ``http.client`` (``on``), or, from now
@@ -160,6 +176,10 @@ class Lister:
         elif not on and self.simple is not None:
             self.simple.close()
             self.simple = None
+
+    def _named(self, name: str) -> str:
+        """A blob or prefix as a retry notice names it: in its container, quoted."""
+        return repr(f"{self.source.container}/{name}")
 
     async def close(self) -> None:
         """Close the connections."""
@@ -192,7 +212,7 @@ class Lister:
     async def properties(self, name: str) -> RawEntry | None:
         """The blob named ``name`` (a HEAD), or None if there is none; a missing container raises."""
         url = f"{self.source.container_url}/{quote(name, safe='/~')}"
-        status, headers, _ = await self._call("HEAD", url, ok=(200, 404))
+        status, headers, _ = await self._call("HEAD", url, (200, 404), f"HEAD of {self._named(name)}")
         if status == 404:
             code = headers.get("x-ms-error-code", "")
             if code == "ContainerNotFound":
@@ -236,7 +256,8 @@ class Lister:
                 query.append(("startFrom", start_from))
             url = f"{self.source.container_url}?" + "&".join(f"{k}={quote(v, safe='')}" for k, v in query)
             version = START_FROM_VERSION if start_from else API_VERSION
-            _, _, body = await self._call("GET", url, ok=(200,), listing=True, version=version)
+            what = f"listing of {self._named(prefix)}" + (f" from {start_from!r}" if start_from else "")
+            _, _, body = await self._call("GET", url, (200,), what, listing=True, version=version)
             page, more, marker = parse_page(body)
             entries += page
             folders += more
@@ -345,31 +366,47 @@ class Lister:
                 query = [("restype", "container"), ("comp", "list"), ("maxresults", "1"), ("prefix", prefix),
                          ("startFrom", name)]  # fmt: skip
                 url = f"{self.source.container_url}?" + "&".join(f"{k}={quote(v, safe='')}" for k, v in query)
-                status, _, body = await self._call("GET", url, ok=(200, 400), listing=True, version=START_FROM_VERSION)
+                what = f"listing of {self._named(prefix)} from {name!r}"
+                version = START_FROM_VERSION
+                status, _, body = await self._call("GET", url, (200, 400), what, listing=True, version=version)
                 page = parse_page(body)[0] if status == 200 else []
                 self.start_from = bool(page) and order(page[0].name) >= order(name)
         return self.start_from
 
     async def _call(
-        self, method: str, url: str, ok: Iterable[int], listing: bool = False, version: str = API_VERSION
+        self, method: str, url: str, ok: Iterable[int], what: str, listing: bool = False, version: str = API_VERSION
     ) -> tuple[int, Any, bytes]:
+        """One request, retried as the SDK would (``what`` it is, for the retry notices)."""
         auth = self.auth.list_query() if listing else self.auth.query()
         if auth:
             url += ("&" if "?" in url else "?") + auth
-        retries = Retries(self.cfg.max_retries, self.rng, asyncio.sleep)
+        retries = Retries(self.cfg.max_retries, self.rng, asyncio.sleep, self.notify)
         failures = self._failures()
         while True:
             headers = {"x-ms-version": version, **self.auth.headers()}
             retry_after = None
             try:
                 status, got, body, reason = await self._send(method, url, headers)
+                self.answered = True
                 if status in ok:
                     return status, got, body
                 code = got.get("x-ms-error-code", "") or reason
                 if status not in RETRYABLE_STATUS or retries.exhausted:
                     raise Refused(status, code)
                 retry_after = parse_retry_after(got.get("Retry-After"), time.time())
+                cause = f"HTTP {status} {code}".rstrip()
             except failures as exc:
-                if retries.exhausted:
-                    raise Unreachable(network_cause(exc) or type(exc).__name__) from None
-            await retries.pause(retry_after)
+                cause = network_cause(exc) or type(exc).__name__
+                if retries.exhausted or (not self.answered and hopeless(exc)):
+                    raise Unreachable(cause + tls_hint(cause)) from None
+                if not self.answered and self._tls_port(exc):
+                    raise Unreachable("the port speaks TLS; use https://") from None
+            await retries.pause(retry_after, what, cause)
+
+    def _tls_port(self, exc: BaseException) -> bool:
+        """Whether a plain-HTTP request's connection closed without an answer because the
+        port speaks TLS (a TLS server drops a request it cannot read: a reset, not a refusal)."""
+        parts = urlsplit(self.source.endpoint)
+        if parts.scheme.lower() != "http" or not isinstance(exc, ConnectionError | http.client.HTTPException):
+            return False
+        return speaks_tls(parts.hostname or "", parts.port or 80, min(2.0, self.cfg.connect_timeout))

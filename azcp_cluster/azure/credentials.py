@@ -111,6 +111,35 @@ _STATIC: dict[str, tuple[Callable[[BlobSource, Mapping[str, str]], Credential | 
 
 ANONYMOUS = Credential(kind="anonymous", origin="anonymous access")
 
+# The Azure role an identity needs to list a container and read its blobs with a token.
+READER_ROLE = "Storage Blob Data Reader"
+# Codes of a refusal that may be the account's network rules, whatever the credential.
+_NETWORK_RULES = frozenset({"AuthorizationFailure", "AuthorizationSourceIPMismatch"})
+
+
+def denied(status: int, code: str, credential: Credential) -> str:
+    """A 401 or 403 in words, with what to do: with no credential, what to set; with one, which
+    one was refused and what it needs. Never a secret: the credential's origin and account only."""
+    said = f"access denied (HTTP {status}, {code})"
+    if credential.kind == "anonymous":
+        return (
+            f"{said}; no credential was sent (anonymous access): set a SAS with read and list (sp=rl) in the "
+            "URL (...?sv=...&sig=...) or in AZURE_STORAGE_SAS_TOKEN, run `az login`, "
+            "or on an Azure VM pass --auth managed-identity"
+        )
+    if credential.kind == "token":
+        needs = f"its identity needs the role {READER_ROLE} on the account or the container"
+    elif credential.kind == "sas":
+        needs = (
+            "a SAS needs read and list permissions (sp=rl), a validity that includes now "
+            "and a signature by this account's key"
+        )
+    else:
+        needs = f"it must be a key of account '{credential.account}'"
+    if code in _NETWORK_RULES:
+        needs += "; or the account's network rules (firewall) refuse this machine"
+    return f"{said}; credential used: {credential.origin}; {needs} (--auth selects another)"
+
 
 def _token(method: str, env: Mapping[str, str]) -> Credential:
     return Credential(kind="token", origin=identity.ORIGINS[method], token_credential=identity.build(method, env))

@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from azcp_cluster.azure.credentials import Authorizer
+from azcp_cluster.azure.credentials import ANONYMOUS, Authorizer, Credential, denied
 from azcp_cluster.azure.netfailure import host_port, network_cause
 from azcp_cluster.azure.proxies import Proxy, proxy_refused, refusal_message
 from azcp_cluster.azure.tls import sdk_verify
@@ -57,24 +57,27 @@ def _tunnel_refusal(exc: BaseException) -> str | None:
     return None
 
 
-def _explain(exc: Exception, source: BlobSource, origin: str = "", proxy: Proxy | None = None) -> ListError:
+def _explain(
+    exc: Exception, source: BlobSource, credential: Credential = ANONYMOUS, proxy: Proxy | None = None
+) -> ListError:
     """A one-line cause for a listing failure; never echoes URLs (they may carry a SAS)."""
     from azure.core.exceptions import HttpResponseError, ServiceRequestError, ServiceResponseError
 
     if isinstance(exc, HttpResponseError):
-        return _explain_answer(exc, source, origin, proxy)
+        return _explain_answer(exc, source, credential, proxy)
     if isinstance(exc, ServiceRequestError | ServiceResponseError):
         return _explain_unreached(exc, source, proxy)
     return ListError(f"{source.redacted()}: listing failed ({type(exc).__name__})")
 
 
-def _explain_answer(exc: HttpResponseError, source: BlobSource, origin: str, proxy: Proxy | None) -> ListError:
+def _explain_answer(
+    exc: HttpResponseError, source: BlobSource, credential: Credential, proxy: Proxy | None
+) -> ListError:
     """:func:`_explain` for an HTTP answer (``HttpResponseError`` and its kinds): the proxy's
     refusal where the answer is the proxy's own, else what the service said, by its code."""
     from azure.core.exceptions import ClientAuthenticationError, ResourceNotFoundError
 
     where = source.redacted()
-    used = f" ({origin}; --auth selects another)" if origin else ""
     if proxy is not None:
         response = getattr(exc, "response", None)
         headers = response.headers if response is not None else {}
@@ -88,11 +91,11 @@ def _explain_answer(exc: HttpResponseError, source: BlobSource, origin: str, pro
         return ListError(f"{where}: not found ({code})")
     if isinstance(exc, ClientAuthenticationError):
         code = getattr(exc, "error_code", None) or "AuthenticationFailed"
-        return ListError(f"{where}: access denied (HTTP {exc.status_code}, {code}); check the credentials{used}")
+        return ListError(f"{where}: {denied(exc.status_code or 401, str(code), credential)}")
     code = getattr(exc, "error_code", None) or exc.reason
     code = getattr(code, "value", code)  # an enum member: show Azure's own spelling
     if exc.status_code in (401, 403):
-        return ListError(f"{where}: access denied (HTTP {exc.status_code}, {code}); check the credentials{used}")
+        return ListError(f"{where}: {denied(exc.status_code, str(code), credential)}")
     return ListError(f"{where}: listing failed (HTTP {exc.status_code}, {code})")
 
 
@@ -175,4 +178,4 @@ def list_with_sdk(source: BlobSource, auth: Authorizer, cfg: Config, proxy: Prox
     except ListError:
         raise
     except AzureError as exc:
-        raise _explain(exc, source, auth.credential.origin, proxy) from None
+        raise _explain(exc, source, auth.credential, proxy) from None

@@ -22,14 +22,8 @@ def network_cause(exc: BaseException) -> str | None:
     ClientConnectorError, the Azure SDK's ServiceRequestError, http.client): it follows the
     chain of causes. Never an exception's whole text, which may carry a URL and its SAS.
     """
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
     found: str | None = None
-    while todo:
-        current = todo.pop(0)
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
+    for current in _chain(exc):
         if isinstance(current, ssl.SSLCertVerificationError):
             return f"TLS: {current.verify_message or 'certificate verify failed'}"
         if isinstance(current, ssl.SSLError):
@@ -47,9 +41,6 @@ def network_cause(exc: BaseException) -> str | None:
             return "timed out"  # aiohttp's
         if found is None and isinstance(current, OSError) and current.strerror and not current.filename:
             found = current.strerror.lower()  # e.g. "network is unreachable"
-        linked = [current.__cause__, current.__context__, *getattr(current, "args", ())]
-        linked += [getattr(current, name, None) for name in ("inner_exception", "os_error", "reason")]
-        todo += [other for other in linked if isinstance(other, BaseException)]
     return found
 
 
@@ -59,3 +50,64 @@ def host_port(url: str) -> str:
     port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
     host = parts.hostname or ""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# getaddrinfo's answers that a second try may change: the resolver could not be asked
+# (EAI_AGAIN: a DNS server overloaded by a thousand nodes resolving at once). A name the
+# resolver says does not exist (EAI_NONAME) stays so.
+_NAME_MAY_COME = frozenset({getattr(socket, "EAI_AGAIN", -3)})
+# TLS failures that are a connection cut during the handshake, not a disagreement about TLS.
+_TLS_CUT = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
+# OpenSSL's reasons for a first answer that is no TLS record: a plain-HTTP port.
+_NOT_TLS = ("wrong version number", "packet length too long", "record layer failure", "http request")
+
+
+def hopeless(exc: BaseException) -> bool:
+    """Whether a failure to connect is one that asking again at once will not mend: refused
+    (nothing listens), a name that does not exist, TLS that the two ends cannot agree on
+    (a plain-HTTP port, a certificate not trusted). Read through the chain of causes, as
+    :func:`network_cause`. Timeouts and resets are not: they come and go."""
+    for current in _chain(exc):
+        if isinstance(current, ConnectionRefusedError):
+            return True
+        if isinstance(current, socket.gaierror):
+            return current.errno not in _NAME_MAY_COME
+        if isinstance(current, ssl.SSLError):
+            return not isinstance(current, _TLS_CUT)
+    return False
+
+
+def tls_hint(cause: str) -> str:
+    """What to try for a TLS ``cause`` (of :func:`network_cause`) that says the port speaks no TLS."""
+    return " (a plain-HTTP port? then use http://)" if cause.startswith("TLS: ") and cause[5:] in _NOT_TLS else ""
+
+
+def speaks_tls(host: str, port: int, timeout: float = 2.0) -> bool:
+    """Whether a TLS handshake with ``host:port`` completes (its certificate not checked): asked
+    where a plain-HTTP request was answered by a closed connection, which is what a TLS port
+    does with one."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock, context.wrap_socket(sock):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it links to (causes, contexts, arguments, libraries' wrapped ones)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    found: list[BaseException] = []
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        found.append(current)
+        linked = [current.__cause__, current.__context__, *getattr(current, "args", ())]
+        linked += [getattr(current, name, None) for name in ("inner_exception", "os_error", "reason")]
+        todo += [other for other in linked if isinstance(other, BaseException)]
+    return found

@@ -19,6 +19,12 @@ MIN_BODY_RATE = 4096
 
 BASE_DELAY = 0.5  # the first retry's bound: a blip passes, a throttled service is not hammered
 MAX_DELAY = 30.0  # the longest wait between tries: a run never sleeps through minutes
+# After a retry notice, the next is said no sooner than this: a storm of 503s on 64 requests
+# in flight is one line every few seconds, not a line per request.
+NOTICE_EVERY = 5.0
+
+# Told of each retry before its wait: (its number from 1, the limit, what is retried, why).
+Notify = Callable[[int, int, str, str], None]
 
 
 def backoff_delay(
@@ -48,10 +54,19 @@ class Retries:
     failures retry and what it says on giving up; this only counts and waits.
 
     ``attempt`` is the number of retries made so far; :attr:`exhausted` once it is ``limit``.
+    ``notify`` is told of each retry that :meth:`pause` is given the what and why of
+    (:class:`RetryNotices`, or a download worker's message to its rank).
     """
 
-    def __init__(self, limit: int, rng: random.Random, sleep: Callable[[float], Awaitable[object]]) -> None:
+    def __init__(
+        self,
+        limit: int,
+        rng: random.Random,
+        sleep: Callable[[float], Awaitable[object]],
+        notify: Notify | None = None,
+    ) -> None:
         self.limit, self.rng, self._sleep = limit, rng, sleep
+        self.notify = notify
         self.attempt = 0
 
     @property
@@ -59,10 +74,48 @@ class Retries:
         """Whether no retry is left: the next failure is the last."""
         return self.attempt >= self.limit
 
-    async def pause(self, retry_after: float | None = None) -> None:
-        """Wait before the next try (the server's Retry-After honoured, see :func:`backoff_delay`)."""
+    async def pause(self, retry_after: float | None = None, what: str = "", cause: str = "") -> None:
+        """Wait before the next try (the server's Retry-After honoured, see :func:`backoff_delay`);
+        ``what`` is retried because of ``cause``, which ``notify`` is told first."""
+        if self.notify is not None and what:
+            self.notify(self.attempt + 1, self.limit, what, cause)
         await self._sleep(backoff_delay(self.attempt, retry_after, self.rng))
         self.attempt += 1
+
+
+class RetryNotices:
+    """A process's retries said on its console: the first at once, then at most one per
+    ``every`` seconds (a storm is a line every few seconds), each saying how many went unsaid.
+
+    ``say`` takes the one line (the console's); ``clock`` is monotonic seconds. Its
+    :meth:`retrying` is a :data:`Notify`.
+    """
+
+    def __init__(self, say: Callable[[str], None], clock: Callable[[], float], every: float = NOTICE_EVERY) -> None:
+        self._say, self._clock, self.every = say, clock, every
+        self.who = ""  # "rank 3": who retries, in each line
+        self.count = 0  # retries told of since start()
+        self._unsaid = 0  # of them, since the last line said
+        self._last: float | None = None  # when the last line was said
+
+    def start(self, who: str) -> None:
+        """A new run in this process, by ``who``: nothing said yet."""
+        self.who, self.count, self._unsaid, self._last = who, 0, 0, None
+
+    def retrying(self, attempt: int, limit: int, what: str, cause: str) -> None:
+        """Retry ``attempt`` of ``limit`` of ``what``, because of ``cause``: said, or counted for the next line."""
+        self.count += 1
+        now = self._clock()
+        since = now - self._last if self._last is not None else None
+        if since is not None and since < self.every:
+            self._unsaid += 1
+            return
+        also = f" (and {self._unsaid} other retries in the last {since:.0f} s)" if self._unsaid and since else ""
+        self._last, self._unsaid = now, 0
+        who = f"{self.who}: " if self.who else ""
+        line = f"azcp-cluster: notice: {who}retrying ({attempt}/{limit}) {what}: {cause}{also}"
+        # A blob's name may hold any character: one line, whatever it holds.
+        self._say("".join(c if c.isprintable() else repr(c)[1:-1] for c in line))
 
 
 def too_slow(nbytes: int, seconds: float, floor: float = MIN_BODY_RATE) -> bool:

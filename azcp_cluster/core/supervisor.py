@@ -36,7 +36,7 @@ from azcp_cluster.core.errors import AzcpError, DownloadError, InternalError
 # How long stopped workers get to end on their own before they are killed.
 STOP_GRACE_SECONDS = 10.0
 # The messages that say the worker goes on (the driver passes their bytes on); any other is its last.
-ALIVE_WORDS = frozenset({"alive", "bytes", "landed"})
+ALIVE_WORDS = frozenset({"alive", "bytes", "landed", "retrying"})
 
 
 class Stopped(AzcpError):

@@ -73,6 +73,8 @@ class Rule:
     - ``pass``: forwarded untouched (with ``before``, a hook that changes the world first).
 
     ``before``, if set, runs on a worker thread before the picked request is handled.
+    ``listing``: the rule counts and picks List Blobs requests (``comp=list``) instead of
+    ranged GETs (``503`` and ``500`` only: a listing's answer is no body to cut).
     """
 
     fault: str
@@ -84,6 +86,7 @@ class Rule:
     retry_after: int = 1
     shift: int = 4096
     before: Callable[[], None] | None = None
+    listing: bool = False
     seen: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +94,8 @@ class Rule:
             raise ValueError(f"unknown fault {self.fault!r} (one of {', '.join(FAULTS)})")
         if self.nth < 1 or self.times < 1 or self.partial < 0:
             raise ValueError("nth and times must be at least 1, partial zero or more")
+        if self.listing and self.fault not in _ERRORS:
+            raise ValueError(f"a listing gets a 503 or a 500, not {self.fault!r}")
 
     def picks(self, blob: str) -> bool:
         """Count a ranged GET of ``blob``; True if this one gets the fault."""
@@ -117,6 +122,7 @@ class _Request:
     blob: str
     range: str  # the Range (or x-ms-range) header, if any
     ranged: bool
+    listing: bool  # a List Blobs request (comp=list)
     raw: bytes  # head and body, as received
     close: bool  # the client asked to close after this one
 
@@ -258,10 +264,9 @@ class FaultProxy:
     def _pick(self, request: _Request) -> tuple[Rule | None, Seen]:
         """The rule whose fault this request gets (None: none), and its log entry."""
         picked = None
-        if request.ranged:
-            for rule in self.rules:  # every rule counts the request; the first that picks it wins
-                if rule.picks(request.blob) and picked is None:
-                    picked = rule
+        for rule in self.rules:  # every rule of its kind counts the request; the first that picks it wins
+            if (request.listing if rule.listing else request.ranged) and rule.picks(request.blob) and picked is None:
+                picked = rule
         fault = picked.fault if picked is not None else ""
         return picked, Seen(time.monotonic(), request.method, request.blob, request.range, fault)
 
@@ -392,8 +397,11 @@ async def _read_request(reader: asyncio.StreamReader) -> _Request | None:
     parts = urlsplit(target)
     blob = unquote("/".join(parts.path.split("/")[3:]))  # '', account, container, blob...
     range_ = headers.get("range", headers.get("x-ms-range", ""))
-    ranged = method == "GET" and bool(blob) and bool(range_) and "comp" not in parse_qs(parts.query)
-    return _Request(method, blob, range_, ranged, head + body, headers.get("connection", "").lower() == "close")
+    query = parse_qs(parts.query)
+    ranged = method == "GET" and bool(blob) and bool(range_) and "comp" not in query
+    listing = method == "GET" and query.get("comp") == ["list"]
+    close = headers.get("connection", "").lower() == "close"
+    return _Request(method, blob, range_, ranged, listing, head + body, close)
 
 
 def _split_head(head: bytes) -> tuple[str, dict[str, str]]:

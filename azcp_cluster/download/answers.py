@@ -12,11 +12,14 @@ import base64
 import hashlib
 import time
 
+from azcp_cluster.azure.credentials import ANONYMOUS, Credential, denied
+from azcp_cluster.azure.netfailure import hopeless, host_port, network_cause
 from azcp_cluster.azure.proxies import Proxy, proxy_refused, refusal_message
 from azcp_cluster.core.errors import DownloadError
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.retry import RETRYABLE_STATUS, parse_retry_after
-from azcp_cluster.download.httpwire import Head, content_range, http_date, same_etag
+from azcp_cluster.download.http1 import ConnectFailed, TunnelRefused
+from azcp_cluster.download.httpwire import Head, ProtocolError, content_range, http_date, same_etag
 
 # What a ranged GET of a blob that is no longer there fails with.
 BLOB_DELETED = "the blob was deleted during the copy; rerun to copy what is there now"
@@ -34,19 +37,24 @@ RANGE_MD5_LIMIT = 4 * 1024 * 1024
 class Retryable(Exception):
     """A transient fault of one request (the service's, or a hop's): asked again, counted by ``cause``."""
 
-    def __init__(self, cause: str, retry_after: float | None = None) -> None:
+    def __init__(self, cause: str, retry_after: float | None = None, detail: str = "") -> None:
         super().__init__(cause)
         self.cause = cause
         self.retry_after = retry_after
+        self.detail = detail  # the cause in words, where the key is terse ("503": "HTTP 503 ServerBusy")
 
 
-def error_for(head: Head, entry: FileEntry, proxy: Proxy | None, deleted: bool) -> Exception:
+def error_for(
+    head: Head, entry: FileEntry, proxy: Proxy | None, deleted: bool, credential: Credential = ANONYMOUS
+) -> Exception:
     """What an answer other than 200 or 206 means: a :class:`Retryable` (429, 5xx: with its
-    Retry-After), or the run's :class:`DownloadError` (``deleted``: a 412 whose blob is gone)."""
+    Retry-After), or the run's :class:`DownloadError` (``deleted``: a 412 whose blob is gone;
+    ``credential``: the one a 401 or 403 refused)."""
     status = head.status
     code = head.headers.get("x-ms-error-code", head.reason)
     if status in RETRYABLE_STATUS:
-        return Retryable(str(status), parse_retry_after(head.headers.get("retry-after"), time.time()))
+        retry_after = parse_retry_after(head.headers.get("retry-after"), time.time())
+        return Retryable(str(status), retry_after, f"HTTP {status} {code}".rstrip())
     if status == 412:
         return DownloadError(BLOB_DELETED if deleted else BLOB_CHANGED, path=entry.name)
     if status == 404:
@@ -57,8 +65,39 @@ def error_for(head: Head, entry: FileEntry, proxy: Proxy | None, deleted: bool) 
         # Through a proxy, an answer without the service's x-ms-request-id is the proxy's.
         return DownloadError(refusal_message(proxy, "the request", status, head.reason), path=entry.name)
     if status in (401, 403):
-        return DownloadError(f"access denied (HTTP {status}, {code}); check the credentials", path=entry.name)
+        return DownloadError(denied(status, code, credential), path=entry.name)
     return DownloadError(f"unexpected HTTP {status} ({code})", path=entry.name)
+
+
+def failed_attempt(
+    exc: BaseException, entry: FileEntry, answered: bool, endpoint: str
+) -> tuple[str, float | None, str]:
+    """A failed attempt of a ranged GET of ``entry``: its cause (the retry counts' key), the
+    server's Retry-After and the cause in words; raises the run's :class:`DownloadError` where
+    asking again will not help. Until the ``endpoint`` has ``answered`` a request, that is
+    also a failure to connect that no retry mends (refused, no such name, TLS that cannot
+    agree: netfailure.hopeless), said at once instead of after 8 to 15 s of backoff; after
+    it, such a failure may be a blip of one of the service's front-ends, and is retried."""
+    if isinstance(exc, Retryable):
+        return exc.cause, exc.retry_after, exc.detail
+    if isinstance(exc, asyncio.TimeoutError):  # before OSError: it is one on Python 3.11+
+        return "timeout", None, ""
+    if not answered and hopeless(exc):
+        said = (
+            str(exc) if isinstance(exc, ConnectFailed) else f"cannot reach {host_port(endpoint)}: {network_cause(exc)}"
+        )
+        raise DownloadError(said, path=entry.name) from None
+    if isinstance(exc, ConnectFailed):  # the endpoint or the proxy cannot be reached: say which
+        return exc.cause_name, None, str(exc)
+    if isinstance(exc, TunnelRefused):
+        if exc.status not in RETRYABLE_STATUS:  # 403, 407: asking again gets the same answer
+            raise DownloadError(str(exc), path=entry.name) from None
+        return f"proxy {exc.status}", None, str(exc)
+    if isinstance(exc, ProtocolError):  # a malformed response (or a proxy's): retried, said
+        return type(exc).__name__, None, str(exc)
+    # Reset connections, TLS failures: retried, on a new connection. The cause is the class
+    # name only (an OSError's text can carry a URL).
+    return type(exc).__name__, None, network_cause(exc) or ""
 
 
 def check_answer(head: Head, start: int, end: int, entry: FileEntry) -> None:
@@ -121,4 +160,13 @@ class BodyCheck:
             self.gate.cancel()
 
 
-__all__ = ["BLOB_CHANGED", "BLOB_DELETED", "RANGE_MD5_LIMIT", "BodyCheck", "Retryable", "check_answer", "error_for"]
+__all__ = [
+    "BLOB_CHANGED",
+    "BLOB_DELETED",
+    "RANGE_MD5_LIMIT",
+    "BodyCheck",
+    "Retryable",
+    "check_answer",
+    "error_for",
+    "failed_attempt",
+]

@@ -162,6 +162,10 @@ def run(
             pool=WritePool(job.cfg, populate=True, buffers=job.buffers),
             writer=writer,
             proxy=job.proxy,
+            # Its retries are said by the rank (one rhythm for the rank and all its workers);
+            # the endpoint answered the listing before any worker started: a blip keeps its retries.
+            notify=lambda *retry: say(("retrying", *retry)),
+            answered=True,
         )
         seen.append(downloader.stats)
         stats = downloader.run(list(job.blocks))

@@ -25,26 +25,33 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from azcp_cluster.azure.credentials import Authorizer
-from azcp_cluster.azure.netfailure import network_cause
 from azcp_cluster.azure.proxies import Proxy
 from azcp_cluster.azure.tls import ssl_context
 from azcp_cluster.core.blocks import Block, requests_for
 from azcp_cluster.core.config import Config
 from azcp_cluster.core.errors import AzcpError, DownloadError
 from azcp_cluster.core.model import FileEntry
-from azcp_cluster.core.retry import RETRYABLE_STATUS, Retries
+from azcp_cluster.core.retry import Notify, Retries
 from azcp_cluster.core.source import API_VERSION
 from azcp_cluster.core.throttle import Booking, Pacer
 from azcp_cluster.dest.desttree import DestTree
 from azcp_cluster.dest.localfs import fs_error
 from azcp_cluster.dest.nodewriter import NodeWriter
-from azcp_cluster.download.answers import RANGE_MD5_LIMIT, BodyCheck, Retryable, check_answer, error_for
+from azcp_cluster.download.answers import (
+    RANGE_MD5_LIMIT,
+    BodyCheck,
+    Retryable,
+    check_answer,
+    error_for,
+    failed_attempt,
+)
 from azcp_cluster.download.fetcher import DownloadStats, LandingSink
 from azcp_cluster.download.http1 import ConnectFailed, Connection, Link, TunnelRefused
 from azcp_cluster.download.httpwire import Head, ProtocolError, request_bytes
 from azcp_cluster.download.watchdog import BodyWatch
 from azcp_cluster.download.writepool import WRITER_THREADS, RequestWrites, WritePool
 from azcp_cluster.run import collector
+from azcp_cluster.run.notices import NOTICES
 
 # How often the event loop checks whether another rank failed.
 PEER_POLL_SECONDS = 0.1
@@ -74,8 +81,13 @@ class Downloader:
         writer: NodeWriter | None = None,
         proxy: Proxy | None = None,
         handover: Callable[[], bool | None] | None = None,
+        notify: Notify | None = NOTICES.retrying,
+        answered: bool = False,
     ) -> None:
         self.files = files
+        self.notify = notify  # told of each retry: the process's notices, or a worker's rank
+        # Whether the endpoint has answered a request of this download (answers.failed_attempt).
+        self.answered = answered
         # Auto download workers (workers.AutoDownloader): asked at every watchdog tick until it
         # answers. True: the blocks no request has taken go elsewhere; the requests in flight
         # end, and run() returns with the rest in ``left``, in their order. False: the rank
@@ -211,7 +223,7 @@ class Downloader:
         """One ranged GET for ``request`` (consecutive blocks of one file), retried from its
         first block that has not landed."""
         entry = self.files[request[0].file]
-        retries = Retries(self.cfg.max_retries, self.rng, asyncio.sleep)
+        retries = Retries(self.cfg.max_retries, self.rng, asyncio.sleep, self.notify)
         while True:
             length = sum(block.length for block in request)
             booking = None
@@ -224,22 +236,8 @@ class Downloader:
             try:
                 await self._get_once(link, request, entry, booking, landed)
                 return
-            except Retryable as exc:
-                cause, retry_after, detail = exc.cause, exc.retry_after, ""
-            except asyncio.TimeoutError:  # before OSError: it is one on Python 3.11+
-                cause, retry_after, detail = "timeout", None, ""
-            except ConnectFailed as exc:  # the endpoint or the proxy cannot be reached: say which
-                cause, retry_after, detail = exc.cause_name, None, str(exc)
-            except TunnelRefused as exc:
-                if exc.status not in RETRYABLE_STATUS:  # 403, 407: asking again gets the same answer
-                    raise DownloadError(str(exc), path=entry.name) from None
-                cause, retry_after, detail = f"proxy {exc.status}", None, str(exc)
-            except ProtocolError as exc:  # a malformed response (or a proxy's): retried, said
-                cause, retry_after, detail = type(exc).__name__, None, str(exc)
-            except OSError as exc:
-                # Reset connections, TLS failures: retried, on a new connection. The cause is
-                # the class name only (an OSError's text can carry a URL).
-                cause, retry_after, detail = type(exc).__name__, None, network_cause(exc) or ""
+            except (Retryable, asyncio.TimeoutError, OSError, TunnelRefused, ProtocolError) as exc:
+                cause, retry_after, detail = failed_attempt(exc, entry, self.answered, self.auth.source.endpoint)
             request = request[len(landed) :]  # what landed stays landed: never twice
             if not request:
                 return  # (the error came once every block had landed)
@@ -252,7 +250,8 @@ class Downloader:
                 )
             self.stats.retries += 1
             self.stats.retry_causes[cause] += 1
-            await retries.pause(retry_after)
+            what = f"GET of {entry.name!r} bytes {first.offset}-{first.offset + length - 1}"
+            await retries.pause(retry_after, what, detail or cause)
 
     async def _get_once(
         self, link: Link, blocks: list[Block], entry: FileEntry, booking: Booking | None, landed: list[Block]
@@ -283,6 +282,7 @@ class Downloader:
         try:
             # One timer per request for the head; the body is watched by the watchdog.
             head = await asyncio.wait_for(conn.request(request), self.cfg.read_timeout)
+            self.answered = True
             if head.status not in (200, 206):
                 await self._raise_for_status(head, entry)
             check_answer(head, start, end, entry)
@@ -325,7 +325,7 @@ class Downloader:
         # If-Match failed: the blob was replaced, or deleted (Azure and Azurite may answer a
         # deleted blob's conditional GET with 412, not 404). Ask which.
         deleted = head.status == 412 and await self._blob_exists(entry) is False
-        raise error_for(head, entry, self.proxy, deleted)
+        raise error_for(head, entry, self.proxy, deleted, self.auth.credential)
 
     async def _blob_exists(self, entry: FileEntry) -> bool | None:
         """Whether blob ``entry`` still exists: a HEAD without If-Match on a new connection (None: no answer).

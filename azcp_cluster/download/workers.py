@@ -64,6 +64,7 @@ from azcp_cluster.core.supervisor import (
     Token,
 )
 from azcp_cluster.download.fetcher import DownloadStats, Fetcher, LandingSink
+from azcp_cluster.run.notices import NOTICES
 
 if TYPE_CHECKING:
     from azcp_cluster.download.cpus import Sample
@@ -368,6 +369,8 @@ class WorkerDownloader:
             self.sink.add_bytes(message[1])
         elif kind == "landed":
             self.sink.landed(message[1], message[2])
+        elif kind == "retrying":  # a retry notice: said by the rank, in its own rhythm
+            NOTICES.retrying(*message[1:])
         elif kind in _FIGURES_AT:
             at_index = _FIGURES_AT[kind]
             self._add(worker, message[at_index] if len(message) > at_index else None)

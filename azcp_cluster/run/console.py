@@ -48,6 +48,15 @@ def say(line: str) -> None:
         console.log([line])
 
 
+def notice(line: str) -> None:
+    """A notice of any rank's (a retry's): on stderr unless the run in progress is quiet
+    (``-q``: errors, warnings and the summary only), and in its log file."""
+    if not any(console.verbosity == "quiet" for console in tuple(_ACTIVE)):
+        _stderr(line)
+    for console in tuple(_ACTIVE):
+        console.log([line])
+
+
 def _stderr(line: str) -> None:
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.write(line + "\n")

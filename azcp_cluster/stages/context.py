@@ -25,6 +25,7 @@ from azcp_cluster.run import collector
 from azcp_cluster.run.cluster import Cluster, StageOutcome
 from azcp_cluster.run.console import Console, say
 from azcp_cluster.run.figures import Recorder
+from azcp_cluster.run.notices import NOTICES
 from azcp_cluster.run.progress import BAR_NEEDS_A_TERMINAL, resolve_mode
 from azcp_cluster.stages.nodeio import NodeIO
 
@@ -69,6 +70,7 @@ class RunContext:
         self.started = started
         self.credential = credential  # the Python API's credential=, else None
         self.rank = cluster.rank
+        NOTICES.start(f"rank {self.rank}")  # this run's retry notices: the first is said at once
         # Absolute, but not normalised: "link/../x" is where the kernel says, not "x".
         self.dest = os.path.join(os.getcwd(), expand_dest(cfg.dest, self.rank, host))
         # Symlinks and "..": two spellings of one directory are still one directory.
