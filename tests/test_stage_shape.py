@@ -106,7 +106,7 @@ CONTEXT_FIELDS = {
     "cfg", "cluster", "record", "env", "wall", "out", "host", "started", "credential", "rank",
     "dest", "dest_identity", "show_progress", "local", "source_root", "origin",
     # handles
-    "tree", "dest_lock", "dest_made", "io", "heap", "_node_comm", "_group_comm", "_warned_direct",
+    "tree", "dest_lock", "dest_made", "io", "heap", "_node_comm", "_group_comm", "_warned_direct", "console",
 }  # fmt: skip
 
 
