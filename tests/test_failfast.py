@@ -9,9 +9,11 @@ and the fault proxy in front of Azurite for the transient 503s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
 import ssl
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -259,3 +261,76 @@ def test_the_listing_fails_at_once_at_its_first_step_and_retries_in_the_later_on
         bloblist.list_folders(parsed, auth, cfg, ["a/", "b/"])
     said = capsys.readouterr().err.splitlines()
     assert len(said) == 1 and said[0].startswith("azcp-cluster: notice: rank 1: retrying (1/2) listing of 'gone/"), said
+
+
+class _Blip:
+    """A TCP forwarder to the emulator that, once a listing request has gone through, stops
+    listening for ``down`` seconds (a front-end restarting: connections refused), then listens
+    again on the same port. The refusal a real server cannot be made to give on cue."""
+
+    def __init__(self, emulator: azurite.Emulator, down: float) -> None:
+        self.upstream = (emulator.host, emulator.port)
+        self.down = down
+        self.port = azurite.free_port()
+        self.blipped = threading.Event()
+        self.closed = False
+        self._listener = self._listen()
+
+    def _listen(self) -> socket.socket:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        threading.Thread(target=self._serve, args=(listener,), daemon=True).start()
+        return listener
+
+    def _serve(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+                upstream = socket.create_connection(self.upstream)
+            except OSError:
+                return
+            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+                if requests and b"comp=list" in data and not self.blipped.is_set():
+                    self.blipped.set()
+                    threading.Thread(target=self._blip, daemon=True).start()
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def _blip(self) -> None:
+        self._listener.close()  # the listing's own connection is open already: its answer comes back
+        time.sleep(self.down)
+        if not self.closed:
+            self._listener = self._listen()
+
+    def close(self) -> None:
+        self.closed = True
+        self._listener.close()
+
+
+def test_a_refusal_after_the_listing_answered_is_a_blip_retried_not_the_end(
+    emulator: azurite.Emulator, container: str, tmp_path: Path
+) -> None:
+    """The endpoint answered the listing; a front-end then refusing connections for a second is
+    retried by the downloads (said once), and the copy completes: not exit 5 at the first GET."""
+    blip = _Blip(emulator, down=1.0)
+    try:
+        source = f"http://127.0.0.1:{blip.port}/{azurite.ACCOUNT}/{container}/data"
+        result = run_cli([source, str(tmp_path / "{rank}")], n=2, env=emulator.key_env())
+    finally:
+        blip.close()
+    assert blip.blipped.is_set()
+    assert result.returncode == 0, result.output
+    assert_copies(tmp_path, {name.removeprefix("data/"): data for name, data in BLOBS.items()}, ranks=2)
+    assert "retrying (1/5) GET of" in result.stderr and "connection refused" in result.stderr, result.stderr
