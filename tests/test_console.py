@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,43 @@ def test_a_log_file_inside_dest_is_refused(tmp_path: Path) -> None:
     assert "--log-file" in result.stderr and "lies inside DEST" in result.stderr
     assert not (dest / "0" / "run.log").exists()
     assert "[total]" not in result.stdout  # no report line for a run refused at its start
+
+
+@pytest.mark.parametrize("where", ["another-rank's-dest", "source", "the-json-report"])
+def test_a_log_file_where_it_would_be_copied_or_overwritten_is_refused(tmp_path: Path, where: str) -> None:
+    """Without ``{rank}`` rank 0 alone writes the log, and every rank checks it, as the JSON
+    report: not in node 1's DEST (the copy would meet it there), not in a local SOURCE (its lines
+    copied as data), not the JSON report's file (one would overwrite the other)."""
+    src = _source(tmp_path)
+    dest = tmp_path / "dest"
+    log = {"another-rank's-dest": dest / "1" / "run.log", "source": src / "run.log",
+           "the-json-report": tmp_path / "report.json"}[where]  # fmt: skip
+    args = [str(src), str(dest / "{rank}"), "--log-file", str(log), "--json", str(tmp_path / "report.json")]
+    result = run_cli(args, n=2)
+    assert result.returncode == 2, result.output
+    assert "--log-file" in result.stderr, result.stderr
+    assert not log.exists() or where == "the-json-report"
+    assert not (src / "run.log").exists()
+
+
+@pytest.mark.parametrize("kind", ["link", "dangling-link", "fifo"])
+def test_a_log_file_is_never_written_through_a_link_nor_into_a_fifo(tmp_path: Path, kind: str) -> None:
+    """A shared /tmp may hold a link planted at the log's name: never followed (the file it
+    names neither appended to nor made); a FIFO would block the run in open, deaf to signals.
+    Each is a warning, and the copy completes."""
+    src = _source(tmp_path)
+    victim = tmp_path / "victim"
+    log = tmp_path / "run.log"
+    if kind == "fifo":
+        os.mkfifo(log)
+    else:
+        if kind == "link":
+            victim.write_text("precious\n")
+        log.symlink_to(victim)
+    result = run_cli([str(src), str(tmp_path / "{rank}"), "--log-file", str(log)], n=0, timeout=60)
+    assert result.returncode == 0, result.output
+    assert f"warning: cannot write the log to {log}" in result.stderr, result.stderr
+    if kind == "link":
+        assert victim.read_text() == "precious\n"
+    else:
+        assert not victim.exists()

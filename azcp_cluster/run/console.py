@@ -13,8 +13,10 @@ handler).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import stat
 import sys
 import threading
 from collections.abc import Iterable
@@ -138,11 +140,16 @@ class Console:
             if json_inside_dest(os.path.realpath(self.log_path), dest):
                 return
             try:
-                self._log = open(self.log_path, "a", encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
+                self._log = open_log_file(self.log_path)
             except OSError as exc:
                 _stderr(f"azcp-cluster: warning: cannot write the log to {self.log_path}: {exc.strerror}")
                 return
         self.log(pending)
+
+    def refuse_log(self) -> None:
+        """Never open the log file (setup refused its path: exit 2); its waiting lines dropped."""
+        with self._lock:
+            self._pending = None
 
     def close(self, dest: str) -> None:
         """The libraries' loggers as they were, and the log file closed (opened first if it was
@@ -160,6 +167,29 @@ class Console:
                 with contextlib.suppress(OSError, ValueError):
                     self._log.close()
                 self._log = None
+
+
+def open_log_file(path: str) -> TextIO:
+    """``path`` opened to append, made if missing; never through a symbolic link (a shared
+    ``/tmp`` may hold one planted at the name), never anything but a regular file (a FIFO would
+    block the run in ``open``, deaf to signals): an OSError naming why otherwise."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(exc.errno, "it is a symbolic link (never followed); name the file itself") from None
+        if exc.errno == errno.ENXIO:
+            raise OSError(exc.errno, "it is a FIFO or a socket, not a regular file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "it is not a regular file")
+        os.set_blocking(fd, True)
+        return open(fd, "a", encoding="utf-8", errors="backslashreplace", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class _LibraryHandler(logging.Handler):

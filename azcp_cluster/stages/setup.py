@@ -34,7 +34,7 @@ from azcp_cluster.run import figures
 from azcp_cluster.run.cluster import StageOutcome
 from azcp_cluster.run.console import say
 from azcp_cluster.run.rails import RAIL_DEVICE_ENV, local_size
-from azcp_cluster.stages.context import RunContext
+from azcp_cluster.stages.context import RunContext, log_path_for
 
 if TYPE_CHECKING:
     from azcp_cluster.azure.credentials import Authorizer
@@ -148,13 +148,27 @@ def setup(ctx: RunContext) -> Placement:
 
 
 def _check_outside_dest(ctx: RunContext) -> None:
-    """The JSON report and the log file lie outside DEST (each rank's own DEST): exit 2 otherwise."""
+    """The JSON report and the log file lie outside DEST (each rank's own DEST), the log file
+    outside a local SOURCE too (its lines would be copied as data), and the two are not one
+    file: exit 2 otherwise. A log file only rank 0 writes (no ``{rank}`` in it) is checked on
+    every rank, as the JSON report is: it may lie in another node's DEST."""
     json_path = ctx.cfg.json_path
     if json_path and json_inside_dest(os.path.realpath(json_path), ctx.dest_identity):
         raise ReportPathError(f"--json {json_path} lies inside DEST; write the report outside it")
-    log = ctx.console.log_path
-    if log and json_inside_dest(os.path.realpath(log), ctx.dest_identity):
-        raise ReportPathError(f"--log-file {log} lies inside DEST; write the log outside it")
+    log = ctx.console.log_path or log_path_for(ctx.cfg.log_file, 0, ctx.host)
+    if not log:
+        return
+    log_real = os.path.realpath(log)
+    refused = None
+    if json_inside_dest(log_real, ctx.dest_identity):
+        refused = "lies inside DEST; write the log outside it"
+    elif ctx.local and json_inside_dest(log_real, os.path.realpath(ctx.source_root)):
+        refused = "lies inside SOURCE; write the log outside it"
+    elif json_path and os.path.realpath(json_path) == log_real:
+        refused = "is the --json report's file; give each its own"
+    if refused:
+        ctx.console.refuse_log()  # not even for the lines of the run it ends
+        raise ReportPathError(f"--log-file {log} {refused}")
 
 
 def _split(ctx: RunContext, topo: Topology, leader: bool, lane: int | None) -> None:
