@@ -89,12 +89,7 @@ def run(
     # then the lines (on a failure, those of the stages it reached; the CLI prints the error
     # line after them), each in one write.
     if cluster.rank == 0:
-        if cfg.json_path and not isinstance(failed, ReportPathError):
-            write_json_report(report, cfg.json_path)
-        lines.rest(failed is not None, plan_lines)
-        summary = None if failed is not None else summary_line(report)
-        if summary is not None:  # the last line, for people (-q keeps it alone)
-            console.report([summary], "summary")
+        _rank0_end(cfg, report, lines, console, failed, plan_lines)
     if failed is not None:
         console.log([failed.one_line()])  # the CLI says it on stderr; the log has it too
     console.close(ctx.dest_identity)
@@ -198,6 +193,22 @@ def execute(ctx: RunContext, report: Report, lines: ReportPrinter) -> list[str]:
     lines.through("verify")
     _complete(ctx, place, moved, verified)
     return []
+
+
+def _rank0_end(
+    cfg: Config, report: Report, lines: ReportPrinter, console: Console, failed: AzcpError | None, plan: list[str]
+) -> None:
+    """Rank 0's end: the JSON report, then the lines not printed yet (``plan``: a dry run's),
+    then the one summary line for people."""
+    if cfg.json_path and not isinstance(failed, ReportPathError):
+        write_json_report(report, cfg.json_path)
+    lines.rest(failed is not None, plan)
+    summary = None if failed is not None else summary_line(report)
+    if summary is not None:  # the last line, for people (-q keeps it alone)
+        console.report([summary], "summary")
+    elif cfg.dry_run and failed is None and not console.shows("report"):
+        # -q keeps what a dry run is for, each file's action and the total (logged above).
+        console.report([line for line in plan if not line.startswith("[plan] ")], "summary", logged=True)
 
 
 def _complete(

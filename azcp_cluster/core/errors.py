@@ -10,6 +10,13 @@ from __future__ import annotations
 EXIT_OK = 0
 
 
+def printable(text: str) -> str:
+    """``text`` with line breaks, tabs, other control characters and undecodable bytes escaped
+    (``\\n``, ``\\udcff``): a name may hold any of them, and a line shown or parsed must stay one
+    line with its columns (a file named ``x\\n[dry-run] 0 files`` forges no line)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class AzcpError(Exception):
     """Base of every error the tool reports to its user."""
 
@@ -28,9 +35,7 @@ class AzcpError(Exception):
         if self.rank is not None:
             parts.append(f"rank {self.rank}")
         if self.path is not None:
-            # Escape line breaks and other control characters: a path may hold any of them.
-            path = "".join(c if c.isprintable() else repr(c)[1:-1] for c in self.path)
-            parts.append(f"'{path}'")
+            parts.append(f"'{printable(self.path)}'")
         parts.append(" ".join(self.message.split()))
         return f"azcp-cluster: error [{self.stage}]: " + ": ".join(parts)
 

@@ -6,6 +6,8 @@ import random
 from collections.abc import Awaitable, Callable
 from email.utils import parsedate_to_datetime
 
+from azcp_cluster.core.errors import printable
+
 # 408 timeout, 429 throttled, and the 5xx that Azure documents as transient.
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -115,7 +117,7 @@ class RetryNotices:
         who = f"{self.who}: " if self.who else ""
         line = f"azcp-cluster: notice: {who}retrying ({attempt}/{limit}) {what}: {cause}{also}"
         # A blob's name may hold any character: one line, whatever it holds.
-        self._say("".join(c if c.isprintable() else repr(c)[1:-1] for c in line))
+        self._say(printable(line))
 
 
 def too_slow(nbytes: int, seconds: float, floor: float = MIN_BODY_RATE) -> bool:

@@ -99,9 +99,10 @@ class Console:
         """The progress mode this level allows (``none`` under ``-q``)."""
         return mode if self.shows("progress") else "none"
 
-    def report(self, lines: Iterable[str], kind: str = "report") -> None:
+    def report(self, lines: Iterable[str], kind: str = "report", logged: bool = False) -> None:
         """Rank 0's stdout lines (the stage lines, or the summary: ``kind``) in one write if this
-        level shows them; in the log file always. A reader gone loses them, nothing more."""
+        level shows them; in the log file always (``logged``: they are there already). A reader
+        gone loses them, nothing more."""
         lines = list(lines)
         if not lines:
             return
@@ -109,7 +110,8 @@ class Console:
             with contextlib.suppress(OSError, ValueError):
                 self.out.write("".join(f"{line}\n" for line in lines))
                 self.out.flush()
-        self.log(lines)
+        if not logged:
+            self.log(lines)
 
     def note(self, line: str, kind: str = "note") -> None:
         """A line on stderr if this level shows ``kind`` (errors: always); in the log file always."""

@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from azcp_cluster.core.config import format_bytes
+from azcp_cluster.core.errors import printable
 from azcp_cluster.core.model import FileEntry
 
 # The actions, in the order the total names them.
@@ -58,7 +59,7 @@ def file_lines(
     def line(action: str, size: int, concerned: int, path: str) -> str:
         counts[action] += 1
         sizes[action] += size
-        return f"{action:<8} {format_bytes(size):>10}  {f'{concerned}/{copies}':>{width}}  {path}"
+        return f"{action:<8} {format_bytes(size):>10}  {f'{concerned}/{copies}':>{width}}  {printable(path)}"
 
     for i, f in enumerate(files):
         action = action_of(i, moving, holders, partial)

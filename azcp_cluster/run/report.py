@@ -15,7 +15,7 @@ from itertools import zip_longest
 from typing import TYPE_CHECKING, Any, TextIO
 
 from azcp_cluster.core.config import format_bytes
-from azcp_cluster.core.errors import UsageError
+from azcp_cluster.core.errors import UsageError, printable
 from azcp_cluster.run import figures as fig
 from azcp_cluster.run.console import say
 from azcp_cluster.run.figures import Figures, TimelineEntry
@@ -166,7 +166,8 @@ class Report:
                 self.stages["bcast"].seconds += figures.seconds
             case fig.Deleted():
                 self.deleted_files, self.deleted_bytes, self.deleted_kept = figures.files, figures.bytes, figures.kept
-                self.deleted_copies, self.deleted_paths = figures.copies, list(figures.paths)
+                # Shown, not parsed back: a name's control characters escaped (one JSON string a line).
+                self.deleted_copies, self.deleted_paths = figures.copies, [printable(p) for p in figures.paths]
             case fig.Verified():
                 self.stages["verify"] = StageFigures(figures.seconds, self.bytes)
                 if figures.files is not None:

@@ -20,6 +20,11 @@ def _copies(report: Report) -> str:
     return counted(report.writers, "copy", "copies")
 
 
+def _copies_of(report: Report) -> str:
+    """The copies ``--delete`` removed files from (``1 copy``, ``2 copies``)."""
+    return counted(report.deleted_copies, "copy", "copies")
+
+
 def summary_line(report: Report) -> str | None:
     """``azcp-cluster: 27 files, 24.02 MiB to 4 copies (96.08 MiB written) in 3.51 s, 0 retries``
     (and `` (3 files already present)`` where some were),
@@ -32,8 +37,14 @@ def summary_line(report: Report) -> str | None:
     """
     if report.exit_code or report.error or report.dry_run:
         return None
+    removed = ""
+    if report.deleted_files:  # --delete: never a run that removed files said to have done nothing
+        removed = f"; {counted(report.deleted_files, 'file')} not in SOURCE removed from {_copies_of(report)}"
     if report.transfer_files == 0:
-        return f"azcp-cluster: nothing to do: {counted(report.files, 'file')} already present in {_copies(report)}"
+        present = f"{counted(report.files, 'file')} already present in {_copies(report)}"
+        if removed:
+            return f"azcp-cluster: nothing to copy: {present}{removed}"
+        return f"azcp-cluster: nothing to do: {present}"
     moved = report.bytes - report.skipped_bytes
     present = f" ({counted(report.skipped_files, 'file')} already present)" if report.skipped_files else ""
     whole = report.peer_files == 0 and report.resumed_files == 0 and report.writers > 1
@@ -41,4 +52,5 @@ def summary_line(report: Report) -> str | None:
     return (
         f"azcp-cluster: {counted(report.transfer_files, 'file')}, {format_bytes(moved)} to {_copies(report)}"
         f"{written} in {report.stages['total'].seconds:.2f} s, {counted(report.retries, 'retry', 'retries')}{present}"
+        f"{removed}"
     )
