@@ -21,13 +21,16 @@ PATHS = st.lists(SEGMENTS, min_size=1, max_size=3).map("/".join)
 KINDS = st.sampled_from([mirror.FILE, mirror.LINK, mirror.DIR, mirror.OTHER])
 ENTRIES = st.lists(st.builds(mirror.Entry, PATHS, KINDS, st.integers(0, 9)), max_size=30, unique_by=lambda e: e.rel)
 GLOBS = st.lists(st.sampled_from(["*.bin", "a/*", "*", "b*", "*.txt"]), max_size=2)
+# Paths SOURCE has without listing files below them (dangling links, aliases): of the walk's
+# common names, so that most examples shelter something.
+SHELTERS = st.lists(st.lists(st.sampled_from(["a", "b", "c.bin"]), min_size=1, max_size=2).map("/".join), max_size=3)
 
 
 def _at_or_below(rel: str, shelter: list[str]) -> bool:
     return any(rel == s or rel.startswith(s + "/") for s in shelter)
 
 
-@given(ENTRIES, st.lists(PATHS, max_size=10), GLOBS, GLOBS, st.lists(PATHS, max_size=3))
+@given(ENTRIES, st.lists(PATHS, max_size=10), GLOBS, GLOBS, SHELTERS)
 def test_only_unlisted_unsheltered_regular_files_the_filters_select_are_chosen(
     found: list[mirror.Entry], listed: list[str], include: list[str], exclude: list[str], shelter: list[str]
 ) -> None:
@@ -53,6 +56,22 @@ def test_only_unlisted_unsheltered_regular_files_the_filters_select_are_chosen(
         and matches_filters(e.rel, include, exclude)
     ]
     assert all(mirror.tool_owned(e.rel) for e in missed)
+
+
+# Names of plain data files and directories ("c" a string prefix of "c.bin", not its directory).
+PLAIN = st.lists(st.sampled_from(["a", "b", "c", "c.bin"]), min_size=1, max_size=3).map("/".join)
+
+
+@given(st.lists(PLAIN, max_size=20, unique=True), st.lists(PLAIN, max_size=5), st.data())
+def test_a_sheltered_path_keeps_what_is_at_or_below_it_and_nothing_else(
+    rels: list[str], listed: list[str], data: st.DataObject
+) -> None:
+    found = [mirror.Entry(rel, mirror.FILE) for rel in rels]
+    # Sheltered: mostly a found file's own path or one of its directories, some other path.
+    paths = sorted({"/".join(rel.split("/")[:depth]) for rel in rels for depth in range(1, rel.count("/") + 2)})
+    shelter = data.draw(st.lists(st.sampled_from(paths) | PLAIN if paths else PLAIN, max_size=3))
+    chosen = [e.rel for e in mirror.choose(listed, found, shelter=shelter)]
+    assert chosen == sorted(rel for rel in rels if rel not in listed and not _at_or_below(rel, shelter))
 
 
 def test_nothing_at_or_below_a_dangling_link_or_an_alias_of_source_is_chosen() -> None:
