@@ -31,10 +31,9 @@ class Listing:
     files: tuple[FileEntry, ...]
     markers_skipped: int = 0
     filtered_out: int = 0
-    # A local SOURCE: paths below it that hold more than the files listed under them, which
-    # --delete never removes anything at or below (dest/mirror.choose): links whose target is
-    # gone (a share unmounted for a moment), and directories listed under another name (a
-    # directory reached twice is walked once).
+    # A local SOURCE: paths it has that the listing names no file under; --delete removes
+    # nothing at or below them (dest/mirror.choose). Links whose target is gone (a share
+    # unmounted for a moment), and the other names of a directory reached twice (walked once).
     dangling: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
 
