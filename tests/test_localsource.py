@@ -148,8 +148,9 @@ def test_symlinks_are_followed_and_loops_walked_once(tmp_path: Path) -> None:
     (root / "link-to-file").symlink_to(real / "f")
     (root / "dir").symlink_to(real)
     (real / "loop").symlink_to(root)  # root/dir/loop -> root: must not recurse forever
-    paths = [f.path for f in list_local(str(root), _cfg()).files]
-    assert paths == ["dir/f", "link-to-file"]
+    listing = list_local(str(root), _cfg())
+    assert [f.path for f in listing.files] == ["dir/f", "link-to-file"]
+    assert listing.aliases == ("dir/loop",)  # root again: SOURCE has its files there too (--delete keeps them)
 
 
 def test_a_tree_reached_twice_is_named_by_its_shallowest_then_first_sorting_path(tmp_path: Path) -> None:
@@ -162,7 +163,21 @@ def test_a_tree_reached_twice_is_named_by_its_shallowest_then_first_sorting_path
     (root / "b-link").symlink_to(root / "m-real")
     (root / "a").mkdir()
     (root / "a" / "deep-link").symlink_to(root / "m-real")  # deeper: never the name used
-    assert [f.path for f in list_local(str(root), _cfg()).files] == ["b-link/f"]
+    listing = list_local(str(root), _cfg())
+    assert [f.path for f in listing.files] == ["b-link/f"]
+    # Every other name SOURCE has the tree under: --delete removes nothing below them.
+    assert listing.aliases == ("a/deep-link", "m-real", "z-link")
+
+
+def test_dangling_links_are_named_in_the_listing(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (root / "f").write_bytes(b"x")
+    (root / "model").symlink_to(tmp_path / "unmounted" / "model")  # a share away for a moment
+    (root / "sub" / "gone.bin").symlink_to(tmp_path / "nowhere")
+    listing = list_local(str(root), _cfg())
+    assert [f.path for f in listing.files] == ["f"] and listing.filtered_out == 2
+    assert listing.dangling == ("model", "sub/gone.bin") and listing.aliases == ()
 
 
 def test_the_threaded_walk_lists_what_a_plain_walk_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,31 +21,82 @@ PATHS = st.lists(SEGMENTS, min_size=1, max_size=3).map("/".join)
 KINDS = st.sampled_from([mirror.FILE, mirror.LINK, mirror.DIR, mirror.OTHER])
 ENTRIES = st.lists(st.builds(mirror.Entry, PATHS, KINDS, st.integers(0, 9)), max_size=30, unique_by=lambda e: e.rel)
 GLOBS = st.lists(st.sampled_from(["*.bin", "a/*", "*", "b*", "*.txt"]), max_size=2)
+# Paths SOURCE has without listing files below them (dangling links, aliases): of the walk's
+# common names, so that most examples shelter something.
+SHELTERS = st.lists(st.lists(st.sampled_from(["a", "b", "c.bin"]), min_size=1, max_size=2).map("/".join), max_size=3)
 
 
-@given(ENTRIES, st.lists(PATHS, max_size=10), GLOBS, GLOBS)
-def test_only_unlisted_regular_files_the_filters_select_are_chosen(
-    found: list[mirror.Entry], listed: list[str], include: list[str], exclude: list[str]
+def _at_or_below(rel: str, shelter: list[str]) -> bool:
+    return any(rel == s or rel.startswith(s + "/") for s in shelter)
+
+
+@given(ENTRIES, st.lists(PATHS, max_size=10), GLOBS, GLOBS, SHELTERS)
+def test_only_unlisted_unsheltered_regular_files_the_filters_select_are_chosen(
+    found: list[mirror.Entry], listed: list[str], include: list[str], exclude: list[str], shelter: list[str]
 ) -> None:
-    chosen = mirror.choose(listed, found, include, exclude)
+    chosen = mirror.choose(listed, found, include, exclude, shelter)
     assert [e.rel for e in chosen] == sorted(e.rel for e in chosen)
     for e in chosen:
         assert e.kind == mirror.FILE  # never a link, a directory, a FIFO or a hard-linked file
         assert e.rel not in listed
         assert matches_filters(e.rel, include, exclude)  # an excluded file is not part of the mirror
+        # Nothing at or below a path SOURCE has without listing files there (a dangling link, an alias).
+        assert not _at_or_below(e.rel, shelter)
         parts = e.rel.split("/")
-        assert parts[0] != JOURNAL_DIR
+        assert JOURNAL_DIR not in parts  # a block journal, at any depth (a nested DEST's)
         assert not any(p in (MANIFEST_NAME, LOCK_NAME) or p.endswith(".azcp-part") for p in parts)
-    # And nothing else is left out: every other unlisted regular file of the filters is chosen.
+    # And nothing else is left out: every other unlisted, unsheltered regular file of the filters is chosen.
     missed = [
         e
         for e in found
         if e not in chosen
         and e.kind == mirror.FILE
         and e.rel not in listed
+        and not _at_or_below(e.rel, shelter)
         and matches_filters(e.rel, include, exclude)
     ]
     assert all(mirror.tool_owned(e.rel) for e in missed)
+
+
+# Names of plain data files and directories ("c" a string prefix of "c.bin", not its directory).
+PLAIN = st.lists(st.sampled_from(["a", "b", "c", "c.bin"]), min_size=1, max_size=3).map("/".join)
+
+
+@given(st.lists(PLAIN, max_size=20, unique=True), st.lists(PLAIN, max_size=5), st.data())
+def test_a_sheltered_path_keeps_what_is_at_or_below_it_and_nothing_else(
+    rels: list[str], listed: list[str], data: st.DataObject
+) -> None:
+    found = [mirror.Entry(rel, mirror.FILE) for rel in rels]
+    # Sheltered: mostly a found file's own path or one of its directories, some other path.
+    paths = sorted({"/".join(rel.split("/")[:depth]) for rel in rels for depth in range(1, rel.count("/") + 2)})
+    shelter = data.draw(st.lists(st.sampled_from(paths) | PLAIN if paths else PLAIN, max_size=3))
+    chosen = [e.rel for e in mirror.choose(listed, found, shelter=shelter)]
+    assert chosen == sorted(rel for rel in rels if rel not in listed and not _at_or_below(rel, shelter))
+
+
+def test_nothing_at_or_below_a_dangling_link_or_an_alias_of_source_is_chosen() -> None:
+    found = [
+        mirror.Entry(rel, mirror.FILE)
+        for rel in ("model/weights.bin", "model/sub/x", "model", "model2/w.bin", "modelx", "a_alias/w.bin", "stale")
+    ]
+    # SOURCE: a link 'model' whose target is gone, and 'a_alias' listed where 'model' is an alias of it.
+    chosen = mirror.choose(["a_alias/w.bin"], found, shelter=["model"])
+    assert [e.rel for e in chosen] == ["model2/w.bin", "modelx", "stale"]  # whole segments only
+    assert [e.rel for e in mirror.choose([], found, shelter=["model/sub", "stale"])] == [
+        "a_alias/w.bin",
+        "model",
+        "model/weights.bin",
+        "model2/w.bin",
+        "modelx",
+    ]
+    assert not mirror.sheltered("model", set()) and mirror.sheltered("a/b/c", {"a/b"})
+
+
+def test_the_tools_own_names_are_its_own_at_any_depth() -> None:
+    assert mirror.tool_owned(f"{JOURNAL_DIR}/rank-0")
+    assert mirror.tool_owned(f"inner/{JOURNAL_DIR}/rank-0")  # a nested DEST's journal
+    assert mirror.tool_owned(f"a/b/{MANIFEST_NAME}") and mirror.tool_owned("a/.f.azcp-part")
+    assert not mirror.tool_owned("inner/rank-0")
 
 
 @given(st.lists(PATHS, max_size=10))
@@ -63,6 +114,8 @@ def test_a_directory_holding_the_tools_manifest_or_lock_is_another_dest() -> Non
     assert not mirror.descend("x", ["a", MANIFEST_NAME])
     assert not mirror.descend("x", [LOCK_NAME])
     assert not mirror.descend(JOURNAL_DIR, [])
+    # A nested DEST whose run was stopped: its journal, and neither manifest nor lock.
+    assert not mirror.descend("x", [JOURNAL_DIR, ".w.bin.azcp-part"])
 
 
 def _write(path: Path, data: bytes = b"x") -> Path:
@@ -90,6 +143,9 @@ def _hostile_dest(tmp_path: Path) -> tuple[Path, Path]:
     _write(dest / ".gone.bin.azcp-part")  # a stopped run's temporary file: the tool's own
     _write(dest / "nested" / MANIFEST_NAME)  # another DEST below this one
     _write(dest / "nested" / "theirs.bin")
+    _write(dest / "stopped" / JOURNAL_DIR / "rank-0")  # another DEST whose run was stopped
+    _write(dest / "stopped" / ".w.bin.azcp-part")
+    _write(dest / "stopped" / "theirs.bin")
     _write(dest / "excluded.txt")
     return dest, outside
 
@@ -105,7 +161,7 @@ def test_the_walk_and_removal_touch_only_unlisted_regular_files_below_dest(tmp_p
     try:
         found = mirror.walk(tree)
         walked = {e.rel for e in found}
-        assert not any(rel.startswith(("linkdir/", "nested/", f"{JOURNAL_DIR}/")) for rel in walked)
+        assert not any(rel.startswith(("linkdir/", "nested/", "stopped/", f"{JOURNAL_DIR}/")) for rel in walked)
         chosen = mirror.choose(["keep.bin"], found, (), ("*.txt",))
         assert [e.rel for e in chosen] == ["old/sub/stale2", "stale.bin"]
         done = mirror.remove(tree, chosen)
@@ -117,6 +173,7 @@ def test_the_walk_and_removal_touch_only_unlisted_regular_files_below_dest(tmp_p
     for kept in ("keep.bin", "empty-before", "linkdir", "linkfile", "hardlink", "fifo", MANIFEST_NAME, LOCK_NAME):
         assert kept in left
     assert {".gone.bin.azcp-part", "nested/theirs.bin", "excluded.txt", f"{JOURNAL_DIR}/0.journal"} <= left
+    assert {f"stopped/{JOURNAL_DIR}/rank-0", "stopped/.w.bin.azcp-part", "stopped/theirs.bin"} <= left
     assert _everything(outside) == before_outside and (outside / "secret").read_bytes() == b"x"
 
 

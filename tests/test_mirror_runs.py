@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from azcp_cluster.core.naming import LOCK_NAME
+from azcp_cluster.core.naming import JOURNAL_DIR, LOCK_NAME
 from azcp_cluster.devtools import azurite, demo
 from tests.conftest import Result, run_cli
 
@@ -169,6 +169,55 @@ def test_nothing_is_removed_from_any_node_after_a_copy_that_failed_on_one(tmp_pa
     assert real.json is not None and real.json["deleted_files"] == 0 and "[delete]" not in real.stdout
     for node, was in zip(nodes, before, strict=True):
         assert set(was) <= set(_files(node)), f"{node.name} lost a file"
+
+
+def test_nothing_behind_a_dangling_link_of_source_is_removed(tmp_path: Path) -> None:
+    # SOURCE/model links to a share; the share is away for a moment (unmounted) at the rerun:
+    # what lies behind the link is unknown, not gone, and its copies stay on every node.
+    src, share = _source(tmp_path), tmp_path / "share"
+    _write(share / "model" / "weights.bin", b"w")
+    os.symlink(share / "model", src / "model")
+    template, nodes = _dests(tmp_path)
+    assert _run(src, template).returncode == 0
+    share.rename(tmp_path / "share.away")
+    dry = _run(src, template, "--delete", "--dry-run")
+    assert dry.returncode == 0 and _listed(dry)["delete"] == {"old/deep/gone.bin", "a/old.bin", "removed.bin"}
+    real = _run(src, template, "--delete", json_path=tmp_path / "r.json")
+    assert real.returncode == 0, real.output
+    assert real.json is not None and real.json["deleted_paths"] == ["a/old.bin", "old/deep/gone.bin", "removed.bin"]
+    assert "--delete kept 2 file(s) under dangling link(s) in SOURCE (e.g. 'model'), in 2 copies" in real.stderr
+    for node in nodes:
+        assert (node / "model" / "weights.bin").read_bytes() == b"w"
+
+
+def test_a_directory_source_also_has_under_another_name_is_not_removed(tmp_path: Path) -> None:
+    # SOURCE/model is copied; then a link a_alias -> model sorts first and names the listing's
+    # files: SOURCE still has model/, and DEST's copy of it stays.
+    src = _source(tmp_path)
+    _write(src / "model" / "w.bin", b"w")
+    template, nodes = _dests(tmp_path)
+    assert _run(src, template).returncode == 0
+    os.symlink("model", src / "a_alias")
+    real = _run(src, template, "--delete", json_path=tmp_path / "r.json")
+    assert real.returncode == 0, real.output
+    assert real.json is not None and real.json["deleted_paths"] == ["a/old.bin", "old/deep/gone.bin", "removed.bin"]
+    for node in nodes:
+        assert (node / "model" / "w.bin").read_bytes() == b"w" and (node / "a_alias" / "w.bin").read_bytes() == b"w"
+
+
+def test_a_nested_dest_whose_run_was_stopped_is_left_alone(tmp_path: Path) -> None:
+    # DEST/inner was another run's DEST, stopped: its journal and temporary file, no manifest or lock.
+    src = _source(tmp_path)
+    template, nodes = _dests(tmp_path)
+    for node in nodes:
+        _write(node / "inner" / JOURNAL_DIR / "rank-0", b"journal")
+        _write(node / "inner" / ".w.bin.azcp-part", b"part")
+    before = [_files(node / "inner") for node in nodes]
+    real = _run(src, template, "--delete", json_path=tmp_path / "r.json")
+    assert real.returncode == 0, real.output
+    assert real.json is not None and real.json["deleted_paths"] == ["a/old.bin", "old/deep/gone.bin", "removed.bin"]
+    for node, was in zip(nodes, before, strict=True):
+        assert _files(node / "inner") == was
 
 
 def test_delete_with_one_file_as_source_is_refused(tmp_path: Path) -> None:

@@ -34,6 +34,8 @@ def test_round_trip_example_with_unicode_names() -> None:
         ),
         markers_skipped=4,
         filtered_out=2,
+        dangling=("model", "sub/gone"),
+        aliases=("a_alias",),
     )
     decoded = decode_listing(encode_listing(listing))
     assert decoded == listing
@@ -103,6 +105,8 @@ def listings(draw: st.DrawFn) -> Listing:
         files=tuple(files),
         markers_skipped=draw(st.integers(0, 10**6)),
         filtered_out=draw(st.integers(0, 10**6)),
+        dangling=tuple(draw(st.lists(names, max_size=3))),
+        aliases=tuple(draw(st.lists(names, max_size=3))),
     )
 
 

@@ -31,6 +31,11 @@ class Listing:
     files: tuple[FileEntry, ...]
     markers_skipped: int = 0
     filtered_out: int = 0
+    # A local SOURCE: paths it has that the listing names no file under; --delete removes
+    # nothing at or below them (dest/mirror.choose). Links whose target is gone (a share
+    # unmounted for a moment), and the other names of a directory reached twice (walked once).
+    dangling: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -56,6 +61,8 @@ def encode_listing(listing: Listing) -> bytes:
         "etag": [f.etag for f in files],
         "md5": [f.content_md5 for f in files],
         "mtime": [f.last_modified for f in files],
+        "dangling": list(listing.dangling),
+        "aliases": list(listing.aliases),
     }
     raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     # Level 1: a third of level 6's time for 7/8 of its gain (100,000 local files: 0.06 s
@@ -76,4 +83,10 @@ def decode_listing(blob: bytes) -> Listing:
     # A path is stored only where it differs from the name (None elsewhere).
     paths = [name if path is None else path for name, path in zip(names, doc["path"], strict=True)]
     files = tuple(map(FileEntry._make, zip(names, paths, *columns[1:], strict=True)))
-    return Listing(files=files, markers_skipped=doc["markers"], filtered_out=doc["filtered"])
+    return Listing(
+        files=files,
+        markers_skipped=doc["markers"],
+        filtered_out=doc["filtered"],
+        dangling=tuple(doc["dangling"]),
+        aliases=tuple(doc["aliases"]),
+    )

@@ -137,7 +137,7 @@ class _Stated(NamedTuple):
     entries: list[RawEntry]  # regular files: data
     dirs: list[tuple[str, str, os.stat_result]]  # (relative name, path, stat) to walk next
     not_data: int  # special files and the tool's own files
-    dangling: list[str]
+    dangling: list[str]  # relative names of links whose target is gone
 
 
 def _stat_batch(batch: tuple[str, list[os.DirEntry[str]], Trust]) -> _Stated:
@@ -154,7 +154,7 @@ def _stat_batch(batch: tuple[str, list[os.DirEntry[str]], Trust]) -> _Stated:
         except FileNotFoundError:
             if not child.is_symlink():
                 raise ListError("a file of SOURCE disappeared while it was listed", path=child.path) from None
-            dangling.append(child.path)  # its target is gone: not data, counted and named once
+            dangling.append(rel)  # its target is gone: not data, counted and named once
             continue
         except OSError as exc:
             raise ListError(f"cannot stat a file of SOURCE: {exc.strerror}", path=child.path) from None
@@ -172,9 +172,18 @@ def _stat_batch(batch: tuple[str, list[os.DirEntry[str]], Trust]) -> _Stated:
     return _Stated(len(children), entries, dirs, not_data, dangling)
 
 
-def _walk(root: str, top: os.stat_result, trust: Trust) -> tuple[list[RawEntry], int, list[str]]:
+class _Walked(NamedTuple):
+    """What a walk of a SOURCE directory found."""
+
+    entries: list[RawEntry]  # the regular files
+    not_data: int  # special files, the tool's own files
+    dangling: list[str]  # relative names of links whose target is gone
+    aliases: list[str]  # relative names of directories not walked: reached under another name
+
+
+def _walk(root: str, top: os.stat_result, trust: Trust) -> _Walked:
     """The regular files below ``root``, the count of what is not data (special files, the
-    tool's own files) and the dangling links.
+    tool's own files), the dangling links and the directories walked under another name.
 
     One depth at a time: its directories are listed, then their children stat'ed in batches,
     each through a :class:`~azcp_cluster.dest.syscalls.CallPool` (threads where the calls are
@@ -183,6 +192,7 @@ def _walk(root: str, top: os.stat_result, trust: Trust) -> tuple[list[RawEntry],
     entries: list[RawEntry] = []
     not_data = 0
     dangling: list[str] = []
+    aliases: list[str] = []
     seen = {(top.st_dev, top.st_ino)}
     with CallPool() as calls:
         level = [("", root)]
@@ -201,13 +211,15 @@ def _walk(root: str, top: os.stat_result, trust: Trust) -> tuple[list[RawEntry],
                 dangling.extend(stated.dangling)
             # A directory reached twice (a symlink loop, the same tree twice) is walked once,
             # under its shallowest, then first-sorting name: the same whatever the filesystem's
-            # order of names.
+            # order of names. The other names are kept (aliases): SOURCE has them, with files.
             level = []
             for rel, path, st in sorted(found, key=lambda item: item[0]):
-                if (st.st_dev, st.st_ino) not in seen:
+                if (st.st_dev, st.st_ino) in seen:
+                    aliases.append(rel)
+                else:
                     seen.add((st.st_dev, st.st_ino))
                     level.append((rel + "/", path))
-    return entries, not_data, dangling
+    return _Walked(entries, not_data, dangling, aliases)
 
 
 def list_local(root: str, cfg: Config) -> Listing:
@@ -219,7 +231,9 @@ def list_local(root: str, cfg: Config) -> Listing:
     the filtered files. A manifest or lock file deeper in the tree, or a directory named like
     a temporary file, is refused like such a blob name (``naming.check_relative_path``). A
     directory reached twice through symlinks is walked once, under its shallowest name (then
-    the first in name order). The stat calls go to threads where they are slow (a shared
+    the first in name order). The listing names the dangling links and the directory's other
+    names (``Listing.dangling``, ``Listing.aliases``): ``--delete`` removes nothing at or
+    below them (dest/mirror.choose). The stat calls go to threads where they are slow (a shared
     filesystem): azcp_cluster/dest/syscalls.py.
     """
     trust = Trust()  # the clock read before any stat: a file changed meanwhile is not settled
@@ -232,15 +246,22 @@ def list_local(root: str, cfg: Config) -> Listing:
         return select(name, _entry(name, root, top, trust), (), cfg.include, cfg.exclude)
     if not stat.S_ISDIR(top.st_mode):
         raise UsageError(f"SOURCE {root!r} is neither a regular file nor a directory")
-    entries, not_data, dangling = _walk(root, top, trust)
-    listing = select("", None, entries, cfg.include, cfg.exclude)
+    walked = _walk(root, top, trust)
+    listing = select("", None, walked.entries, cfg.include, cfg.exclude)
+    dangling = sorted(walked.dangling)
     if dangling:
+        example = os.path.join(root, *dangling[0].split("/"))
         say(
             f"azcp-cluster: warning: skipped {len(dangling)} dangling symbolic link(s) in SOURCE "
-            f"(e.g. {dangling[0]!r}: its target does not exist)"
+            f"(e.g. {example!r}: its target does not exist)"
         )
-    skipped = not_data + len(dangling)
-    return Listing(files=listing.files, markers_skipped=0, filtered_out=listing.filtered_out + skipped)
+    return Listing(
+        files=listing.files,
+        markers_skipped=0,
+        filtered_out=listing.filtered_out + walked.not_data + len(dangling),
+        dangling=tuple(dangling),
+        aliases=tuple(sorted(walked.aliases)),
+    )
 
 
 def restat(root: str, entry: FileEntry, single: bool) -> FileEntry:

@@ -9,14 +9,21 @@ walk of DEST found (:func:`walk`):
 * only a path the filters select (``--include``/``--exclude``, as the listing applies them)
   is a candidate: an excluded file is not part of the mirror and stays (rclone sync's rule);
 * a listed path is never a candidate (the run has just copied it, or found it there);
+* nothing at or below a *sheltered* path is a candidate: one SOURCE has though the listing
+  names no file under it, a link in a local SOURCE whose target is gone (a share unmounted
+  for a moment: what lies behind it is unknown, not absent) or a directory of a local SOURCE
+  listed under another name (reached twice, walked once: ``Listing.dangling``,
+  ``Listing.aliases``);
 * the tool's own files are never candidates: the manifest, the lock file, the block journal
-  (a directory at DEST's top) and temporary names (``*.azcp-part``), at any depth.
+  (``.azcp-journal``, a directory at a DEST's top) and temporary names (``*.azcp-part``), at
+  any depth.
 
 The walk itself (:func:`walk`) reaches every directory from DEST's root descriptor one
 component at a time (``O_NOFOLLOW | O_DIRECTORY``) and never descends into a symbolic link,
-the block journal, a directory that holds the tool's manifest or lock file (another DEST
-nested below this one, perhaps written by another run at this moment), or a mount point
-(another filesystem, or a bind mount of a tree from elsewhere).
+the block journal, a directory that holds the tool's manifest, lock file or block journal
+(another DEST nested below this one, perhaps written by another run at this moment, or one
+whose run was stopped: it left its journal, and no manifest yet), or a mount point (another
+filesystem, or a bind mount of a tree from elsewhere).
 
 :func:`remove` unlinks each chosen file by name relative to its directory's descriptor
 (``unlinkat``: a link is never followed, and no path leaves DEST's real path), only if the
@@ -32,7 +39,7 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 from typing import NamedTuple
 
 from azcp_cluster.core.errors import LocalFSError
@@ -69,31 +76,51 @@ class Removed(NamedTuple):
 
 
 def tool_owned(rel: str) -> bool:
-    """Whether ``rel`` is one of the tool's own files: manifest, lock, journal, a temporary name."""
-    parts = rel.split("/")
-    if parts[0] == JOURNAL_DIR:
-        return True
-    return any(p in (MANIFEST_NAME, LOCK_NAME) or p.endswith(TEMP_SUFFIX) for p in parts)
+    """Whether ``rel`` is one of the tool's own files, at any depth: manifest, lock, journal
+    (or below it), a temporary name. No SOURCE name has such a segment (naming.py refuses it)."""
+    return any(p in (MANIFEST_NAME, LOCK_NAME, JOURNAL_DIR) or p.endswith(TEMP_SUFFIX) for p in rel.split("/"))
+
+
+def sheltered(rel: str, shelter: Set[str]) -> bool:
+    """Whether ``rel`` is one of the ``shelter`` paths, or lies below one (whole segments:
+    ``model`` shelters ``model/w.bin``, not ``model2/w.bin``)."""
+    at = len(rel) if shelter else -1
+    while at > 0:
+        if rel[:at] in shelter:
+            return True
+        at = rel.rfind("/", 0, at)
+    return False
 
 
 def choose(
-    listed: Iterable[str], found: Iterable[Entry], include: Sequence[str] = (), exclude: Sequence[str] = ()
+    listed: Iterable[str],
+    found: Iterable[Entry],
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    shelter: Iterable[str] = (),
 ) -> list[Entry]:
     """The entries of ``found`` that ``--delete`` removes, in path order (see the module's rules).
 
-    ``listed``: the paths of the listing (after the filters); ``found``: what a walk of DEST saw.
+    ``listed``: the paths of the listing (after the filters); ``found``: what a walk of DEST
+    saw; ``shelter``: the paths nothing at or below which is removed (:func:`sheltered`).
     """
     keep = set(listed)
-    chosen = (e for e in found if e.kind == FILE and e.rel not in keep and not tool_owned(e.rel))
+    kept_below = set(shelter)
+    chosen = (
+        e
+        for e in found
+        if e.kind == FILE and e.rel not in keep and not tool_owned(e.rel) and not sheltered(e.rel, kept_below)
+    )
     return sorted((e for e in chosen if matches_filters(e.rel, include, exclude)), key=lambda e: e.rel)
 
 
 def descend(rel: str, names: Iterable[str]) -> bool:
     """Whether the walk goes into directory ``rel`` holding ``names``: not the block journal,
-    nor another DEST nested below this one (its manifest or lock file is there)."""
+    nor another DEST nested below this one (its manifest, lock file or block journal is there:
+    a stopped run leaves its journal, and no manifest or lock)."""
     if rel == JOURNAL_DIR:
         return False
-    return not any(name in (MANIFEST_NAME, LOCK_NAME) for name in names)
+    return not any(name in (MANIFEST_NAME, LOCK_NAME, JOURNAL_DIR) for name in names)
 
 
 def _kind(st: os.stat_result, device: int | None = None, mounted: bool = False) -> str:

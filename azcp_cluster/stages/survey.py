@@ -278,6 +278,7 @@ class Seen(NamedTuple):
     list_seconds: float  # this rank's time in the list stage
     kept: Mapping[int, tuple[tuple[int, int], ...]]  # per file a stopped run kept blocks of: the spans
     stale: tuple[tuple[str, int], ...] = ()  # --delete: the files this node would remove (path, size)
+    sheltered: int = 0  # --delete: the files it keeps only as they lie under a dangling link of SOURCE
 
 
 def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
@@ -288,6 +289,7 @@ def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
     files = listed.listing.files
     kept: dict[int, journal.Kept] = {}
     stale: list[mirror.Entry] = []
+    sheltered = 0
     check_mirror(ctx, listed)
     with cluster.stage(outcome):
         present = b""
@@ -302,12 +304,13 @@ def diff(ctx: RunContext, place: Placement, listed: Listed) -> Diff:
                     # --verify keeps only blocks that came from the source on this node (journal.load).
                     kept = journal.load(tree, files, lacking, ctx.origin, received=not ctx.cfg.verify)
             if ctx.cfg.delete:
-                stale = stale_in(ctx, tree, files)
+                stale, sheltered = stale_in(ctx, tree, listed.listing)
         spans = {i: k.spans for i, k in kept.items()}
-        outcome.stats = Seen(present, listed.seconds, spans, tuple((e.rel, e.size) for e in stale))
+        outcome.stats = Seen(present, listed.seconds, spans, tuple((e.rel, e.size) for e in stale), sheltered)
     result = cluster.conclude(t0, outcome, stage="diff")
     seen = result.each(Seen(b"", 0.0, {}))
     leaders = place.topo.leaders
+    warn_sheltered(ctx, listed.listing, [seen[leader].sheltered for leader in leaders])
     matrix = np.stack(
         [
             np.unpackbits(np.frombuffer(seen[leader].present, dtype=np.uint8), count=len(files)).astype(bool)
@@ -350,10 +353,29 @@ def check_mirror(ctx: RunContext, listed: Listed) -> None:
         raise UsageError("--delete mirrors a directory, but SOURCE names one file; leave --delete out")
 
 
-def stale_in(ctx: RunContext, tree: DestRoot, files: tuple[FileEntry, ...]) -> list[mirror.Entry]:
-    """What ``--delete`` removes from this node's DEST (mirror.choose over a walk of it)."""
+def stale_in(ctx: RunContext, tree: DestRoot, listing: Listing) -> tuple[list[mirror.Entry], int]:
+    """What ``--delete`` removes from this node's DEST (mirror.choose over a walk of it), and
+    how many files it keeps only because they lie under a dangling link of SOURCE."""
     cfg = ctx.cfg
-    return mirror.choose((f.path for f in files), mirror.walk(tree), cfg.include, cfg.exclude)
+    listed = [f.path for f in listing.files]
+    found = mirror.walk(tree)
+    stale = mirror.choose(listed, found, cfg.include, cfg.exclude, (*listing.dangling, *listing.aliases))
+    if not listing.dangling:
+        return stale, 0
+    unsheltered = mirror.choose(listed, found, cfg.include, cfg.exclude, listing.aliases)
+    return stale, len(unsheltered) - len(stale)
+
+
+def warn_sheltered(ctx: RunContext, listing: Listing, sheltered: list[int]) -> None:
+    """Rank 0 says how many files ``--delete`` kept under dangling links of SOURCE (every copy's counted)."""
+    kept = sum(sheltered)
+    if kept and ctx.rank == 0:
+        copies = sum(1 for n in sheltered if n)
+        say(
+            f"azcp-cluster: warning: --delete kept {kept} file(s) under dangling link(s) in SOURCE "
+            f"(e.g. {listing.dangling[0]!r}), in {copies} cop{'y' if copies == 1 else 'ies'}: what lies "
+            "behind a link whose target is gone is unknown, not absent"
+        )
 
 
 def holders_of(matrix: np.ndarray, leaders: list[int] | tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
