@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
@@ -122,22 +122,61 @@ def request_seconds(bx: Box, base: str, sas: str, names: Sequence[str], concurre
     return max(span["end"] for span in spans) - min(span["start"] for span in spans)
 
 
+Job = Callable[[Callable[[], None]], None]  # a host's work: its set-up, ``ready()``, then what is timed
+
+
+def at_once(jobs: Sequence[Job], what: str, then: Callable[[], None] = lambda: None) -> float:
+    """Run every job on a thread of its own, all at once: each sets up, calls the ``ready`` it is
+    given, then does the timed work. Returns the seconds from when every job was ready to when
+    the last ended and ``then`` (untimed set-up excluded) returned. A job's failure, once every
+    thread ended, is raised as a RuntimeError naming ``what`` (the others then found the
+    barrier broken)."""
+    barrier = threading.Barrier(len(jobs) + 1)
+    errors: list[BaseException] = []
+
+    def run(job: Job) -> None:
+        try:
+            job(barrier.wait)
+        except BaseException as exc:  # raised by the caller, once every job ended
+            errors.append(exc)
+            barrier.abort()  # nobody waits for a job that will not come
+
+    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    try:
+        for t in threads:
+            t.start()
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait()
+        began = time.perf_counter()
+        for t in threads:
+            t.join()
+        if not errors:
+            then()
+        seconds = time.perf_counter() - began
+    finally:
+        barrier.abort()
+        for t in threads:
+            if t.ident is not None:
+                t.join()
+    if errors:
+        first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        raise RuntimeError(f"{what}: {first!r}") from first
+    return seconds
+
+
 def create_seconds(bx: Box, files: Mapping[str, bytes]) -> float:
     """Seconds for every host at once to make ``files`` in a fresh directory beside its DEST, the
     tool's way (a temporary name made anew, the bytes, a rename), then one ``syncfs``: what the
     box's one disk allows the small files. What it made is removed."""
     roots = [bx.dest_of(host).parent / f".files-{host.name}" for host in bx.hosts]
-    errors: list[BaseException] = []
-    ready = threading.Barrier(len(roots) + 1)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
-    def make(root: Path) -> None:
-        try:
+    def maker(root: Path) -> Job:
+        def make(ready: Callable[[], None]) -> None:
             root.mkdir(parents=True)
-            folders = {str(root / name).rpartition("/")[0] for name in files}
-            for folder in sorted(folders):
+            for folder in sorted({str(root / name).rpartition("/")[0] for name in files}):
                 os.makedirs(folder, exist_ok=True)
-            ready.wait()
+            ready()
             for name, data in files.items():
                 final = root / name
                 temp = final.parent / temp_name(final.name)
@@ -147,37 +186,22 @@ def create_seconds(bx: Box, files: Mapping[str, bytes]) -> float:
                 finally:
                     os.close(fd)
                 os.rename(temp, final)
-        except BaseException as exc:  # raised by the caller once every host ended
-            errors.append(exc)
-            ready.abort()
 
-    makers = [threading.Thread(target=make, args=(root,)) for root in roots]
-    try:
-        for m in makers:
-            m.start()
-        with contextlib.suppress(threading.BrokenBarrierError):
-            ready.wait()
-        began = time.perf_counter()
-        for m in makers:
-            m.join()
+        return make
+
+    def sync() -> None:
         fd = os.open(roots[0], os.O_RDONLY | os.O_DIRECTORY)
         try:
             if not syncfs(fd):
                 os.sync()
         finally:
             os.close(fd)
-        seconds = time.perf_counter() - began
+
+    try:
+        return at_once([maker(root) for root in roots], "making the small files", sync)
     finally:
-        ready.abort()
-        for m in makers:
-            if m.ident is not None:
-                m.join()
         for root in roots:
             subprocess.run(["rm", "-rf", "--one-file-system", str(root)], check=False)
-    if errors:
-        first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
-        raise RuntimeError(f"making the small files: {first!r}") from first
-    return seconds
 
 
 def main(argv: list[str]) -> int:

@@ -75,7 +75,6 @@ Needs root (network namespaces).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import os
@@ -87,7 +86,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -175,49 +174,31 @@ def disk_rate(bx: Box, size: int) -> float:
     paths = [bx.dest_of(host).parent / f".disk-{host.name}" for host in bx.hosts]
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
-    ready = threading.Barrier(len(paths) + 1)
-    errors: list[BaseException] = []
     made: list[Path] = []
     buffer = aligned_buffer(piece).data  # zeros, aligned as O_DIRECT needs (the tool's own kind)
     # A name of the box's own directory, made anew: never through a link, never a file left there.
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_DIRECT", 0)
 
-    def write(path: Path) -> None:
-        try:
+    def writer(path: Path) -> boxprobes.Job:
+        def write(ready: Callable[[], None]) -> None:
             fd = os.open(path, flags, 0o600)
             made.append(path)  # only what this made is removed
             try:
                 os.posix_fallocate(fd, 0, size)
-                ready.wait()
+                ready()
                 for at in range(0, size, piece):
                     pwritev_all(fd, [buffer[: min(piece, size - at)]], at)
                 os.fdatasync(fd)
             finally:
                 os.close(fd)
-        except BaseException as exc:  # raised by the caller, once every writer ended
-            errors.append(exc)
-            ready.abort()  # nobody waits for a writer that will not come
 
-    writers = [threading.Thread(target=write, args=(path,)) for path in paths]
+        return write
+
     try:
-        for w in writers:
-            w.start()
-        with contextlib.suppress(threading.BrokenBarrierError):
-            ready.wait()
-        began = time.perf_counter()
-        for w in writers:
-            w.join()
-        seconds = time.perf_counter() - began
+        seconds = boxprobes.at_once([writer(path) for path in paths], "measuring the disk")
     finally:
-        ready.abort()
-        for w in writers:
-            if w.ident is not None:
-                w.join()
         for path in made:
             path.unlink(missing_ok=True)
-    if errors:  # the first real failure (the others then found the barrier broken)
-        first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
-        raise RuntimeError(f"measuring the disk: {first!r}") from first
     return len(paths) * size / seconds
 
 
