@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -21,6 +22,7 @@ from azcp_cluster.dest.directio import (
     align_down,
     aligned_buffer,
     aligned_buffers,
+    populate_pages,
 )
 from tests.conftest import cached_pages, fstype
 
@@ -392,3 +394,28 @@ def test_a_direct_read_cut_short_before_the_end_is_finished_through_the_cache(
         assert reader.is_direct  # still direct for the next read
     finally:
         reader.close()
+
+
+def test_huge_pages_that_come_slowly_give_way_to_small_pages_for_the_rest() -> None:
+    """A kernel compacting memory for each huge page (15 ms a fault where the page cache has cut
+    memory up) must not hold a run's start for seconds: past the budget, the rest of the buffer
+    is advised to small pages and faulted in as such; within it, nothing is advised."""
+    buf = np.ones(5 * HUGE_PAGE, dtype=np.uint8)
+    advised: list[tuple[int, int]] = []
+    ticks = iter([0.0, 0.001, 0.002, 1.0, 2.0, 3.0])  # the third huge page comes slowly
+    assert not populate_pages(buf, lambda at, n: advised.append((at, n)), clock=lambda: next(ticks), budget=0.5)
+    assert advised == [(3 * HUGE_PAGE, 2 * HUGE_PAGE)]
+    assert not buf[:: mmap.PAGESIZE].any()  # every page touched, the first huge pages' too
+
+    quick = iter(float(i) / 1000 for i in range(10))
+    advised.clear()
+    assert populate_pages(np.ones(3 * HUGE_PAGE, dtype=np.uint8), lambda at, n: advised.append((at, n)),
+                          clock=lambda: next(quick), budget=0.5)  # fmt: skip
+    assert advised == []
+
+
+def test_a_populated_buffer_is_zeroed_and_writable_whatever_pages_it_got() -> None:
+    buf = aligned_buffer(8 * HUGE_PAGE, populate=True)
+    assert len(buf) == 8 * HUGE_PAGE and buf.ctypes.data % HUGE_PAGE == 0 and not buf.any()
+    buf[:] = 7
+    assert int(buf[-1]) == 7
