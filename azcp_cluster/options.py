@@ -335,7 +335,10 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, built from :data:`OPTIONS` (also used by the docs tests)."""
     description = f"{DESCRIPTION}\n{source_kinds_text()}\n"
-    p = _Parser(prog="azcp-cluster", description=description, epilog=EPILOG, formatter_class=_Formatter)
+    # No abbreviations: `--del` in a job script must not quietly mean --delete.
+    p = _Parser(
+        prog="azcp-cluster", description=description, epilog=EPILOG, formatter_class=_Formatter, allow_abbrev=False
+    )
     p.add_argument("--version", action="version", version=f"azcp-cluster {__version__}")
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     copy = groups[GROUPS[0]]
@@ -433,9 +436,9 @@ def check_option_names(argv: Sequence[str], parser: argparse.ArgumentParser) -> 
     """Refuse an option name the parser does not know, naming it and the closest known one.
 
     argparse alone would take the misspelled option's value for SOURCE and report the real
-    DEST as the unrecognized argument (``--bcast-chunks 64MiB URL DEST``). A name that starts
-    a known option (an abbreviation, ambiguous or not) is left to argparse; nothing after
-    ``--`` is an option.
+    DEST as the unrecognized argument (``--bcast-chunks 64MiB URL DEST``). An abbreviation is
+    refused too, naming the option it starts (``--del`` in a job script must not quietly mean
+    ``--delete``); nothing after ``--`` is an option.
     """
     known = sorted({name for action in parser._actions for name in action.option_strings if name.startswith("--")})
     for token in argv:
@@ -444,9 +447,10 @@ def check_option_names(argv: Sequence[str], parser: argparse.ArgumentParser) -> 
         if not token.startswith("--"):
             continue
         name = token.split("=", 1)[0]
-        if name in known or any(option.startswith(name) for option in known):
+        if name in known:
             continue
-        hint = did_you_mean(name, known) or "see --help"
+        starts = [option for option in known if option.startswith(name)]
+        hint = (f"did you mean {starts[0]}?" if len(starts) == 1 else None) or did_you_mean(name, known) or "see --help"
         label = name if name.isprintable() and len(name) <= 64 else shown(name)
         raise UsageError(f"unrecognized option {label} ({hint})")
 
@@ -455,14 +459,13 @@ def normalise_verify(argv: Sequence[str]) -> list[str]:
     """``--verify`` not followed by a mode becomes ``--verify=disk``.
 
     The option takes an optional MODE, and argparse would otherwise take the next word
-    for it: ``--verify SRC DEST`` must keep SRC. An abbreviation (``--verif``) counts as
-    the option; nothing after ``--`` is touched.
+    for it: ``--verify SRC DEST`` must keep SRC. Nothing after ``--`` is touched.
     """
     out = list(argv)
     for i, token in enumerate(out):
         if token == "--":
             break
-        if len(token) >= len("--veri") and "--verify".startswith(token):
+        if token == "--verify":
             following = out[i + 1] if i + 1 < len(out) else None
             if following not in VERIFY_MODES:
                 out[i] = "--verify=disk"

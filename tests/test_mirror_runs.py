@@ -87,7 +87,8 @@ def test_delete_removes_on_every_node_exactly_what_the_dry_run_listed(tmp_path: 
     assert real.json is not None
     assert real.json["deleted_paths"] == sorted(listed["delete"])
     assert (real.json["deleted_files"], real.json["deleted_bytes"], real.json["deleted_copies"]) == (3, 15, 2)
-    assert "[delete] 3 files, 15 bytes removed from 2 copies (not in SOURCE)" in real.stdout
+    assert real.json["deleted_distinct_files"] == 3
+    assert "[delete] 3 files not in SOURCE removed from 2 copies, 15 bytes in all (15 B)" in real.stdout
     # On each node the files the dry run listed there, and the directories their removal emptied; nothing else.
     gone = [{"old/deep/gone.bin", "a/old.bin", "old/deep", "old"}, {"removed.bin"}]
     for node, was, expected in zip(nodes, before, gone, strict=True):

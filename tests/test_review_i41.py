@@ -68,3 +68,29 @@ def test_a_file_name_cannot_forge_a_line_of_the_dry_run_nor_break_the_json(tmp_p
     doc = json.loads(raw)
     assert sorted(doc["deleted_paths"]) == ["bad\\udcff", "evil\\n[dry-run] 0 files"], doc["deleted_paths"]
     assert not (dest / "0" / forged).exists() and not os.path.exists(undecodable)
+
+
+def test_a_file_removed_from_two_copies_is_one_file_as_the_dry_run_counts_it(tmp_path: Path) -> None:
+    """A new user's find: one file gone from SOURCE, removed from both copies, was '2 files' in
+    the run's lines where the dry run had said '1 delete ... on 2 copies'."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "keep.txt").write_text("kept\n")
+    (src / "gone.txt").write_text("going\n")
+    template = str(tmp_path / "dest" / "{rank}")
+    assert run_cli([str(src), template, "-q"], n=2).returncode == 0
+    (src / "gone.txt").unlink()
+    dry = run_cli([str(src), template, "--delete", "--dry-run"], n=2)
+    assert "[dry-run] 1 file: 1 skip (5 B); 1 delete (6 B) on 2 copies" in dry.stdout, dry.output
+    real = run_cli([str(src), template, "--delete"], n=2)
+    assert real.returncode == 0, real.output
+    assert "[delete] 1 file not in SOURCE removed from 2 copies, 12 bytes in all (12 B)" in real.stdout, real.stdout
+    assert real.stdout.splitlines()[-1].endswith("; 1 file not in SOURCE removed from 2 copies"), real.stdout
+
+
+def test_an_abbreviated_option_is_refused_not_taken_for_delete(tmp_path: Path) -> None:
+    src, dest = _tree(tmp_path)
+    (dest / "stale.txt").write_text("stale\n")
+    result = run_cli([str(src), str(dest), "--del"], n=0)
+    assert result.returncode == 2, result.output
+    assert "--delete" in result.stderr and (dest / "stale.txt").exists()

@@ -140,6 +140,7 @@ class Deleted:
     """What ``--delete`` removed (delete), over every node."""
 
     files: int  # files removed, counted in each copy that lost one
+    distinct: int  # distinct paths removed (a path gone from two copies counts once)
     bytes: int
     copies: int  # copies (nodes' DESTs) that lost something
     paths: tuple[str, ...]  # the distinct paths removed, in order, up to mirror.REPORTED_PATHS

@@ -124,6 +124,7 @@ class Report:
     deleted_copies: int = 0
     deleted_paths: list[str] = field(default_factory=list)
     deleted_kept: int = 0
+    deleted_distinct_files: int = 0
     verified_against_source: int = 0  # of those, checked against the source's CRC-32C (core/crc.py)
     peak_rss_bytes: int = 0  # the largest peak resident memory of any rank, at the last agreement (Cluster.peak_rss)
     stages: dict[str, StageFigures] = field(default_factory=lambda: {s: StageFigures() for s in STAGES})
@@ -166,6 +167,7 @@ class Report:
                 self.stages["bcast"].seconds += figures.seconds
             case fig.Deleted():
                 self.deleted_files, self.deleted_bytes, self.deleted_kept = figures.files, figures.bytes, figures.kept
+                self.deleted_distinct_files = figures.distinct
                 # Shown, not parsed back: a name's control characters escaped (one JSON string a line).
                 self.deleted_copies, self.deleted_paths = figures.copies, [printable(p) for p in figures.paths]
             case fig.Verified():
@@ -489,9 +491,10 @@ def _deleted(report: Report) -> list[tuple[str, str]]:
     """``--delete``'s line, only when something was removed."""
     if not report.deleted_files:
         return []
-    n, copies = report.deleted_files, report.deleted_copies
+    n, copies = report.deleted_distinct_files, report.deleted_copies
     where = f"{copies} cop{'y' if copies == 1 else 'ies'}"
-    line = f"[delete] {n} file{_s(n)}, {report.deleted_bytes} bytes removed from {where} (not in SOURCE)"
+    # Distinct files, as the dry run counts them; the bytes are every copy's.
+    line = f"[delete] {n} file{_s(n)} not in SOURCE removed from {where}, {report.deleted_bytes} bytes in all"
     if report.deleted_kept:  # chosen by the walk, changed or gone since: left as they are
         line += f", {report.deleted_kept} changed since and kept"
     return [("end", line + _human(report.deleted_bytes))]

@@ -39,7 +39,7 @@ def summary_line(report: Report) -> str | None:
         return None
     removed = ""
     if report.deleted_files:  # --delete: never a run that removed files said to have done nothing
-        removed = f"; {counted(report.deleted_files, 'file')} not in SOURCE removed from {_copies_of(report)}"
+        removed = f"; {counted(report.deleted_distinct_files, 'file')} not in SOURCE removed from {_copies_of(report)}"
     if report.transfer_files == 0:
         present = f"{counted(report.files, 'file')} already present in {_copies(report)}"
         if removed:

@@ -226,6 +226,7 @@ def delete(ctx: RunContext, place: Placement, moved: Transferred) -> None:
     ctx.record(
         figures.Deleted(
             files=sum(len(r.paths) for r in removed),
+            distinct=len(paths),
             bytes=sum(r.bytes for r in removed),
             copies=sum(1 for r in removed if r.paths),
             paths=tuple(paths[: mirror.REPORTED_PATHS]),
