@@ -70,7 +70,7 @@ DESCRIPTION = f"""\
 Stage one dataset onto every node: SOURCE is listed once, each byte is read
 from it once (Azure: every downloading rank fetches only its share), then a
 fan-out over MPI between nodes brings every file to DEST on every node. Launch
-one rank per node (more help download; one per node writes DEST).
+one rank per node, or more: every rank downloads, one per node writes DEST.
 
 SOURCE  https://ACCOUNT.blob.core.windows.net/CONTAINER[/PREFIX][?SAS], or
         http(s)://HOST:PORT/ACCOUNT/CONTAINER[/PREFIX][?SAS] (an emulator).
@@ -220,9 +220,10 @@ OPTIONS: tuple[Option, ...] = (
            "what reaches the terminal: 'quiet' (-q), 'normal' (default), 'verbose' (-v)", "MODE",
            VERBOSITY_LEVELS),
     Option("--log-file", "log_file", GROUPS[3], "path",
-           "append every line of the run to PATH whatever -q or -v say: the stage lines, the summary, "
-           "errors and the libraries' log records; {rank} and {host} expand as in DEST (without "
-           "{rank}, rank 0 alone writes it); not inside DEST", "PATH"),
+           "append every line of the run to PATH, after a header (UTC time, rank), whatever -q or -v "
+           "say: the stage lines, the summary, errors and the libraries' log records; {rank} and {host} "
+           "expand as in DEST (without {rank}, rank 0 alone writes it; other ranks log their own "
+           "warnings and errors); a regular file, never through a link; not inside DEST or SOURCE", "PATH"),
     Option("--lock", "lock", GROUPS[3], "choice",
            "another run on the same DEST: 'wait' for it (see --lock-timeout) or 'fail' at once; exit 9 if "
            "it is still there (default wait)", "MODE", LOCK_MODES),

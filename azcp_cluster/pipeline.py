@@ -24,7 +24,7 @@ from azcp_cluster.run import collector, dryrun, figures
 from azcp_cluster.run.cluster import Cluster
 from azcp_cluster.run.console import Console
 from azcp_cluster.run.report import Report, ReportPrinter, write_json_report
-from azcp_cluster.run.summary import summary_line
+from azcp_cluster.run.summary import counted, summary_line
 from azcp_cluster.stages import allocate, finish, scheduling, setup, survey, transfer
 from azcp_cluster.stages.context import RunContext, log_path_for
 
@@ -240,9 +240,10 @@ def plan_lines(ctx: RunContext, transfer: list[int], plan: Plan) -> list[str]:
     counts = plan.files_per_rank()
     loads = plan.loads()
     return [
-        f"[plan] {len(transfer)} files, {plan.shard_count} shards over {plan.nranks} ranks",
+        f"[plan] {counted(len(transfer), 'file')}, {counted(plan.shard_count, 'shard')} over "
+        f"{counted(plan.nranks, 'rank')}",
         *(
-            f"[plan] rank {rank}: {counts[rank]} files, {loads[rank]} bytes ({format_bytes(loads[rank])})"
+            f"[plan] rank {rank}: {counted(counts[rank], 'file')}, {loads[rank]} bytes ({format_bytes(loads[rank])})"
             for rank in range(plan.nranks)
         ),
         f"[plan] spread {plan.spread() * 100:.2f}% (busiest rank over the mean)",

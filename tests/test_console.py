@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,16 @@ def test_the_libraries_log_lines_are_silenced_by_default(verbosity: str, capfd: 
     assert capfd.readouterr().err == ""
 
 
+HEADER = re.compile(r"# azcp-cluster \S+, rank \d+, log opened \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ \(pid \d+\)")
+
+
+def _logged(path: Path) -> list[str]:
+    """A log file's lines after its header, which each run writes first (appended runs told apart)."""
+    first, *rest = path.read_text().splitlines()
+    assert HEADER.fullmatch(first), first
+    return rest
+
+
 def test_verbose_shows_them_and_the_log_file_gets_every_line(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     log = tmp_path / "run.log"
     out = io.StringIO()
@@ -51,7 +62,7 @@ def test_verbose_shows_them_and_the_log_file_gets_every_line(tmp_path: Path, cap
     err = capfd.readouterr().err
     assert f"azcp-cluster: rank 0: warning azure.identity._credentials.imds: {IMDS}" in err
     assert "azure.core.pipeline: Request URL" in err  # INFO and up under -v
-    text = log.read_text().splitlines()
+    text = _logged(log)
     assert text[0] == "[cluster] 2 nodes" and text[-1] == "azcp-cluster: 1 file"
     assert any(IMDS in line for line in text) and any("Request URL" in line for line in text)
     assert out.getvalue() == "[cluster] 2 nodes\nazcp-cluster: 1 file\n"
@@ -72,7 +83,7 @@ def test_quiet_keeps_the_summary_and_the_log_keeps_all(tmp_path: Path, capfd: py
     assert out.getvalue() == "azcp-cluster: 1 file\n"
     assert capfd.readouterr().err.splitlines() == ["azcp-cluster: warning: O_DIRECT refused",
                                                    "azcp-cluster: warning: after the run"]  # fmt: skip
-    assert log.read_text().splitlines() == ["[cluster] 2 nodes", "[total] T=1.000s", BAR_NEEDS_A_TERMINAL,
+    assert _logged(log) == ["[cluster] 2 nodes", "[total] T=1.000s", BAR_NEEDS_A_TERMINAL,
                                             "azcp-cluster: warning: O_DIRECT refused",
                                             "azcp-cluster: rank 1: retrying (1/5) in 0.5 s: HTTP 503",
                                             "azcp-cluster: 1 file"]  # fmt: skip
@@ -111,7 +122,7 @@ def test_under_mpiexec_quiet_prints_the_summary_alone_and_the_log_has_the_rest(t
         "azcp-cluster: 3 files, 3.00 MiB to 2 copies (6.00 MiB written) in " + result.stdout.split(" in ", 1)[1].strip()
     ], result.output
     assert result.stderr == ""
-    logged = (tmp_path / "log-0.txt").read_text().splitlines()
+    logged = _logged(tmp_path / "log-0.txt")
     assert [line.split()[0] for line in logged] == ["[cluster]", "[list]", "[diff]", "[bcast]", "[total]",
                                                     "azcp-cluster:"]  # fmt: skip
     assert logged[-1] == result.stdout.strip()  # a local SOURCE: no "[download] 0 bytes" line

@@ -124,8 +124,9 @@ def denied(status: int, code: str, credential: Credential) -> str:
     if credential.kind == "anonymous":
         return (
             f"{said}; no credential was sent (anonymous access): set a SAS with read and list (sp=rl) in the "
-            "URL (...?sv=...&sig=...) or in AZURE_STORAGE_SAS_TOKEN, run `az login`, "
-            "or on an Azure VM pass --auth managed-identity"
+            "URL (...?sv=...&sig=...) or in AZURE_STORAGE_SAS_TOKEN, or AZURE_STORAGE_CONNECTION_STRING; "
+            "for an https:// URL (tokens are never sent over http), also `az login`, "
+            "or on an Azure VM --auth managed-identity"
         )
     if credential.kind == "token":
         needs = f"its identity needs the role {READER_ROLE} on the account or the container"

@@ -13,6 +13,7 @@ handler).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import logging
 import os
@@ -146,7 +147,15 @@ class Console:
             except OSError as exc:
                 _stderr(f"azcp-cluster: warning: cannot write the log to {self.log_path}: {exc.strerror}")
                 return
-        self.log(pending)
+        self.log([self._header(), *pending])
+
+    def _header(self) -> str:
+        """The first line a run writes to its log: appended runs told apart by their start (UTC),
+        the version and the rank (a rank other than 0 logs its own warnings and errors only)."""
+        from azcp_cluster import __version__
+
+        began = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return f"# azcp-cluster {__version__}, rank {self.rank}, log opened {began} (pid {os.getpid()})"
 
     def refuse_log(self) -> None:
         """Never open the log file (setup refused its path: exit 2); its waiting lines dropped."""
