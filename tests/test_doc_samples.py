@@ -23,8 +23,9 @@ from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-TAGS = ("cluster", "list", "diff", "download", "bcast", "verify", "total", "plan")
-TAGGED = re.compile(r"\[(?:" + "|".join(TAGS) + r")\] ")
+TAGS = ("cluster", "list", "diff", "download", "bcast", "verify", "total", "plan", "dry-run")
+# A report line: a stage's tag, the summary line, or a dry run's line for a file.
+TAGGED = re.compile(r"\[(?:" + "|".join(TAGS) + r")\] |azcp-cluster: (?!error|warning|notice)|(?:new|peer|resume|skip|delete) +\d")
 # A number, or a binary unit after a space (not the B of BW=): each matches any of its kind.
 TOKEN = re.compile(r"\d+(?:\.\d+)?|(?<= )(?:B|KiB|MiB|GiB|TiB)\b")
 ANY_NUMBER = r"\d+(?:\.\d+)?"
@@ -85,8 +86,9 @@ def printed(emulator: azurite.Emulator, tmp_path_factory: pytest.TempPathFactory
 
 
 def test_the_docs_have_report_samples_of_every_line() -> None:
-    tags = {line.split("]")[0] + "]" for _, line in samples()}
+    tags = {line.split("]")[0] + "]" for _, line in samples() if line.startswith("[")}
     assert tags == {f"[{t}]" for t in TAGS}
+    assert any(line.startswith("azcp-cluster: ") for _, line in samples())  # the summary line too
 
 
 def test_every_sample_report_line_is_what_a_real_run_prints(printed: list[str]) -> None:
