@@ -213,7 +213,8 @@ OPTIONS: tuple[Option, ...] = (
            "print only errors, warnings and the final summary line (no stage lines, no progress)",
            value="quiet", short="-q"),
     Option("--verbose", "verbosity", GROUPS[3], "alias",
-           "also print the libraries' log lines (azure-identity's, azure-core's) on stderr",
+           "also print which credential is sent and the libraries' log lines (azure-identity's, "
+           "azure-core's) on stderr",
            value="verbose", short="-v"),
     # The Python API's form of -q and -v (no flag of its own).
     Option("", "verbosity", GROUPS[3], "choice",

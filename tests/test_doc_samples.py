@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TAGS = ("cluster", "list", "diff", "download", "bcast", "verify", "total", "plan", "dry-run")
 # A report line: a stage's tag, the summary line, or a dry run's line for a file.
-TAGGED = re.compile(r"\[(?:" + "|".join(TAGS) + r")\] |azcp-cluster: (?!error|warning|notice)|(?:new|peer|resume|skip|delete) +\d")
+TAGGED = re.compile(
+    r"\[(?:" + "|".join(TAGS) + r")\] |azcp-cluster: (?!error|warning|notice)|(?:new|peer|resume|skip|delete) +\d"
+)
 # A number, or a binary unit after a space (not the B of BW=): each matches any of its kind.
 TOKEN = re.compile(r"\d+(?:\.\d+)?|(?<= )(?:B|KiB|MiB|GiB|TiB)\b")
 ANY_NUMBER = r"\d+(?:\.\d+)?"

@@ -334,3 +334,18 @@ def test_a_refusal_after_the_listing_answered_is_a_blip_retried_not_the_end(
     assert result.returncode == 0, result.output
     assert_copies(tmp_path, {name.removeprefix("data/"): data for name, data in BLOBS.items()}, ranks=2)
     assert "retrying (1/5) GET of" in result.stderr and "connection refused" in result.stderr, result.stderr
+
+
+def test_verbose_names_the_credential_it_sends_never_its_secret(
+    emulator: azurite.Emulator, container: str, tmp_path: Path
+) -> None:
+    """A new user's find: ``-v`` said nothing of which credential was picked; now one line on
+    rank 0, its origin and kind, never the key; not without ``-v``."""
+    args = [emulator.url(container, "data"), str(tmp_path / "{rank}")]
+    verbose = run_cli([*args, "-v"], n=2, env=emulator.key_env())
+    assert verbose.returncode == 0, verbose.output
+    said = [line for line in verbose.stderr.splitlines() if line.startswith("azcp-cluster: credential: ")]
+    assert said == ["azcp-cluster: credential: AZURE_STORAGE_ACCOUNT/AZURE_STORAGE_KEY (shared_key)"], verbose.stderr
+    assert azurite.ACCOUNT_KEY not in verbose.output
+    plain = run_cli(args, n=2, env=emulator.key_env())
+    assert plain.returncode == 0 and "credential:" not in plain.stderr, plain.output

@@ -25,11 +25,12 @@ from typing import TextIO
 
 # What each level shows on the terminal: "report" (the stage lines), "progress", "note" (a
 # one-line notice of rank 0's, such as a --progress bar that prints lines), "summary" (the
-# last line), "library" (the libraries' log records). Errors and warnings always show.
+# last line), "library" (the libraries' log records), "detail" (what -v adds: the credential
+# chosen). Errors and warnings always show.
 SHOWN = {
     "quiet": frozenset({"summary"}),
     "normal": frozenset({"report", "progress", "note", "summary"}),
-    "verbose": frozenset({"report", "progress", "note", "summary", "library"}),
+    "verbose": frozenset({"report", "progress", "note", "summary", "library", "detail"}),
 }
 # The loggers of the libraries the run calls (their records go through the console).
 LIBRARY_LOGGERS = ("azure", "msal", "urllib3")

@@ -210,7 +210,10 @@ def _check_arguments(ctx: RunContext) -> tuple[Authorizer | None, Proxy | None, 
     source = parse_blob_url(cfg.source)
     if not cfg.dry_run:
         cfg.check_memory(available_memory(), pool_bytes(cfg.concurrency), ranks_here(ctx))
-    auth = Authorizer(source, resolve_credential(source, ctx.env, cfg.auth, ctx.credential), ctx.wall)
+    credential = resolve_credential(source, ctx.env, cfg.auth, ctx.credential)
+    if ctx.rank == 0:  # -v: which credential the run sends (its origin, never the secret)
+        ctx.console.note(f"azcp-cluster: credential: {credential.origin} ({credential.kind})", "detail")
+    auth = Authorizer(source, credential, ctx.wall)
     proxy = proxy_for(source.endpoint, ctx.env)  # a proxy variable that cannot be used: exit 2 here
     return auth, proxy, False
 
