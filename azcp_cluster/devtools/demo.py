@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from azcp_cluster.core.config import MiB, parse_size
+from azcp_cluster.core.config import format_bytes, parse_size
 from azcp_cluster.core.naming import MANIFEST_NAME
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="azcp-demo-"))
     dest = str(work / "node{rank}")
     print(
-        f"== azcp-cluster demo: a generated checkpoint-like dataset of {args.size} goes from a local Azure "
+        f"== azcp-cluster demo: a generated checkpoint-like dataset of about {format_bytes(parse_size(args.size))} goes "
+        "from a local Azure "
         # "copies", the word of the report's [cluster] line: ranks on one host, each its own DEST, stand for nodes.
         f"Storage emulator (Azurite) to {args.ranks} copies ({dest}: one per rank, as {args.ranks} nodes would each "
         "hold one), with one MPI job, run twice",
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         with azurite.running(location=str(emulator_data) if emulator_data else None, leave_running=args.keep) as emu:
             print(
                 f"== emulator on {emu.host}:{emu.port}; uploading {len(blobs)} blobs "
-                f"({sum(map(len, blobs.values())) / MiB:.1f} MiB) to its container 'models'",
+                f"({format_bytes(sum(map(len, blobs.values())))}) to its container 'models'",
                 flush=True,
             )
             azurite.upload(emu, "models", blobs)
