@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="azcp-demo-"))
     dest = str(work / "node{rank}")
     print(
-        f"== azcp-cluster demo: a generated checkpoint-like dataset of about {format_bytes(parse_size(args.size))} goes "
-        "from a local Azure "
+        f"== azcp-cluster demo: a generated checkpoint-like dataset of about {format_bytes(parse_size(args.size))} "
+        "goes from a local Azure "
         # "copies", the word of the report's [cluster] line: ranks on one host, each its own DEST, stand for nodes.
         f"Storage emulator (Azurite) to {args.ranks} copies ({dest}: one per rank, as {args.ranks} nodes would each "
         "hold one), with one MPI job, run twice",
