@@ -47,6 +47,27 @@ def test_silence_for_the_timeout_is_a_stop_and_a_pulse_resets_it() -> None:
     assert pulse.stopped(7.0)
 
 
+def test_a_watcher_that_stood_still_itself_never_names_the_rank_it_watches_on_waking() -> None:
+    """A rank stopped (SIGSTOP) and woken by the launcher's SIGCONT as it ends the job found its
+    watch 'silent' for all the time it stood still, and named a live rank (a second line under
+    Open MPI): a gap in its own looks of over half the timeout restarts the count."""
+    pulse = Pulse(timeout=4.0, started=0.0)
+    for now in (0.0, 0.5, 1.0):
+        pulse.look(now)
+        pulse.heard(now, last=False)
+    pulse.look(9.0)  # stood still from 1.0 to 9.0
+    assert not pulse.stopped(9.0) and pulse.silent_for(9.0) == 0.0
+    for now in (9.5, 10.5, 11.5, 12.5):
+        pulse.look(now)
+    assert not pulse.stopped(12.5)
+    pulse.look(13.0)
+    assert pulse.stopped(13.0)  # silent for the timeout since it came back: named as ever
+    steady = Pulse(timeout=4.0, started=0.0)
+    for now in (0.0, 1.0, 2.0, 3.0, 4.0):  # looks a second apart (a tick): no stall of its own
+        steady.look(now)
+    assert steady.stopped(4.0)
+
+
 def test_a_rank_that_has_ended_is_never_stopped_and_the_watch_finishes_with_both_ends() -> None:
     pulse = Pulse(timeout=1.0, started=0.0)
     pulse.heard(0.5, last=True)

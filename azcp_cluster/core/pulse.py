@@ -36,6 +36,8 @@ class Pulse:
     # The rank before named its own before as stopped and is ending the job: its silence that
     # follows is that ending, and the one line saying why is its (not this rank's) to say.
     named_before: bool = False
+    last_look: float | None = None  # the watcher's last look (look)
+    resumed_at: float | None = None  # when this rank last came back from standing still itself
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -71,9 +73,23 @@ class Pulse:
         self.heard_end = self.heard_end or last
         self.named_before = self.named_before or naming
 
+    def look(self, now: float) -> None:
+        """The watcher looks at ``now``. A gap since its last look of more than half the timeout
+        (its looks are a tick apart) is this rank's own standing still: stopped (SIGSTOP, then the
+        launcher's SIGCONT as it ends the job), a frozen VM, a starved host. The silence of the
+        rank before over that gap says nothing of it, so its count starts again from now: a
+        stopped rank that is woken never names a live one."""
+        if self.last_look is not None and now - self.last_look > self.timeout / 2:
+            self.resumed_at = now
+        self.last_look = now
+
     def silent_for(self, now: float) -> float:
-        """Seconds since the rank before was last heard (since the watch began, before its first pulse)."""
-        return now - (self.last_heard if self.last_heard is not None else self.started)
+        """Seconds since the rank before was last heard (since the watch began, before its first
+        pulse), or since this rank last came back from standing still, whichever is later."""
+        since = self.last_heard if self.last_heard is not None else self.started
+        if self.resumed_at is not None:
+            since = max(since, self.resumed_at)
+        return now - since
 
     def stopped(self, now: float) -> bool:
         """Whether the rank before counts as stopped: silent for the timeout (before its last

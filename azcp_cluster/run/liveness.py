@@ -105,6 +105,7 @@ class Liveness:
         sends: list[Request] = []
         while True:
             now = self.clock()
+            pulse.look(now)
             if self._leaving:
                 if not pulse.heard_end:
                     receive.Cancel()
