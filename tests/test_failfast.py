@@ -178,10 +178,9 @@ def test_a_refused_listing_request_is_retried_only_after_the_endpoint_has_answer
                      "connection refused")] if answered else [])  # fmt: skip
 
 
-@pytest.mark.parametrize("answered", [False, True], ids=["first-contact", "after-an-answer"])
-def test_a_refused_get_is_retried_only_after_the_endpoint_has_answered(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answered: bool
-) -> None:
+def test_a_refused_get_is_retried_and_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The downloads start after the endpoint answered the listing: a refused GET is a
+    front-end's blip, retried and said (the listing, the first contact, fails at once)."""
     monkeypatch.setattr("azcp_cluster.core.retry.backoff_delay", lambda *args: 0.0)
     source, cfg = _refused_source(tmp_path)
     parsed = parse_blob_url(source)
@@ -191,15 +190,15 @@ def test_a_refused_get_is_retried_only_after_the_endpoint_has_answered(
     files = [FileEntry(name="a.bin", path="a.bin", size=1000)]
     told: list[tuple[int, int, str, str]] = []
     auth = Authorizer(parsed, resolve_credential(parsed, {}), time.time)
-    downloader = Downloader(files, tree, auth, cfg, notify=lambda *retry: told.append(retry), answered=answered)
+    downloader = Downloader(files, tree, auth, cfg, notify=lambda *retry: told.append(retry))
     try:
         with pytest.raises(DownloadError) as failed:
             downloader.run(blocks_for([Shard(0, 0, 1000, 0)], cfg.block_size))
     finally:
         tree.close()
     assert "connection refused" in str(failed.value)
-    assert downloader.stats.retries == (2 if answered else 0)
-    assert [n for n, *_ in told] == ([1, 2] if answered else [])
+    assert downloader.stats.retries == 2
+    assert [n for n, *_ in told] == [1, 2]
 
 
 def test_what_retrying_cannot_mend_is_told_from_what_it_can() -> None:

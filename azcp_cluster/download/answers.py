@@ -13,7 +13,7 @@ import hashlib
 import time
 
 from azcp_cluster.azure.credentials import ANONYMOUS, Credential, denied
-from azcp_cluster.azure.netfailure import hopeless, host_port, network_cause
+from azcp_cluster.azure.netfailure import network_cause
 from azcp_cluster.azure.proxies import Proxy, proxy_refused, refusal_message
 from azcp_cluster.core.errors import DownloadError
 from azcp_cluster.core.model import FileEntry
@@ -69,24 +69,16 @@ def error_for(
     return DownloadError(f"unexpected HTTP {status} ({code})", path=entry.name)
 
 
-def failed_attempt(
-    exc: BaseException, entry: FileEntry, answered: bool, endpoint: str
-) -> tuple[str, float | None, str]:
+def failed_attempt(exc: BaseException, entry: FileEntry) -> tuple[str, float | None, str]:
     """A failed attempt of a ranged GET of ``entry``: its cause (the retry counts' key), the
     server's Retry-After and the cause in words; raises the run's :class:`DownloadError` where
-    asking again will not help. Until the ``endpoint`` has ``answered`` a request, that is
-    also a failure to connect that no retry mends (refused, no such name, TLS that cannot
-    agree: netfailure.hopeless), said at once instead of after 8 to 15 s of backoff; after
-    it, such a failure may be a blip of one of the service's front-ends, and is retried."""
+    asking again will not help. A refused connection is retried: the downloads start after the
+    endpoint answered the listing, so it is a blip of one of the service's front-ends (the
+    failures no retry mends end the listing, the first contact, at once: blobrest.Lister)."""
     if isinstance(exc, Retryable):
         return exc.cause, exc.retry_after, exc.detail
     if isinstance(exc, asyncio.TimeoutError):  # before OSError: it is one on Python 3.11+
         return "timeout", None, ""
-    if not answered and hopeless(exc):
-        said = (
-            str(exc) if isinstance(exc, ConnectFailed) else f"cannot reach {host_port(endpoint)}: {network_cause(exc)}"
-        )
-        raise DownloadError(said, path=entry.name) from None
     if isinstance(exc, ConnectFailed):  # the endpoint or the proxy cannot be reached: say which
         return exc.cause_name, None, str(exc)
     if isinstance(exc, TunnelRefused):

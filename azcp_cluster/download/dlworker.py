@@ -162,10 +162,8 @@ def run(
             pool=WritePool(job.cfg, populate=True, buffers=job.buffers),
             writer=writer,
             proxy=job.proxy,
-            # Its retries are said by the rank (one rhythm for the rank and all its workers);
-            # the endpoint answered the listing before any worker started: a blip keeps its retries.
+            # Its retries are said by the rank (one rhythm for the rank and all its workers).
             notify=lambda *retry: say(("retrying", *retry)),
-            answered=True,
         )
         seen.append(downloader.stats)
         stats = downloader.run(list(job.blocks))

@@ -82,12 +82,9 @@ class Downloader:
         proxy: Proxy | None = None,
         handover: Callable[[], bool | None] | None = None,
         notify: Notify | None = NOTICES.retrying,
-        answered: bool = False,
     ) -> None:
         self.files = files
         self.notify = notify  # told of each retry: the process's notices, or a worker's rank
-        # Whether the endpoint has answered a request of this download (answers.failed_attempt).
-        self.answered = answered
         # Auto download workers (workers.AutoDownloader): asked at every watchdog tick until it
         # answers. True: the blocks no request has taken go elsewhere; the requests in flight
         # end, and run() returns with the rest in ``left``, in their order. False: the rank
@@ -237,7 +234,7 @@ class Downloader:
                 await self._get_once(link, request, entry, booking, landed)
                 return
             except (Retryable, asyncio.TimeoutError, OSError, TunnelRefused, ProtocolError) as exc:
-                cause, retry_after, detail = failed_attempt(exc, entry, self.answered, self.auth.source.endpoint)
+                cause, retry_after, detail = failed_attempt(exc, entry)
             request = request[len(landed) :]  # what landed stays landed: never twice
             if not request:
                 return  # (the error came once every block had landed)
@@ -282,7 +279,6 @@ class Downloader:
         try:
             # One timer per request for the head; the body is watched by the watchdog.
             head = await asyncio.wait_for(conn.request(request), self.cfg.read_timeout)
-            self.answered = True
             if head.status not in (200, 206):
                 await self._raise_for_status(head, entry)
             check_answer(head, start, end, entry)

@@ -227,9 +227,6 @@ class _Makers:
             writer=io.download_writer,
             proxy=self.place.proxy,
             handover=handover,
-            # The endpoint answered the listing moments ago: a refusal now is a blip (a front-end
-            # restarting) and keeps its retries, as a download worker's does.
-            answered=True,
         )
 
 
