@@ -142,10 +142,33 @@ def _peer_lines(stderr: str) -> list[str]:
     return [line.strip() for line in stderr.splitlines() if line.strip().startswith("azcp-cluster: error [peer]")]
 
 
+def _after_stuck_daemons(bx: Box, proc: subprocess.Popen[str], flavour: str) -> str:
+    """The launcher's stderr once the daemons that outlived it are killed: Open MPI's only.
+
+    Open MPI 5.0.11's daemon (prted, PRRTE 3.0 with PMIx 5.0) now and then deadlocks in its own
+    finalize after an abort (about 1 run in 5 at 8 hosts here: PMIx_server_finalize waiting
+    for its progress thread, which waits for a lock in pmix_pending_resolve; the class of
+    openpmix/prrte#1607 and #2149), after every rank has ended and the launcher has exited.
+    Nothing of the tool's is left then; anything else that outlives the launcher fails the test.
+    """
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in bx.processes()}
+    daemons = {pid for pid, cmd in left.items() if b"prted" in cmd}  # the daemon, and its shell
+    if flavour != "openmpi" or not daemons or b"azcp_cluster" in b"".join(left.values()):
+        pytest.fail(f"the launcher exited {proc.returncode}; its pipes are held open by {left}")
+    print(f"Open MPI's daemons outlived the launcher (stuck in their finalize), killed: {sorted(left)}")
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return proc.communicate(timeout=30)[1]
+
+
 @pytest.mark.slow
 @pytest.mark.openmpi
+@pytest.mark.parametrize("hosts", [HOSTS, 8])
 @pytest.mark.parametrize("how", ["stopped", "cut-off"])
-def test_a_rank_stopped_or_cut_off_in_the_chain_ends_the_job_and_the_rerun_completes(tmp_path: Path, how: str) -> None:
+def test_a_rank_stopped_or_cut_off_in_the_chain_ends_the_job_and_the_rerun_completes(
+    tmp_path: Path, how: str, hosts: int
+) -> None:
     # The third host's writer is stopped (SIGSTOP: nothing tells the launcher) or its host's
     # fabric NIC goes down, while the chain carries a large file through it. Its watcher names
     # it after --peer-timeout and ends the job: exit 10 within ENDED_WITHIN, every rank gone
@@ -156,7 +179,7 @@ def test_a_rank_stopped_or_cut_off_in_the_chain_ends_the_job_and_the_rerun_compl
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         (source / name).write_bytes(data)
     flavour = mpi_flavour()
-    with Box(HOSTS, front=FRONT, fabric=FABRIC) as bx:
+    with Box(hosts, front=FRONT, fabric=FABRIC) as bx:
         tag = bx.tag
         argv = [sys.executable, "-m", "azcp_cluster", str(source), bx.dest_template, "--no-progress",
                 "--fanout", "chain", "--bcast-chunk", "1MiB", "--peer-timeout", str(PEER_TIMEOUT)]  # fmt: skip
@@ -172,7 +195,7 @@ def test_a_rank_stopped_or_cut_off_in_the_chain_ends_the_job_and_the_rerun_compl
             ranks: dict[int, tuple[int, Host]] = {}
             while proc.poll() is None and time.monotonic() < deadline:
                 ranks = ranks_in_box(bx)
-                if len(ranks) == HOSTS * PER_HOST and marker.exists():
+                if len(ranks) == hosts * PER_HOST and marker.exists():
                     break
                 time.sleep(0.01)
             time.sleep(0.3)  # into the chain: 96 MiB take about 2 s at 400 Mbit/s
@@ -194,26 +217,27 @@ def test_a_rank_stopped_or_cut_off_in_the_chain_ends_the_job_and_the_rerun_compl
                 gone_after = now if not left and gone_after == float("inf") else gone_after
                 ended_after = now if proc.poll() is not None and ended_after == float("inf") else ended_after
                 time.sleep(0.05)
+            if proc.poll() is not None and ended_after == float("inf"):  # it ended after the last look
+                ended_after = time.monotonic() - hit
             waiting = proc.poll() is None  # the launcher, past the bound
             subprocess.run(["ip", "link", "set", link, "up"], check=False, timeout=30)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=60)
-            relinked_after = time.monotonic() - hit
         finally:
             if proc.poll() is None:
                 proc.kill()
             subprocess.run(["ip", "link", "set", link, "up"], check=False, timeout=30)
-        err = proc.communicate(timeout=60)[1]
-        launcher = f"{relinked_after:.1f} s (once the link was back up)" if waiting else f"{ended_after:.1f} s"
-        print(f"{flavour} {how}: ranks gone after {gone_after:.1f} s, launcher exit {proc.returncode} after {launcher}")
+        try:
+            err = proc.communicate(timeout=15)[1]
+        except subprocess.TimeoutExpired:  # something of the job still holds the launcher's pipes
+            err = _after_stuck_daemons(bx, proc, flavour)
+        ended = f"launcher exit {proc.returncode} after {ended_after:.1f} s"
+        print(f"{flavour} {how}, {hosts} hosts: ranks gone after {gone_after:.1f} s, {ended}")
         assert left == [], f"ranks left running {gone_after:.1f} s after: {left}\n{err[-3000:]}"
         assert proc.returncode == PeerStoppedError.exit_code, err[-3000:]
-        if flavour == "openmpi" and how == "cut-off":
-            # Open MPI's launcher waits for the cut-off host's daemon (its TCP connection never
-            # says the host is gone); every rank has ended, and it exits once the link is back.
-            assert relinked_after <= ENDED_WITHIN + 30, relinked_after
-        else:
-            assert not waiting and ended_after <= ENDED_WITHIN, f"{ended_after:.1f} s\n{err[-3000:]}"
+        # Under both launchers: the cut host's own ranks end themselves, its daemon tells the
+        # launcher over the frontend (the launcher's network, as on a cluster), and it ends.
+        assert not waiting and ended_after <= ENDED_WITHIN, f"{ended_after:.1f} s\n{err[-3000:]}"
         named = _peer_lines(err)
         if how == "stopped":
             assert len(named) == 1 and f"rank {victim}: sent nothing" in named[0], err

@@ -16,9 +16,10 @@ not what binds either, so the figures measured here can be held against physical
 MPI ranks run as hosts through an ssh stand-in: it runs the launcher's command in the
 namespace that owns the host's address, inside ``unshare --uts`` with the namespace's name as
 hostname. MPICH (hydra, ``-launcher ssh``) uses ofi/tcp on the fabric; Open MPI (PRRTE,
-``plm_ssh_agent``) the TCP BTL on the fabric. Each host's DEST is its own directory
-(``{host}``): hosts share this machine's boot id, so only DEST's device and inode tell their
-copies apart, as on real nodes they would be told apart by the machine.
+``plm_ssh_agent``) the TCP BTL on the fabric, its launcher's own connections on the frontend.
+Each host's DEST is its own directory (``{host}``): hosts share this machine's boot id, so only
+DEST's device and inode tell their copies apart, as on real nodes they would be told apart by
+the machine.
 
 Everything made carries the box's tag (``azb`` and its owner's pid in hex): namespaces, links,
 bridges and its directory. :meth:`Box.close` removes it all, killing what still runs in the
@@ -359,11 +360,12 @@ class Box:
 
         MPICH: the ofi netmod with its tcp provider, on the fabric NIC (by default it would use
         shared memory between the namespaces: they are one machine). Open MPI: ob1 with the TCP
-        BTL on the fabric network, and PRRTE's own connections there too, a rank yielding its
-        core while it waits (the hosts share the machine's cores); plus scripts/openmpi.env
-        (root, oversubscription, start-up). With several rails nothing binds a rank to a NIC
-        (``FI_TCP_IFACE``, ``OMPI_MCA_btl_tcp_if_include``): the tool's ``--rails auto``, or the
-        :attr:`rail_wrapper`, binds each; the launcher's own connections are on rail 0.
+        BTL on the fabric network, PRRTE's and PMIx's own connections on the frontend (a
+        cluster's launcher runs over its management network: ssh, the pod network), a rank
+        yielding its core while it waits (the hosts share the machine's cores); plus
+        scripts/openmpi.env (root, oversubscription, start-up). With several rails nothing
+        binds a rank to a NIC (``FI_TCP_IFACE``, ``OMPI_MCA_btl_tcp_if_include``): the tool's
+        ``--rails auto``, or the :attr:`rail_wrapper`, binds each.
         """
         net = str(self.fabric_net)
         if flavour == "mpich":
@@ -374,8 +376,11 @@ class Box:
             if self.rails == 1:
                 env["OMPI_MCA_btl_tcp_if_include"] = net
             env.update({
-                "PRTE_MCA_oob_tcp_if_include": net,
-                "PMIX_MCA_ptl_tcp_if_include": net,
+                # The launcher's daemons on the frontend: on the fabric, a host cut off it took
+                # its daemon's connection along, and prterun waited for that daemon (a silent
+                # TCP connection) until the link came back, long after every rank had ended.
+                "PRTE_MCA_oob_tcp_if_include": str(self.front_net),
+                "PMIX_MCA_ptl_tcp_if_include": str(self.front_net),
                 # Fill each host's slots in turn (openmpi.env's oversubscription put every rank on the first).
                 "PRTE_MCA_rmaps_default_mapping_policy": "slot",
                 # The hosts share this machine's cores, which Open MPI cannot know: each host
