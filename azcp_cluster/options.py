@@ -199,7 +199,7 @@ OPTIONS: tuple[Option, ...] = (
     # checks and output
     Option("--verify", "verify", GROUPS[3], "verify",
            "MD5 of every file, compared across nodes and with the blob's Content-MD5, and every copy's "
-           "CRC-32C with that of the bytes as they came from the source (exit 7 on a mismatch). MODE "
+           "CRC-32 with that of the bytes as they came from the source (exit 7 on a mismatch). MODE "
            "'disk' (a bare --verify): every copy read back after its fsync; 'stream': hashed as the "
            "bytes pass (files not sent are read back)", "MODE", VERIFY_MODES),
     Option("--json", "json_path", GROUPS[3], "path",

@@ -1,6 +1,6 @@
 """The download's client over HTTP and HTTPS: CPU-s per GiB and MiB/s, against its ceiling.
 
-    python -m benchmarks.tls [--size 1GiB] [--workers 1,2,4,8] [--repeats 3] [--json FILE]
+    python -m benchmarks.tls [--size 1GiB] [--workers 1,2,4,8] [--repeats 3] [--pin] [--json FILE]
 
 The server is nginx (Debian's ``nginx-light``: ``apt-get install nginx-light``), serving the
 same bytes over HTTP and HTTPS with ranged GETs from a throwaway prefix on loopback: a
@@ -10,7 +10,10 @@ For each scheme, in one run, alternating, medians of ``--repeats``:
 * ``lean``: a lean aiohttp loop of the same ranged GETs, bodies read and dropped (one
   process): the client CPU Python cannot go below with aiohttp;
 * ``tool-1``: the tool's download byte path in one process (``download.Downloader``:
-  bodies received into the page-aligned pool and written to disk with O_DIRECT);
+  bodies received into the page-aligned pool, each block's CRC taken as its reads land (a
+  real run's journal wants it), written to disk with O_DIRECT);
+* ``tool-1-nocrc``: the same without the block CRC (``--no-resume`` without ``--verify``):
+  ``crc_cost`` is what the CRC adds to ``tool-1``'s CPU per GiB, measured in the same run;
 * ``tool-N``: the same on N worker processes (``workers.WorkerDownloader``, ``--download-workers N``);
 * ``tool-1-uvloop``: ``tool-1`` under uvloop's event loop (the 'bench' extra);
 * ``blocking-T``: T threads on blocking connections (http.client, ``readinto`` one buffer each,
@@ -22,6 +25,9 @@ and this VM's kernel has no ``tls`` module.
 Client CPU is the benchmark process's own time plus its waited-for children's (the
 workers); ``ratio_cpu`` is the tool's CPU-s per GiB over the lean loop's. On a machine with
 few cores the workers share them with nginx: the sweep's MiB/s says more on a many-core one.
+``--pin`` puts this process on the first CPU and nginx on the others: on a small machine the
+figures of one process then vary far less from run to run (client and server no longer
+migrate onto each other's core), which a difference of a few per cent needs.
 """
 
 from __future__ import annotations
@@ -56,7 +62,9 @@ from azcp_cluster.devtools.azurite import free_port
 from azcp_cluster.devtools.certs import make_certificate
 from azcp_cluster.devtools.datasets import pseudo_random
 from azcp_cluster.download.downloader import Downloader
+from azcp_cluster.download.fetcher import LandingSink
 from azcp_cluster.download.workers import WorkerDownloader
+from azcp_cluster.download.writepool import WritePool
 from benchmarks.run import _raw_download
 
 GiB = 1 << 30
@@ -172,7 +180,15 @@ def bench_scheme(
     def blocking(threads: int) -> Callable[[], None]:
         return lambda: _blocking(urls, size, block, threads, tls)
 
-    def tool(workers: int, loop: str = "asyncio") -> Callable[[], None]:
+    def tool(workers: int, loop: str = "asyncio", crc: bool = True) -> Callable[[], None]:
+        # A real run hashes every block as it lands (the journal, --verify); crc=False is the
+        # client without the block CRC (--no-resume without --verify), for the hash's cost.
+        sink = LandingSink(journal=lambda *_: None) if crc else None
+        # Its buffers mapped once, before any run is timed, as the pipeline maps them before the
+        # stage's clock starts: a pool made in each run cost it its page faults, and the zeroing
+        # of fresh pages (huge or small, as the machine had them) varied the CPU per GiB by 10 %.
+        pool = WritePool(cfg, populate=True) if workers == 1 else None
+
         def run() -> None:
             dest = work / "dest"
             shutil.rmtree(dest, ignore_errors=True)
@@ -186,7 +202,7 @@ def bench_scheme(
                     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
                 try:
                     if workers == 1:
-                        stats = Downloader(files, tree, auth, cfg).run(blocks)
+                        stats = Downloader(files, tree, auth, cfg, sink=sink, pool=pool).run(blocks)
                     else:
                         down = WorkerDownloader(files, str(dest), tree.made, lambda i: names[i], auth, cfg, workers)
                         stats = down.run(blocks)
@@ -202,6 +218,7 @@ def bench_scheme(
     if uvloop_available():
         phases.append(("tool-1-uvloop", tool(1, "uvloop")))
     phases += [(f"tool-{w}", tool(w)) for w in sweep]
+    phases.append(("tool-1-nocrc", tool(1, crc=False)))
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in phases}
     for repeat in range(repeats):
         turn = repeat % len(phases)
@@ -213,9 +230,12 @@ def bench_scheme(
             "mib_s": round(statistics.median(r for r, _ in got), 1),
             "cpu_s_per_gib": round(statistics.median(c for _, c in got), 3),
         }
+    figures["crc_cost"] = round(figures["tool-1"]["cpu_s_per_gib"] / figures["tool-1-nocrc"]["cpu_s_per_gib"] - 1, 3)
     lean_cpu = figures["lean"]["cpu_s_per_gib"]
     one = figures["tool-1"]["mib_s"] if "tool-1" in figures else None
     for name, fig in figures.items():
+        if not isinstance(fig, dict):
+            continue
         fig["ratio_cpu"] = round(fig["cpu_s_per_gib"] / lean_cpu, 3)
         if one and name.startswith("tool-"):
             fig["speedup"] = round(fig["mib_s"] / one, 2)
@@ -231,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--block-size", default="16MiB")
     parser.add_argument("--nginx-workers", default="auto")
+    parser.add_argument("--pin", action="store_true", help="this process on CPU 0, nginx on the others")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
@@ -263,7 +284,14 @@ def main(argv: list[str] | None = None) -> int:
                 root=work / "root",
             )
         )
-        proc = subprocess.Popen([nginx, "-c", str(conf), "-p", str(work), "-g", "daemon off;"])
+        cpus = sorted(os.sched_getaffinity(0))
+        server_cpus = set(cpus[1:]) if args.pin and len(cpus) > 1 else set(cpus)
+        if args.pin and len(cpus) > 1:
+            os.sched_setaffinity(0, {cpus[0]})  # the workers inherit it
+        proc = subprocess.Popen(
+            [nginx, "-c", str(conf), "-p", str(work), "-g", "daemon off;"],
+            preexec_fn=lambda: os.sched_setaffinity(0, server_cpus),
+        )
         time.sleep(1.0)
         # The tool's ssl_context (REQUESTS_CA_BUNDLE first), in this process and the workers.
         os.environ["REQUESTS_CA_BUNDLE"] = os.environ["SSL_CERT_FILE"] = str(cert)
@@ -275,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             results[scheme] = bench_scheme(
                 url, tls if scheme == "https" else None, work, names, size, cfg, sweep, args.repeats
             )
-        results["cpus"] = len(os.sched_getaffinity(0))
+        results["cpus"] = len(cpus)
+        results["pinned"] = bool(args.pin and len(cpus) > 1)
         print(json.dumps(results, indent=2))
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

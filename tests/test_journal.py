@@ -7,9 +7,9 @@ import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from zlib import crc32
 
 import pytest
-from crc32c import crc32c
 
 from azcp_cluster.core import resume
 from azcp_cluster.core.model import FileEntry
@@ -44,11 +44,11 @@ def _write(tree: DestTree, rel: str, offset: int, data: bytes) -> None:
 
 
 def written(run: journal.Journal, file: int, offset: int, length: int) -> None:
-    """Record a range as the writers do: with the CRC-32C of the bytes written there (read back)."""
+    """Record a range as the writers do: with the CRC-32 of the bytes written there (read back)."""
     head, _, base = FILES[file].path.rpartition("/")
     with open(Path(run.tree.real) / head / temp_name(base), "rb") as fh:
         fh.seek(offset)
-        run.written(file, offset, length, crc32c(fh.read(length)))
+        run.written(file, offset, length, crc32(fh.read(length)))
 
 
 def _flip(tree: DestTree, rel: str, offset: int) -> None:
@@ -88,7 +88,7 @@ def test_recorded_ranges_are_kept_by_the_next_run(dest: DestTree) -> None:
 
 def test_a_kept_range_whose_bytes_changed_is_not_kept_and_the_others_are(dest: DestTree) -> None:
     """A rerun reads every claimed range back: one whose bytes no longer have the recorded
-    CRC-32C (a byte flipped on the disk after it was written) is fetched again, not trusted
+    CRC-32 (a byte flipped on the disk after it was written) is fetched again, not trusted
     and sent on; the ranges around it stay kept, and begin() writes only what was checked."""
     run = _running(dest)
     _write(dest, "a.bin", 0, os.urandom(4 * MiB))
@@ -111,7 +111,7 @@ def test_a_kept_range_whose_bytes_changed_is_not_kept_and_the_others_are(dest: D
 def test_a_claim_past_the_bytes_there_or_with_another_crc_is_not_kept(dest: DestTree) -> None:
     run = _running(dest)
     _write(dest, "dir/b.bin", 0, os.urandom(FILES[1].size))
-    run.written(1, 0, MiB, crc32c(b"not these bytes"))
+    run.written(1, 0, MiB, crc32(b"not these bytes"))
     written(run, 1, MiB, 2 * MiB + 5)
     run.close()
     assert journal.load(_reopen(dest), FILES, [1], ORIGIN)[1].spans == ((MiB, 3 * MiB + 5),)
@@ -130,7 +130,7 @@ def test_verify_keeps_only_what_came_from_the_source_on_this_node(dest: DestTree
     head, _, base = FILES[0].path.rpartition("/")
     with open(Path(run.tree.real) / head / temp_name(base), "rb") as fh:
         fh.seek(MiB)
-        run.written(0, MiB, MiB, crc32c(fh.read(MiB)), source=False)  # received from another node
+        run.written(0, MiB, MiB, crc32(fh.read(MiB)), source=False)  # received from another node
     run.close()
     later = _reopen(dest)
     kept = journal.load(later, FILES, [0], ORIGIN)

@@ -1,4 +1,4 @@
-"""``--verify`` against the source's CRC-32C (issue 38): every copy read back is compared with the
+"""``--verify`` against the source's CRC-32 (issue 38): every copy read back is compared with the
 CRC of its file's bytes as they came from the source, composed from the pieces hashed where they
 entered the run (downloaded blocks, a local SOURCE's reads, kept blocks). So a byte flipped in a
 node's copy is found without a Content-MD5 and without another node to compare with: on one node,
@@ -49,7 +49,7 @@ def test_every_copy_is_checked_against_the_source_and_passes(emulator: azurite.E
         result.json is not None
         and result.json["verified_against_source"] == len(files) == result.json["verified_files"]
     )
-    assert f"all copies match ({len(files)} against the source's CRC-32C)" in result.stdout
+    assert f"all copies match ({len(files)} against the source's CRC-32)" in result.stdout
     for rank in range(2):
         assert tree_of(tmp_path / str(rank)) == files
 

@@ -8,8 +8,7 @@ import hashlib
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 
-from crc32c import crc32c
-
+from azcp_cluster.core.crc import crc32
 from azcp_cluster.core.errors import VerifyError
 from azcp_cluster.core.model import FileEntry
 
@@ -43,7 +42,7 @@ def against_source(
     source: Mapping[int, int],
     conflicting: Collection[int] = (),
 ) -> int:
-    """Check every copy read back against the CRC-32C of its file's bytes as they came from the
+    """Check every copy read back against the CRC-32 of its file's bytes as they came from the
     source (``source``: file index -> CRC, core.crc.expected); :class:`VerifyError` naming the
     file and the nodes whose copy differs. ``reports``: each node's leader and the CRC it read
     back of each file it holds. Returns how many files were checked so.
@@ -55,7 +54,7 @@ def against_source(
     for index in sorted(conflicting):
         if any(index in crcs for _, crcs in reports):
             raise VerifyError(
-                "the bytes of it that came into the run disagree with each other (CRC-32C): a block changed "
+                "the bytes of it that came into the run disagree with each other (CRC-32): a block changed "
                 "on a disk or on the way",
                 path=files[index].path,
             )
@@ -69,7 +68,7 @@ def against_source(
         if bad:
             raise VerifyError(
                 f"the copy on rank(s) {', '.join(map(str, bad))} differs from the bytes as they came from the "
-                "source (CRC-32C)",
+                "source (CRC-32)",
                 path=entry.path,
             )
         checked += bool(seen)
@@ -80,7 +79,7 @@ class StreamDigests:
     """The MD5 of files whose bytes arrive in offset order, a piece at a time (``--verify stream``).
 
     ``add`` each file's pieces in order, the last one with ``last``; ``digests`` then holds
-    its MD5 (base64, as Content-MD5 has it), and ``crcs``, if given, its CRC-32C (what
+    its MD5 (base64, as Content-MD5 has it), and ``crcs``, if given, its CRC-32 (what
     ``--verify stream`` checks against the source's, as ``disk`` checks the read-back's).
     Files may interleave; one caller at a time.
     """
@@ -95,7 +94,7 @@ class StreamDigests:
         md5, crc = self._open.get(file) or (hashlib.md5(usedforsecurity=False), 0)
         md5.update(data)
         if self.crcs is not None:
-            crc = crc32c(data, crc)
+            crc = crc32(data, crc)
         if last:
             self._open.pop(file, None)
             self.digests[file] = base64.b64encode(md5.digest()).decode("ascii")

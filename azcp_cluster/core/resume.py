@@ -9,13 +9,13 @@ rest. This module owns the arithmetic and the wire form:
 * **Records.** A journal is a magic string followed by records, each framed as
   ``length (u32) | crc32 (u32) | payload``. A payload is a header (``H``: a file's path,
   listed size, version tag and the identity of the temporary file the ranges are in), a
-  range (``R``: a header's id, an offset, a length, the CRC-32C of the bytes written there,
+  range (``R``: a header's id, an offset, a length, the CRC-32 of the bytes written there,
   taken from the bytes as they arrived, and whether they came from the source itself, a
   downloaded block or a local SOURCE's read, or from another node over the fabric) or a drop
   (``X``: a path whose ranges, in every journal, no longer count). A torn or corrupt record ends the reading: what comes
   after it is not believed (a journal can only under-claim).
 * **Claims.** A recorded range is only a claim: the next run reads its bytes back and keeps it
-  only if their CRC-32C is still the recorded one (journal.load), so a block that a disk, a
+  only if their CRC-32 is still the recorded one (journal.load), so a block that a disk, a
   filesystem or another writer changed after it was written is fetched again, never trusted
   and sent on to the other nodes.
 * **Ranges.** What a node holds of a file is the union of its checked ranges, trimmed
@@ -36,12 +36,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from itertools import pairwise
 from typing import NamedTuple
 
-# Version 4: each range carries the CRC-32C of its bytes and whether they came from the source
-# on that node. Version 3 ranges (builds during issue 38's work) had the CRC alone, version 2
-# none (nothing to check a kept range against), and version 1 journals were written by builds
-# whose fan-out receivers could record a failed root's unfilled slot (zeros) as kept; all claim
-# nothing (journal.py warns once: another version of the tool).
-MAGIC = b"AZCPJNL4"
+# Version 5: each range carries the CRC-32 of its bytes and whether they came from the source
+# on that node. Version 4 ranges carried a CRC-32C: every kept block would fail its check, so
+# they claim nothing. Version 3 ranges (builds during issue 38's work) had the CRC alone,
+# version 2 none (nothing to check a kept range against), and version 1 journals were written
+# by builds whose fan-out receivers could record a failed root's unfilled slot (zeros) as
+# kept; all claim nothing (journal.py warns once: another version of the tool).
+MAGIC = b"AZCPJNL5"
 # Held ranges start and end on multiples of this (but for a file's end): the alignment of
 # the plan's shard boundaries (plan.SHARD_ALIGN), so a missing range is a shard's range.
 RESUME_ALIGN = 4096
@@ -50,7 +51,7 @@ GEOMETRY = RESUME_ALIGN
 
 _FRAME = struct.Struct("<II")  # payload length, crc32 of the payload
 _HEADER = struct.Struct("<cIQQQQII")  # 'H', id, size, dev, uid, ino, geometry, generation; then tag, path
-_RANGE = struct.Struct("<cIQQI?")  # 'R', id, offset, length, crc32c, from the source
+_RANGE = struct.Struct("<cIQQI?")  # 'R', id, offset, length, CRC-32, from the source
 _LIMIT = 1 << 20  # no record is larger: a length above it is garbage
 
 
@@ -70,7 +71,7 @@ class Header(NamedTuple):
 
 class Range(NamedTuple):
     """``length`` bytes at ``offset`` of the file of header ``id`` are durable, and their
-    CRC-32C (as they arrived) is ``crc``; ``source``: they came from the source itself (a
+    CRC-32 (as they arrived) is ``crc``; ``source``: they came from the source itself (a
     downloaded block, a local SOURCE's read), not from another node over the fabric."""
 
     id: int
@@ -195,7 +196,7 @@ class Expected(NamedTuple):
 
 
 class Claim(NamedTuple):
-    """A recorded range of one file: ``length`` bytes at ``offset`` whose CRC-32C was ``crc``;
+    """A recorded range of one file: ``length`` bytes at ``offset`` whose CRC-32 was ``crc``;
     ``source``: as they came from the source (else as another node sent them: Range.source)."""
 
     offset: int

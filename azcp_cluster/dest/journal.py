@@ -5,7 +5,7 @@ fan-out writers) owns one journal file in ``DEST/.azcp-journal/``, appended to b
 background thread: at least every :data:`INTERVAL` seconds, and sooner once 16 MiB were
 written (``resume.turn_due``), it takes the ranges written since the last time, makes those
 files durable (``fdatasync``, or one ``syncfs`` for many files), and only then appends the
-ranges, each with the CRC-32C of its bytes as they arrived, and syncs the journal. So a
+ranges, each with the CRC-32 of its bytes as they arrived, and syncs the journal. So a
 recorded range is on disk; a torn append or a garbled journal can only claim less (resume.py).
 
 A stopped run leaves the journals; the next run reads them (:func:`load`), keeps the
@@ -176,7 +176,7 @@ def load(
 
     A file counts only if its temporary file stands there now as a regular file of this
     user's, with one link, at the listed size, and is the file the journal names (inode
-    and generation); a range only if its bytes, read back now, still have the CRC-32C it
+    and generation); a range only if its bytes, read back now, still have the CRC-32 it
     was recorded with (rehash.py). ``received``: keep ranges another node sent too (their
     CRC is of the bytes as they arrived here, which no source vouched for: ``--verify``
     keeps only those that came from the source itself, downloaded or read on this node,
@@ -385,7 +385,7 @@ class Journal:
         self._thread.start()
 
     def written(self, file: int, offset: int, length: int, crc: int, source: bool = True) -> None:
-        """``length`` bytes at ``offset`` of file ``file``, of CRC-32C ``crc`` as they arrived,
+        """``length`` bytes at ``offset`` of file ``file``, of CRC-32 ``crc`` as they arrived,
         were written (not yet durable); ``source``: they came from the source itself (a
         download, a local SOURCE's read), not from another node."""
         if length > 0:

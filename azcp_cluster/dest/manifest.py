@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, TypeVar
 
 import numpy as np
-from crc32c import crc32c
 
+from azcp_cluster.core.crc import crc32
 from azcp_cluster.core.errors import DiffError
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.naming import MANIFEST_NAME
@@ -106,7 +106,7 @@ def md5_of(opener: Opener, direct: bool = False) -> str:
 
 
 def digests_of(opener: Opener, direct: bool = False, crc: bool = True) -> tuple[str, int]:
-    """A file's base64 MD5 and, with ``crc``, its CRC-32C (0 without), in one read (see :func:`md5_of`)."""
+    """A file's base64 MD5 and, with ``crc``, its CRC-32 (0 without), in one read (see :func:`md5_of`)."""
     buf: np.ndarray | None = getattr(_buffers, "buf", None)
     if buf is None:
         buf = _buffers.buf = aligned_buffer(HASH_CHUNK)
@@ -120,7 +120,7 @@ def digests_of(opener: Opener, direct: bool = False, crc: bool = True) -> tuple[
             view = memoryview(buf[:got])  # type: ignore[arg-type]
             digest.update(view)
             if crc:
-                value = crc32c(view, value)
+                value = crc32(view, value)
             if got < HASH_CHUNK:
                 break
             offset += got

@@ -26,8 +26,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from types import TracebackType
 
 import numpy as np
-from crc32c import crc32c
 
+from azcp_cluster.core.crc import crc32
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.schedule import Extent
 from azcp_cluster.dest.destroot import split
@@ -36,7 +36,7 @@ from azcp_cluster.dest.directio import DirectFile
 from azcp_cluster.dest.diskwriter import DiskWriter
 from azcp_cluster.dest.localfs import fs_error, pwritev_all
 
-# (file, offset, length, crc32c of the bytes) once written (not yet durable): what the block journal is fed.
+# (file, offset, length, CRC-32 of the bytes) once written (not yet durable): what the block journal is fed.
 Record = Callable[[int, int, int, int, bool], None]
 # A write's end, on the writer thread: the exception it raised, or None.
 Done = Callable[[BaseException | None], None]
@@ -84,12 +84,12 @@ class NodeWriter:
         self._threads.close()
 
     def written(self, extent: Extent, buffer: np.ndarray, source: bool) -> None:
-        """Record in the journal that ``extent`` was written from ``buffer``, with the CRC-32C of
+        """Record in the journal that ``extent`` was written from ``buffer``, with the CRC-32 of
         its bytes as they arrived (a rerun reads them back and keeps them only if it still holds);
         ``source``: read from the source itself (a local SOURCE's reader), not received."""
         if self.journal is not None:
             data = memoryview(buffer[extent.at : extent.at + extent.length])  # type: ignore[arg-type]
-            self.journal(extent.file, extent.offset, extent.length, crc32c(data), source)
+            self.journal(extent.file, extent.offset, extent.length, crc32(data), source)
 
     # -- the download: one file open for a block's writes ------------------------------
 

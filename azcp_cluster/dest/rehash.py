@@ -1,12 +1,12 @@
 """Kept blocks read back and checked: a stopped run's journalled ranges are believed only if
-their bytes on the disk still have the CRC-32C they were recorded with (journal.load).
+their bytes on the disk still have the CRC-32 they were recorded with (journal.load).
 
 A range's CRC is of its bytes as they arrived (a downloaded block from its buffers, a fan-out
 extent from its slot). A sector that flipped on the disk since, another writer, a range claimed
 in error: its CRC no longer matches, and it is fetched again instead of trusted and sent on to
 the other nodes (issue 38). The reads are O_DIRECT where the filesystem allows (the disk's
 bytes, not the page cache's), CHECK_THREADS files at once, each in CHECK_CHUNK pieces (the
-reads and crc32c release the GIL): 0.04 to 0.1 s of a core per GiB besides the reads.
+reads and crc32 release the GIL): about 0.04 s of a core per GiB besides the reads.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from crc32c import crc32c
 
+from azcp_cluster.core.crc import crc32
 from azcp_cluster.core.errors import LocalFSError
 from azcp_cluster.core.resume import Claim
 from azcp_cluster.dest.destroot import identity
@@ -66,7 +66,7 @@ def checked(
     tree: DestTree, rel: str, ident: int, found: Sequence[Claim], stop: threading.Event | None = None
 ) -> list[Claim]:
     """The claims on ``rel``'s temporary file (the one of identity ``ident``) whose bytes, read
-    back now, still have the recorded CRC-32C, in offset order. None is kept if the file cannot
+    back now, still have the recorded CRC-32, in offset order. None is kept if the file cannot
     be read or is not that file any more, or once ``stop`` is set (a signal: nothing is kept)."""
     buf: np.ndarray | None = getattr(_buffers, "buf", None)
     if buf is None:
@@ -86,7 +86,7 @@ def checked(
                     return []
                 want = min(CHECK_CHUNK, end - offset)
                 got = reader.read_at(buf, want, offset)
-                crc = crc32c(memoryview(buf[:got]), crc)  # type: ignore[arg-type]
+                crc = crc32(memoryview(buf[:got]), crc)  # type: ignore[arg-type]
                 if got < want:
                     break  # shorter than claimed: cannot match
                 offset += got

@@ -2,7 +2,7 @@
 
 It reads its :class:`~azcp_cluster.download.workers.Job` from the socket ``FD``, runs a
 :class:`~azcp_cluster.download.downloader.Downloader` on its blocks, and reports on the same socket:
-``("bytes", n)`` and ``("landed", block, crc32c)`` as blocks complete, then ``("done", stats)``,
+``("bytes", n)`` and ``("landed", block, crc)`` as blocks complete, then ``("done", stats)``,
 ``("error", payload, no_space, stats)`` or ``("stopped", stats)`` (its figures so far, or
 None). From the rank it takes ``("token", (token, expires_on))`` and ``("stop",)``; the
 rank's end (its socket closing) stops it too.

@@ -103,7 +103,7 @@ class Downloader:
         # Told of each block once all its bytes are written: the progress bar, the journal,
         # streaming (its transfer may then go out).
         self.sink = sink if sink is not None else LandingSink()
-        # Each block's CRC-32C (0.07 to 0.1 s of a core per GiB here) only for whom it is: the
+        # Each block's CRC-32 (0.06 to 0.07 s of a core per GiB here) only for whom it is: the
         # journal, --verify's source pieces, a worker's rank (which tells its own sink).
         self._hashing = any(x is not None for x in (self.sink.journal, self.sink.hashes, self.sink.report))
         self.rng = rng or random.Random()
@@ -395,13 +395,13 @@ class Downloader:
         land: Callable[[Block, int, asyncio.Future[BaseException | None]], None],
     ) -> None:
         """Receive each block of ``request`` buffer by buffer, each full buffer handed to the
-        writer threads (O_DIRECT; they give it back to the pool), then ``land`` it: its CRC-32C
+        writer threads (O_DIRECT; they give it back to the pool), then ``land`` it: its CRC-32
         and its writes' end. Straight into page-aligned buffers, no copy in Python; a buffer
         never spans two blocks."""
         pool, writer, target = self._writes, self._writer, writes.target
         assert target is not None  # (the request's file, opened by _stream_body)
         for block in request:
-            crc = 0  # the block's CRC-32C as it arrives (journal: a rerun checks kept blocks by it)
+            crc = 0  # the block's CRC-32 as it arrives (journal: a rerun checks kept blocks by it)
             left, offset = block.length, block.offset
             while left:
                 want = min(pool.size, left)
@@ -470,7 +470,7 @@ class Downloader:
         path: str,
         gate: asyncio.Future[None] | None = None,
     ) -> None:
-        """``block`` (its bytes' CRC-32C ``crc``) lands once its writes are done (``written``: their
+        """``block`` (its bytes' CRC-32 ``crc``) lands once its writes are done (``written``: their
         first error, or None) and the block before it (``before``) has landed: progress, journal,
         streaming notice (the landing sink)."""
         if before is not None:

@@ -37,7 +37,7 @@ class LandingSink:
 
     Each block, once all its bytes are written: first its bytes to ``progress`` (the progress
     bar), then the block to ``journal`` (the block journal: ``(file, offset, length, crc)``,
-    the CRC-32C of its bytes as they came from the source), then to ``notice`` (streaming: the
+    the CRC-32 of its bytes as they came from the source), then to ``notice`` (streaming: the
     fan-out learns that its bytes are on the node), or, in a download worker process, the
     block and its CRC to ``report`` (its rank is told, and tells its own sink); and with
     ``--verify``, the block and its CRC to ``hashes`` (the run's source pieces,
@@ -57,7 +57,7 @@ class LandingSink:
 
     def landed(self, block: Block, crc: int) -> None:
         """``block`` is whole on the disk (its writes done, not yet durable); ``crc``: the
-        CRC-32C of its bytes as they arrived."""
+        CRC-32 of its bytes as they arrived."""
         if self.journal is not None:
             self.journal(block.file, block.offset, block.length, crc)
         if self.notice is not None:

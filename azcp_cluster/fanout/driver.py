@@ -132,7 +132,7 @@ class FanOutDriver:
         # temporary file, so it writes its own copy of what it sends like a receiver.
         self.source_of = source_of if source_of is not None else (lambda index: None)
         self.source_pieces = source_pieces  # --verify: told each extent read from a local SOURCE, with its CRC
-        self.stream_crcs = stream_crcs  # --verify: each file's CRC-32C hashed in flight (with its MD5)
+        self.stream_crcs = stream_crcs  # --verify: each file's CRC-32 hashed in flight (with its MD5)
         self._completes: list[int] = []
         # Polled at every turn of the loop (a SIGINT/SIGTERM this rank got): its error fails
         # this rank like a local one, so the next agreement stops every rank together.

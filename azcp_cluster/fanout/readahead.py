@@ -16,8 +16,8 @@ import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from crc32c import crc32c
 
+from azcp_cluster.core.crc import crc32
 from azcp_cluster.core.errors import BroadcastError, SourceError
 from azcp_cluster.core.model import FileEntry
 from azcp_cluster.core.schedule import Extent, Transfer
@@ -61,7 +61,7 @@ class ReadAhead:
         self.source_bytes = 0  # bytes read from a local SOURCE
         self.held = held  # streaming: this rank's download's buffers, still holding what it landed
         self.memory_bytes = 0  # bytes copied from them
-        # --verify: told each extent read whole from a local SOURCE, with the CRC-32C of its bytes
+        # --verify: told each extent read whole from a local SOURCE, with the CRC-32 of its bytes
         # as read (the source's side of the check of every copy: core/crc.py).
         self.source_pieces = source_pieces
         # The file open across its extents: (reader, file index, its stat when opened).
@@ -122,7 +122,7 @@ class ReadAhead:
                 return
             raise BroadcastError(f"short read ({got} of {extent.length} bytes)", path=shown)
         if outside and self.source_pieces is not None:
-            self.source_pieces(extent.file, extent.offset, extent.length, crc32c(memoryview(into)))  # type: ignore[arg-type]
+            self.source_pieces(extent.file, extent.offset, extent.length, crc32(memoryview(into)))  # type: ignore[arg-type]
         if extent.last_of_file:
             self.close()  # a small file's descriptor is not kept to the next
 

@@ -125,7 +125,7 @@ class Report:
     deleted_paths: list[str] = field(default_factory=list)
     deleted_kept: int = 0
     deleted_distinct_files: int = 0
-    verified_against_source: int = 0  # of those, checked against the source's CRC-32C (core/crc.py)
+    verified_against_source: int = 0  # of those, checked against the source's CRC-32 (core/crc.py)
     peak_rss_bytes: int = 0  # the largest peak resident memory of any rank, at the last agreement (Cluster.peak_rss)
     stages: dict[str, StageFigures] = field(default_factory=lambda: {s: StageFigures() for s in STAGES})
     # Where the time goes: per stage agreed (in the order run), each rank's start and end of
@@ -477,7 +477,7 @@ def _moved_lines(report: Report) -> list[tuple[str, str]]:
             )
         )
     if files := report.verified_files:
-        match = f"all copies match ({report.verified_against_source} against the source's CRC-32C)"
+        match = f"all copies match ({report.verified_against_source} against the source's CRC-32)"
         lines.append(("verify", f"[verify] {files} file{_s(files)} T={st['verify'].seconds:.3f}s: {match}"))
     lines += _deleted(report)
     if report.retries:

@@ -56,7 +56,7 @@ class Prepared:
     driver: FanOutDriver | None  # a rank of a chain with something to fan out (leaders; every lane with rails)
     here: tuple[int, ...]  # the files this node writes (and later syncs, verifies, renames)
     # --verify: what this rank brings into the run (downloaded blocks, a local SOURCE's reads)
-    # with the CRC-32C of the bytes as they came, and the CRC-32C of each file its fan-out
+    # with the CRC-32 of the bytes as they came, and the CRC-32 of each file its fan-out
     # hashed in flight; finish.verify checks every copy against the first (core/crc.py).
     # Filled by the transfer stage, carried by every round of it.
     pieces: SourcePieces = field(default_factory=SourcePieces)

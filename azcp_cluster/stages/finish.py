@@ -31,7 +31,7 @@ class ReadBack(NamedTuple):
     """What one rank brings to the verify stage's agreement (a leader: its copies read back)."""
 
     md5: Mapping[int, str]  # file index -> MD5 of this node's copy
-    crc: Mapping[int, int]  # file index -> CRC-32C of this node's copy
+    crc: Mapping[int, int]  # file index -> CRC-32 of this node's copy
     pieces: np.ndarray  # what this rank brought into the run: (file, offset, length, crc) rows
 
 
@@ -61,7 +61,7 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
     too. ``--verify stream``: only the bytes hashed as they passed through the fan-out
     (files nobody transferred are read back).
 
-    Each copy is also checked against the CRC-32C of the file's bytes as they came from the
+    Each copy is also checked against the CRC-32 of the file's bytes as they came from the
     source (:func:`_against_source`): with or without a Content-MD5, on one node as on many.
     """
     cluster = ctx.cluster
@@ -91,7 +91,7 @@ def verify(ctx: RunContext, place: Placement, moved: Transferred) -> Mapping[int
 
 def _read_back(ctx: RunContext, moved: Transferred) -> tuple[dict[int, str], dict[int, int]]:
     """A leader's copies read back (``--verify disk``: all; ``stream``: what no hash saw in
-    flight), each copy's MD5 and CRC-32C, and checked against what it hashed in flight."""
+    flight), each copy's MD5 and CRC-32, and checked against what it hashed in flight."""
     files = moved.listed.listing.files
     have = moved.diff.have
     disk = ctx.cfg.verify == "disk"
@@ -134,7 +134,7 @@ def _read_back(ctx: RunContext, moved: Transferred) -> tuple[dict[int, str], dic
 
 
 def _pieces(ctx: RunContext, moved: Transferred) -> np.ndarray:
-    """What this rank brought into the run, each piece with the CRC-32C of its bytes as they came
+    """What this rank brought into the run, each piece with the CRC-32 of its bytes as they came
     from the source (file, offset, length, crc): its downloaded blocks and local SOURCE reads,
     and a leader's kept blocks that were downloaded or read on its node (checked when the run
     began; --verify keeps no block another node sent: journal.load)."""
@@ -145,7 +145,7 @@ def _pieces(ctx: RunContext, moved: Transferred) -> np.ndarray:
 
 
 def _against_source(files: Sequence[FileEntry], seen: Sequence[ReadBack], leaders: Sequence[int]) -> int:
-    """Every copy read back (or hashed in flight) against the CRC-32C of its file's bytes as they
+    """Every copy read back (or hashed in flight) against the CRC-32 of its file's bytes as they
     came from the source, composed from every rank's pieces (core/crc.py) where they tile the
     file; VerifyError naming the file and nodes. Returns how many files were checked so."""
     pieces = (tuple(p) for rank in seen for p in rank.pieces.tolist())

@@ -48,8 +48,8 @@ class Transferred:
     diff: Diff
     here: tuple[int, ...]  # the files this node wrote
     streamed_md5: Mapping[int, str]  # --verify: file index -> MD5 hashed in flight on this rank
-    # --verify: what this rank brought into the run with the CRC-32C of its bytes as they came,
-    # and the CRC-32C of each file its fan-out hashed in flight (allocate.Prepared).
+    # --verify: what this rank brought into the run with the CRC-32 of its bytes as they came,
+    # and the CRC-32 of each file its fan-out hashed in flight (allocate.Prepared).
     pieces: SourcePieces
     stream_crcs: Mapping[int, int]
     changed: tuple[int, ...] = ()  # local SOURCE files that changed while they were read: sent again

@@ -2,7 +2,7 @@
 the fan-out (``--no-overlap``), and optionally stopping the run with SIGTERM after the sync.
 
 Review of issue 38 (tests/test_review_i38.py). What a disk, a filesystem or another writer can do to
-a block between its landing (its CRC-32C taken as it arrived) and the read-ahead that sends it to
+a block between its landing (its CRC-32 taken as it arrived) and the read-ahead that sends it to
 the other nodes. Every rank flips the byte at AZCP_CORRUPT_OFFSET of AZCP_CORRUPT_FILE in its own
 temporary file once the download stage has ended on every rank (its last agreement): on the node
 that downloaded that block the flipped byte is what the fan-out reads and sends; on the others the
