@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,7 @@ def test_copy_from_a_local_source_goes_over_the_fabric(tmp_path: Path) -> None:
         read = report["source_bytes_by_rank"]
         assert sum(read) == SIZE and not any(read[PER_HOST:]), read
         # Every other host received the whole of it over its fabric NIC, and nothing went over
-        # the frontend but stray packets.
+        # the frontend but stray packets (and under Open MPI its launcher's few messages).
         assert between_hosts >= (HOSTS - 1) * SIZE, (between_hosts, SIZE)
         assert frontend < 1 * MiB, frontend
         assert_every_host_has_it(bx)
@@ -149,13 +150,18 @@ def _after_stuck_daemons(bx: Box, proc: subprocess.Popen[str], flavour: str) -> 
     finalize after an abort (about 1 run in 5 at 8 hosts here: PMIx_server_finalize waiting
     for its progress thread, which waits for a lock in pmix_pending_resolve; the class of
     openpmix/prrte#1607 and #2149), after every rank has ended and the launcher has exited.
-    Nothing of the tool's is left then; anything else that outlives the launcher fails the test.
+    Only daemons (prted, and the shell that started each) may be left then; anything else that
+    outlives the launcher fails the test. Each time, a warning in the test report says so.
     """
-    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in bx.processes()}
-    daemons = {pid for pid, cmd in left.items() if b"prted" in cmd}  # the daemon, and its shell
-    if flavour != "openmpi" or not daemons or b"azcp_cluster" in b"".join(left.values()):
+    left: dict[int, bytes] = {}
+    for pid in bx.processes():
+        with contextlib.suppress(OSError):  # (gone since)
+            left[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
+    if flavour != "openmpi" or not left or not all(b"prted" in cmd for cmd in left.values()):
         pytest.fail(f"the launcher exited {proc.returncode}; its pipes are held open by {left}")
-    print(f"Open MPI's daemons outlived the launcher (stuck in their finalize), killed: {sorted(left)}")
+    warnings.warn(
+        f"Open MPI's daemons outlived the launcher (its finalize deadlock), killed: {sorted(left)}", stacklevel=2
+    )
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -164,15 +170,17 @@ def _after_stuck_daemons(bx: Box, proc: subprocess.Popen[str], flavour: str) -> 
 
 @pytest.mark.slow
 @pytest.mark.openmpi
-@pytest.mark.parametrize("hosts", [HOSTS, 8])
-@pytest.mark.parametrize("how", ["stopped", "cut-off"])
+@pytest.mark.parametrize(
+    ("how", "hosts"), [("stopped", HOSTS), ("cut-off", HOSTS), ("isolated", HOSTS), ("stopped", 8), ("cut-off", 8)]
+)
 def test_a_rank_stopped_or_cut_off_in_the_chain_ends_the_job_and_the_rerun_completes(
     tmp_path: Path, how: str, hosts: int
 ) -> None:
-    # The third host's writer is stopped (SIGSTOP: nothing tells the launcher) or its host's
-    # fabric NIC goes down, while the chain carries a large file through it. Its watcher names
-    # it after --peer-timeout and ends the job: exit 10 within ENDED_WITHIN, every rank gone
-    # on every host, nothing under a final name that is not complete; the rerun completes.
+    # The third host's writer is stopped (SIGSTOP: nothing tells the launcher), or its host's
+    # fabric NIC goes down ("cut-off"), or both its NICs ("isolated"), while the chain carries a
+    # large file through it. Its watcher names it after --peer-timeout and ends the job: exit
+    # 10 within ENDED_WITHIN, every rank gone on every host, nothing under a final name that is
+    # not complete; the rerun completes.
     files = {**FILES, "big.bin": pseudo_random(96 * MiB, "big")}
     source = tmp_path / "src"
     for name, data in files.items():
@@ -185,7 +193,8 @@ def test_a_rank_stopped_or_cut_off_in_the_chain_ends_the_job_and_the_rerun_compl
                 "--fanout", "chain", "--bcast-chunk", "1MiB", "--peer-timeout", str(PEER_TIMEOUT)]  # fmt: skip
         cmd = bx.mpiexec(mpiexec_path(), flavour, argv, per_host=PER_HOST)
         victim_host = bx.hosts[2]
-        link = f"{bx.tag}b2"  # the third host's fabric veth, bridge side
+        links = [f"{bx.tag}b2"]  # the third host's fabric veth, bridge side
+        links += [f"{bx.tag}f2"] if how == "isolated" else []  # and its frontend's
         proc = subprocess.Popen(cmd, env=clean_env(bx.env(flavour)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, cwd=REPO)  # fmt: skip
         try:
@@ -205,10 +214,13 @@ def test_a_rank_stopped_or_cut_off_in_the_chain_ends_the_job_and_the_rerun_compl
             if how == "stopped":
                 os.kill(ranks[victim][0], signal.SIGSTOP)
             else:
-                subprocess.run(["ip", "link", "set", link, "down"], check=True, timeout=30)
+                for link in links:
+                    subprocess.run(["ip", "link", "set", link, "down"], check=True, timeout=30)
             hit = time.monotonic()
-            # A cut-off host's ranks hear of the end from nobody: each ends itself once its own
-            # watcher has named the rank before and the abort has had its grace.
+            # A host cut off hears of the end from nobody where the launcher's connections to it
+            # are cut too (MPICH's, on the fabric; an isolated host's): each of its ranks ends
+            # itself once its own watcher has named the rank before and the abort has had its
+            # grace. Under Open MPI with the fabric alone cut, its daemon ends them.
             left: list[int] | None = None
             ended_after = gone_after = float("inf")
             while time.monotonic() - hit < ENDED_WITHIN and (proc.poll() is None or left != []):
@@ -220,24 +232,32 @@ def test_a_rank_stopped_or_cut_off_in_the_chain_ends_the_job_and_the_rerun_compl
             if proc.poll() is not None and ended_after == float("inf"):  # it ended after the last look
                 ended_after = time.monotonic() - hit
             waiting = proc.poll() is None  # the launcher, past the bound
-            subprocess.run(["ip", "link", "set", link, "up"], check=False, timeout=30)
+            for link in links:
+                subprocess.run(["ip", "link", "set", link, "up"], check=False, timeout=30)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=60)
+            relinked_after = time.monotonic() - hit
         finally:
             if proc.poll() is None:
                 proc.kill()
-            subprocess.run(["ip", "link", "set", link, "up"], check=False, timeout=30)
+            for link in links:
+                subprocess.run(["ip", "link", "set", link, "up"], check=False, timeout=30)
         try:
             err = proc.communicate(timeout=15)[1]
         except subprocess.TimeoutExpired:  # something of the job still holds the launcher's pipes
             err = _after_stuck_daemons(bx, proc, flavour)
-        ended = f"launcher exit {proc.returncode} after {ended_after:.1f} s"
+        ended = f"launcher exit {proc.returncode} " + (
+            f"once the links were back, {relinked_after:.1f} s after" if waiting else f"after {ended_after:.1f} s"
+        )
         print(f"{flavour} {how}, {hosts} hosts: ranks gone after {gone_after:.1f} s, {ended}")
         assert left == [], f"ranks left running {gone_after:.1f} s after: {left}\n{err[-3000:]}"
         assert proc.returncode == PeerStoppedError.exit_code, err[-3000:]
-        # Under both launchers: the cut host's own ranks end themselves, its daemon tells the
-        # launcher over the frontend (the launcher's network, as on a cluster), and it ends.
-        assert not waiting and ended_after <= ENDED_WITHIN, f"{ended_after:.1f} s\n{err[-3000:]}"
+        if flavour == "openmpi" and how == "isolated":
+            # Open MPI's launcher waits for an isolated host's daemon (its TCP connection never
+            # says the host is gone); every rank has ended, and it exits once the host is back.
+            assert relinked_after <= ENDED_WITHIN + 30, relinked_after
+        else:  # with the launcher's connections up (Open MPI's on the frontend), it ends in time
+            assert not waiting and ended_after <= ENDED_WITHIN, f"{ended_after:.1f} s\n{err[-3000:]}"
         named = _peer_lines(err)
         if how == "stopped":
             assert len(named) == 1 and f"rank {victim}: sent nothing" in named[0], err
