@@ -160,7 +160,7 @@ def _after_stuck_daemons(bx: Box, proc: subprocess.Popen[str], flavour: str) -> 
     if flavour != "openmpi" or not left or not all(b"prted" in cmd for cmd in left.values()):
         pytest.fail(f"the launcher exited {proc.returncode}; its pipes are held open by {left}")
     warnings.warn(
-        f"Open MPI's daemons outlived the launcher (its finalize deadlock), killed: {sorted(left)}", stacklevel=2
+        f"Open MPI's daemons outlived the launcher (their finalize deadlock), killed: {sorted(left)}", stacklevel=2
     )
     for pid in left:
         with contextlib.suppress(ProcessLookupError):

@@ -13,7 +13,8 @@ CRCs of its parts (:func:`combine`, as zlib's crc32_combine does it).
 with carry-less multiplies (VPCLMULQDQ where the CPU has it), 0.013 to 0.015 s of a core
 per GiB in cache here, where ``zlib.crc32`` takes 0.21 and CRC-32C (``crc32c``, SSE 4.2)
 0.037; from memory all are bound by it (0.04). The download hashes each socket read as it
-lands, in cache (docs/benchmarks.md, "What integrity costs"). It releases the GIL.
+lands: in cache over HTTPS, partly from memory over HTTP, whose reads fill whole 2 MiB
+buffers (docs/benchmarks.md, "What integrity costs"). It releases the GIL.
 """
 
 from __future__ import annotations
