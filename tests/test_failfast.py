@@ -296,10 +296,13 @@ class _Blip:
     def _pipe(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
         try:
             while data := src.recv(65536):
-                dst.sendall(data)
                 if requests and b"comp=list" in data and not self.blipped.is_set():
+                    # Stop listening before the listing goes on, so no later connection can be
+                    # queued in the backlog (a queued one would be reset, not refused).
                     self.blipped.set()
+                    self._stop_listening()
                     threading.Thread(target=self._blip, daemon=True).start()
+                dst.sendall(data)
         except OSError:
             pass
         finally:
@@ -307,15 +310,23 @@ class _Blip:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
 
+    def _stop_listening(self) -> None:
+        # close() alone leaves the socket listening while _serve blocks in accept() on it (the
+        # call holds the file), and connections queued meanwhile are reset when it returns;
+        # shutdown() ends the listening at once and wakes accept().
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+
     def _blip(self) -> None:
-        self._listener.close()  # the listing's own connection is open already: its answer comes back
+        # The listing's own connection is open already: its answer comes back.
         time.sleep(self.down)
         if not self.closed:
             self._listener = self._listen()
 
     def close(self) -> None:
         self.closed = True
-        self._listener.close()
+        self._stop_listening()
 
 
 def test_a_refusal_after_the_listing_answered_is_a_blip_retried_not_the_end(
