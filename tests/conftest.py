@@ -164,6 +164,13 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def launcher_text(text: str) -> str:
+    """A launcher's output as a person's terminal shows it: Open MPI's launcher (prterun 3)
+    forwards each help message it prints with its C string's NUL, which a terminal does not
+    show but which would stand before the next line's first character (a rank's one line)."""
+    return text.replace("\x00", "")
+
+
 def run_cli(
     args: list[str],
     *,
@@ -187,7 +194,7 @@ def run_cli(
     doc = None
     if json_path is not None and json_path.exists():
         doc = json.loads(json_path.read_text())
-    return Result(proc.returncode, proc.stdout, proc.stderr, doc)
+    return Result(proc.returncode, launcher_text(proc.stdout), launcher_text(proc.stderr), doc)
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ from azcp_cluster.core.naming import JOURNAL_DIR, LOCK_NAME, MANIFEST_NAME, TEMP
 from azcp_cluster.devtools import azurite, box
 from azcp_cluster.devtools.box import Box, Host, Link
 from azcp_cluster.devtools.datasets import pseudo_random
-from tests.conftest import MPI_TIMEOUT, REPO, clean_env, mpi_flavour, mpiexec_path, tree_of
+from tests.conftest import MPI_TIMEOUT, REPO, clean_env, launcher_text, mpi_flavour, mpiexec_path, tree_of
 
 HOSTS = 4
 PER_HOST = 2
@@ -139,8 +139,10 @@ def ranks_in_box(bx: Box) -> dict[int, tuple[int, Host]]:
 
 
 def _peer_lines(stderr: str) -> list[str]:
-    # Stripped: Open MPI's launcher may print a rank's line into its own banner, indented.
-    return [line.strip() for line in stderr.splitlines() if line.strip().startswith("azcp-cluster: error [peer]")]
+    # Stripped: Open MPI's launcher may print a rank's line into its own banner, indented, or
+    # right after a help message's NUL.
+    lines = (line.strip() for line in launcher_text(stderr).splitlines())
+    return [line for line in lines if line.startswith("azcp-cluster: error [peer]")]
 
 
 def _after_stuck_daemons(bx: Box, proc: subprocess.Popen[str], flavour: str) -> str:
@@ -261,8 +263,11 @@ def test_a_rank_stopped_or_cut_off_in_the_chain_ends_the_job_and_the_rerun_compl
         named = _peer_lines(err)
         if how == "stopped":
             assert len(named) == 1 and f"rank {victim}: sent nothing" in named[0], err
-        else:  # the cut-off host's own lines cannot leave it; another host's watcher names one of its ranks
-            assert any(f"rank {rank}: sent nothing" in line for line in named for rank in on_victim), err
+        else:  # another host's watcher names one of the cut-off host's ranks
+            hosts_of = {rank: host.name for rank, (_, host) in sorted(ranks.items())}
+            assert any(f"rank {rank}: sent nothing" in line for line in named for rank in on_victim), (
+                f"ranks on the cut-off host: {on_victim} (of {hosts_of})\n{err}"
+            )
         for host in bx.hosts:  # what stands under a final name is complete
             for path in bx.dest_of(host).rglob("*"):
                 rel = path.relative_to(bx.dest_of(host))

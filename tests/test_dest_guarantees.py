@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from azcp_cluster.core.config import MiB
 from azcp_cluster.core.naming import LOCK_NAME, TEMP_SUFFIX
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
+from azcp_cluster.devtools.faultproxy import FaultProxy, Rule
 from tests.conftest import bind_mount, clean_env, mpiexec_path, run_cli, tree_of
 
 RANKS = 4
@@ -77,19 +78,35 @@ def _wait(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[str, str]:
 
 
 @contextmanager
-def _holding(cmd: list[str], env: dict[str, str], lock: Path) -> Iterator[subprocess.Popen[str]]:
-    """A first run of ``cmd``, once it has made ``lock`` (it is taking DEST); waited for at the end."""
-    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not lock.exists() and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        yield first
-        _, err = _wait(first)
-    finally:
-        if first.poll() is None:  # a hung run must not outlive the test (and spin its cores)
-            first.kill()
-            first.communicate()
+def _holding(
+    emulator: azurite.Emulator, args: list[str], cmd: Callable[[list[str]], list[str]], env: dict[str, str], lock: Path
+) -> Iterator[subprocess.Popen[str]]:
+    """A first run of ``cmd(args)``, once it has made ``lock`` (it is taking DEST); waited for at
+    the end. SOURCE (``args[0]``, the emulator's URL) is taken through a proxy that holds every
+    ranged GET until the body of the ``with`` has run: the first run holds DEST for as long as
+    the test needs it, however slowly a loaded machine starts the second (a bandwidth cap alone
+    gave the second run's start-up, which load stretches, a race against a fixed 3 s)."""
+    release = threading.Event()
+
+    def held_until_released() -> None:
+        release.wait(60)
+
+    hold = Rule("pass", blob="*", times=10**6, before=held_until_released)
+    with FaultProxy(emulator, [hold]) as proxy:
+        held = [args[0].replace(emulator.endpoint, proxy.endpoint, 1), *args[1:]]
+        first = subprocess.Popen(cmd(held), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not lock.exists() and first.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            yield first
+            release.set()
+            _, err = _wait(first)
+        finally:
+            release.set()
+            if first.poll() is None:  # a hung run must not outlive the test (and spin its cores)
+                first.kill()
+                first.communicate()
     assert first.returncode == 0, err
 
 
@@ -100,12 +117,16 @@ def test_two_runs_on_one_dest_one_second_apart_both_end_with_every_copy_right(
     container, files = slow_blobs
     args = [emulator.url(container, "ckpt"), str(tmp_path / "d" / "{rank}"), *SLOW]
     env = clean_env(emulator.key_env())
-    first = subprocess.Popen(_cli(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)
-    second = subprocess.Popen(_cli(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, err1 = _wait(first)
-    out2, err2 = _wait(second)
-    assert first.returncode == 0, err1
+    with _holding(emulator, args, _cli, env, tmp_path / "d" / "3" / LOCK_NAME):
+        time.sleep(1.0)
+        second = subprocess.Popen(_cli(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # The first run holds DEST (its downloads held) until the second says it waits for it.
+        assert second.stderr is not None
+        err2 = ""
+        while "in use by another run" not in err2 and (line := second.stderr.readline()):
+            err2 += line
+    out2, rest = _wait(second)
+    err2 += rest
     assert second.returncode == 0, err2
     # The second waited for the first (one notice naming the holder), then found the files in place.
     notices = [line for line in err2.splitlines() if line.startswith("azcp-cluster: notice")]
@@ -125,7 +146,7 @@ def test_lock_fail_exits_9_at_once_while_another_run_holds_dest(
 ) -> None:
     container, files = slow_blobs
     args = [emulator.url(container, "ckpt"), str(tmp_path / "d" / "{rank}"), *SLOW]
-    with _holding(_cli(args), clean_env(emulator.key_env()), tmp_path / "d" / "3" / LOCK_NAME) as first:
+    with _holding(emulator, args, _cli, clean_env(emulator.key_env()), tmp_path / "d" / "3" / LOCK_NAME) as first:
         started = time.monotonic()
         second = run_cli([*args, "--lock", "fail"], env=emulator.key_env(), json_path=tmp_path / "r.json")
         took = time.monotonic() - started
@@ -144,7 +165,7 @@ def test_lock_timeout_bounds_the_wait(
 ) -> None:
     container, _ = slow_blobs
     args = [emulator.url(container, "ckpt"), str(tmp_path / "d" / "{rank}"), *SLOW]
-    with _holding(_cli(args), clean_env(emulator.key_env()), tmp_path / "d" / "0" / LOCK_NAME):
+    with _holding(emulator, args, _cli, clean_env(emulator.key_env()), tmp_path / "d" / "0" / LOCK_NAME):
         second = run_cli([*args, "--lock-timeout", "0.5"], env=emulator.key_env())
     assert second.returncode == 9, second.output
     (line,) = _errors(second.stderr)
@@ -195,7 +216,7 @@ def test_runs_in_separate_pid_namespaces_are_told_apart(
     own_shm = 'mount -t tmpfs tmpfs /dev/shm && exec "$@"'
     # --kill-child: killing unshare (a test that times out) ends everything in its namespace.
     isolated = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "sh", "-c", own_shm, "sh"]
-    with _holding([*isolated, *_cli(args, n=2)], env, tmp_path / "d" / LOCK_NAME):
+    with _holding(emulator, args, lambda held: [*isolated, *_cli(held, n=2)], env, tmp_path / "d" / LOCK_NAME):
         second = subprocess.run(
             [*isolated, *_cli([*args, "--lock", "fail"], n=2)], env=env, capture_output=True, text=True, timeout=60
         )

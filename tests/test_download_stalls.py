@@ -34,8 +34,10 @@ from azcp_cluster.download.fetcher import DownloadStats
 from azcp_cluster.download.writepool import WritePool
 
 SIZE = 6 * MiB
-WRITE_DELAY = 0.4  # each 2 MiB write takes this long...
-READ_TIMEOUT = 0.2  # ...longer than a body may stay silent
+# Each 2 MiB write takes WRITE_DELAY, twice as long as a body may stay silent (READ_TIMEOUT),
+# which leaves the emulator's answer and the watchdog's looks room on a loaded machine.
+WRITE_DELAY = 1.0
+READ_TIMEOUT = 0.5
 
 
 def _download_one(
@@ -122,9 +124,9 @@ def test_a_slow_but_live_body_is_not_taken_for_a_stall(emulator: azurite.Emulato
     """Bytes under the socket's low-water mark stay in the kernel, unseen: the watchdog's
     first quiet tick switches the body to trickle, and a slow server is not a stalled one.
     """
-    size = 3 * MiB // 2  # more than the low-water mark: 1 MiB would take 1.6 s to gather here
-    rule = Rule("slow", blob="slow.bin", partial=32 * 1024, stall=0.05)  # about 640 KiB/s
-    stats = _slow_body(emulator, tmp_path, size, rule, read_timeout=0.3, retries=0)
+    size = 3 * MiB // 2  # more than the low-water mark: 1 MiB would take 1.6 s to gather here,
+    rule = Rule("slow", blob="slow.bin", partial=32 * 1024, stall=0.05)  # at about 640 KiB/s,
+    stats = _slow_body(emulator, tmp_path, size, rule, read_timeout=0.8, retries=0)  # twice the timeout
     assert stats.retries == 0, dict(stats.retry_causes)
 
 

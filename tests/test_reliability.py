@@ -19,7 +19,7 @@ from azcp_cluster.core.config import MiB
 from azcp_cluster.core.errors import PeerStoppedError
 from azcp_cluster.core.naming import JOURNAL_DIR, LOCK_NAME, MANIFEST_NAME, TEMP_SUFFIX
 from azcp_cluster.devtools.datasets import pseudo_random
-from tests.conftest import MPI_TIMEOUT, clean_env, mpiexec_path, run_cli, tree_of
+from tests.conftest import MPI_TIMEOUT, clean_env, launcher_text, mpiexec_path, run_cli, tree_of
 
 RANKS = 4
 PEER_TIMEOUT = 2  # seconds (--peer-timeout): a stopped rank is named this long after it stopped
@@ -45,8 +45,10 @@ def small_filesystem(where: Path, size: str) -> Iterator[Path]:
 
 
 def _errors(stderr: str) -> list[str]:
-    # Stripped: Open MPI's launcher may print a rank's line into its own banner, indented.
-    return [line.strip() for line in stderr.splitlines() if line.strip().startswith("azcp-cluster: error")]
+    # Stripped: Open MPI's launcher may print a rank's line into its own banner, indented, or
+    # right after a help message's NUL.
+    lines = (line.strip() for line in launcher_text(stderr).splitlines())
+    return [line for line in lines if line.startswith("azcp-cluster: error")]
 
 
 def _assert_nothing_partial(base: Path, expected: dict[str, bytes]) -> None:

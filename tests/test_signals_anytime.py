@@ -43,7 +43,7 @@ from azcp_cluster.core.config import MiB
 from azcp_cluster.core.naming import JOURNAL_DIR, MANIFEST_NAME
 from azcp_cluster.devtools import azurite
 from azcp_cluster.devtools.datasets import pseudo_random
-from tests.conftest import clean_env, mpi_flavour, mpiexec_path, run_cli, tree_of
+from tests.conftest import clean_env, launcher_text, mpi_flavour, mpiexec_path, run_cli, tree_of
 from tests.test_reliability import _assert_nothing_partial
 
 RANKS = 2
@@ -130,7 +130,7 @@ def _run(
             proc.kill()
             proc.communicate()
     doc = json.loads(report.read_text()) if report.exists() else None
-    return Outcome(proc.returncode, out, err, doc, sent_at)
+    return Outcome(proc.returncode, launcher_text(out), launcher_text(err), doc, sent_at)
 
 
 def _all_renamed(base: Path) -> bool:
@@ -163,8 +163,9 @@ def _check(outcome: Outcome, sig: int, base: Path, launcher_signalled: bool) -> 
     doc = outcome.report
     openmpi_launcher = launcher_signalled and mpi_flavour() == "openmpi"
     if outcome.status == -sig:
-        # The launcher died of the signal before it had set itself up: nothing of ours ran.
-        assert outcome.sent_at < 0.05, f"{label}: the launcher was killed by the signal"
+        # The launcher died of the signal before it had set itself up: nothing of ours ran. Early
+        # only, but not only at 0 s: a loaded machine may take longer than 0.05 s to load it.
+        assert outcome.sent_at < 0.5, f"{label}: the launcher was killed by the signal"
         assert doc is None and not base.exists(), f"{label}: the tool ran, yet the launcher died of the signal"
         return "launcher"
     if outcome.status == 0:

@@ -22,9 +22,12 @@ Request bodies are read whole (Content-Length only: no chunked uploads through i
 
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
 import socket
 import struct
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -354,13 +357,29 @@ async def _cut(
     await _copy(up_reader, client, min(rule.partial, length // 2))
     await client.drain()
     if rule.fault == "reset":
-        await asyncio.sleep(0.05)  # let the client read the part it got
         sock = client.get_extra_info("socket")
+        await _sent_out(sock)  # the client has the part it got (an RST drops what is unsent)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         client.transport.abort()  # with SO_LINGER 0 the close sends an RST
     elif rule.fault == "stall":
         await asyncio.sleep(rule.stall)
     # truncate (and the end of a stall): the caller closes the connection cleanly
+
+
+async def _sent_out(sock: socket.socket, within: float = 5.0) -> None:
+    """Wait until the kernel has sent every byte written to ``sock`` and the peer has acknowledged
+    it (its send queue, ``SIOCOUTQ``, is empty), or ``within`` seconds have passed. A fixed pause
+    was too short where a loaded machine's client took its time to read."""
+    deadline = time.monotonic() + within
+    queued = array.array("i", [0])
+    while time.monotonic() < deadline:
+        try:
+            fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, queued)  # SIOCOUTQ is TIOCOUTQ
+        except OSError:
+            return
+        if queued[0] == 0:
+            return
+        await asyncio.sleep(0.005)
 
 
 def _rewritten(raw: bytes, rule: Rule) -> bytes:
