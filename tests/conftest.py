@@ -194,7 +194,9 @@ def run_cli(
     doc = None
     if json_path is not None and json_path.exists():
         doc = json.loads(json_path.read_text())
-    return Result(proc.returncode, launcher_text(proc.stdout), launcher_text(proc.stderr), doc)
+    if n and mpi_flavour() == "openmpi":
+        return Result(proc.returncode, launcher_text(proc.stdout), launcher_text(proc.stderr), doc)
+    return Result(proc.returncode, proc.stdout, proc.stderr, doc)
 
 
 @pytest.fixture(scope="session")

@@ -79,26 +79,32 @@ def _wait(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[str, str]:
 
 @contextmanager
 def _holding(
-    emulator: azurite.Emulator, args: list[str], cmd: Callable[[list[str]], list[str]], env: dict[str, str], lock: Path
+    emulator: azurite.Emulator, args: list[str], cmd: Callable[[list[str]], list[str]], env: dict[str, str]
 ) -> Iterator[subprocess.Popen[str]]:
-    """A first run of ``cmd(args)``, once it has made ``lock`` (it is taking DEST); waited for at
-    the end. SOURCE (``args[0]``, the emulator's URL) is taken through a proxy that holds every
-    ranged GET until the body of the ``with`` has run: the first run holds DEST for as long as
-    the test needs it, however slowly a loaded machine starts the second (a bandwidth cap alone
-    gave the second run's start-up, which load stretches, a race against a fixed 3 s)."""
-    release = threading.Event()
+    """A first run of ``cmd(args)``, once it holds DEST; waited for at the end.
+
+    SOURCE (``args[0]``, the emulator's URL) is taken through a proxy that holds every ranged
+    GET until the body of the ``with`` has run (60 s at the most): the first run holds DEST for
+    as long as the test needs it, however slowly a loaded machine starts the second (a bandwidth
+    cap alone raced the second run's start-up, which load stretches, against a fixed 3 s). Its
+    first GET says it holds DEST: the downloads come after the lock, agreed by every node
+    (one node's lock file alone may still be given back), and after the listing.
+    """
+    reached, release = threading.Event(), threading.Event()
+    until = time.monotonic() + 60
 
     def held_until_released() -> None:
-        release.wait(60)
+        reached.set()
+        release.wait(max(0.0, until - time.monotonic()))
 
     hold = Rule("pass", blob="*", times=10**6, before=held_until_released)
     with FaultProxy(emulator, [hold]) as proxy:
         held = [args[0].replace(emulator.endpoint, proxy.endpoint, 1), *args[1:]]
         first = subprocess.Popen(cmd(held), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            deadline = time.monotonic() + 60
-            while not lock.exists() and first.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
+            while not reached.wait(0.02) and first.poll() is None and time.monotonic() < until:
+                pass
+            assert reached.is_set(), f"the first run never reached its downloads (exit {first.poll()})"
             yield first
             release.set()
             _, err = _wait(first)
@@ -117,16 +123,35 @@ def test_two_runs_on_one_dest_one_second_apart_both_end_with_every_copy_right(
     container, files = slow_blobs
     args = [emulator.url(container, "ckpt"), str(tmp_path / "d" / "{rank}"), *SLOW]
     env = clean_env(emulator.key_env())
-    with _holding(emulator, args, _cli, env, tmp_path / "d" / "3" / LOCK_NAME):
+    with _holding(emulator, args, _cli, env):
         time.sleep(1.0)
         second = subprocess.Popen(_cli(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        # The first run holds DEST (its downloads held) until the second says it waits for it.
-        assert second.stderr is not None
-        err2 = ""
-        while "in use by another run" not in err2 and (line := second.stderr.readline()):
-            err2 += line
-    out2, rest = _wait(second)
-    err2 += rest
+        try:
+            # The first run holds DEST (its downloads held) until the second says it waits for it.
+            err_lines: list[str] = []
+            waits = threading.Event()
+
+            def read_stderr() -> None:
+                assert second.stderr is not None
+                for line in second.stderr:
+                    err_lines.append(line)
+                    if "in use by another run" in line:
+                        waits.set()
+
+            reader = threading.Thread(target=read_stderr, daemon=True)
+            reader.start()
+            waits.wait(60)
+        except BaseException:
+            second.kill()
+            raise
+    try:
+        second.wait(120)
+    finally:
+        if second.poll() is None:
+            second.kill()
+    reader.join(10)
+    assert second.stdout is not None
+    out2, err2 = second.stdout.read(), "".join(err_lines)
     assert second.returncode == 0, err2
     # The second waited for the first (one notice naming the holder), then found the files in place.
     notices = [line for line in err2.splitlines() if line.startswith("azcp-cluster: notice")]
@@ -146,7 +171,7 @@ def test_lock_fail_exits_9_at_once_while_another_run_holds_dest(
 ) -> None:
     container, files = slow_blobs
     args = [emulator.url(container, "ckpt"), str(tmp_path / "d" / "{rank}"), *SLOW]
-    with _holding(emulator, args, _cli, clean_env(emulator.key_env()), tmp_path / "d" / "3" / LOCK_NAME) as first:
+    with _holding(emulator, args, _cli, clean_env(emulator.key_env())) as first:
         started = time.monotonic()
         second = run_cli([*args, "--lock", "fail"], env=emulator.key_env(), json_path=tmp_path / "r.json")
         took = time.monotonic() - started
@@ -165,7 +190,7 @@ def test_lock_timeout_bounds_the_wait(
 ) -> None:
     container, _ = slow_blobs
     args = [emulator.url(container, "ckpt"), str(tmp_path / "d" / "{rank}"), *SLOW]
-    with _holding(emulator, args, _cli, clean_env(emulator.key_env()), tmp_path / "d" / "0" / LOCK_NAME):
+    with _holding(emulator, args, _cli, clean_env(emulator.key_env())):
         second = run_cli([*args, "--lock-timeout", "0.5"], env=emulator.key_env())
     assert second.returncode == 9, second.output
     (line,) = _errors(second.stderr)
@@ -216,7 +241,7 @@ def test_runs_in_separate_pid_namespaces_are_told_apart(
     own_shm = 'mount -t tmpfs tmpfs /dev/shm && exec "$@"'
     # --kill-child: killing unshare (a test that times out) ends everything in its namespace.
     isolated = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "sh", "-c", own_shm, "sh"]
-    with _holding(emulator, args, lambda held: [*isolated, *_cli(held, n=2)], env, tmp_path / "d" / LOCK_NAME):
+    with _holding(emulator, args, lambda held: [*isolated, *_cli(held, n=2)], env):
         second = subprocess.run(
             [*isolated, *_cli([*args, "--lock", "fail"], n=2)], env=env, capture_output=True, text=True, timeout=60
         )

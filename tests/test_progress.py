@@ -195,9 +195,10 @@ def test_under_mpiexec_a_pipe_sees_stage_lines_as_they_end_and_status_lines_mean
     assert out["[total]"] - out["[diff]"] > 3.0, got["out"]
     status = [(at, line) for at, line in got["err"] if line.startswith("[progress] ")]
     assert len(status) >= 3, got["err"]
-    # The last status line is written when the transfer ends, milliseconds before [bcast] on
-    # the other pipe: each crosses the launcher on its own, so it may be read a little later.
-    assert all(out["[diff]"] <= at <= out["[bcast]"] + 0.5 for at, _ in status), (status, out)
+    assert all(out["[diff]"] <= at <= out["[bcast]"] for at, _ in status[:-1]), (status, out)
+    # The last is written when the transfer ends, milliseconds before [bcast] on the other pipe:
+    # each crosses the launcher on its own, so it may be read a little later.
+    assert out["[diff]"] <= status[-1][0] <= out["[bcast]"] + 0.5, (status, out)
     assert status[-1][0] - status[0][0] > 2.0  # spread over the copy, not printed at its end
     assert any(", ETA " in line for _, line in status), status  # once the rate is steady
 

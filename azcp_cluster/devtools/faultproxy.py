@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import fcntl
 import socket
 import struct
@@ -359,7 +360,8 @@ async def _cut(
     if rule.fault == "reset":
         sock = client.get_extra_info("socket")
         await _sent_out(sock)  # the client has the part it got (an RST drops what is unsent)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        with contextlib.suppress(OSError):  # (the client has gone meanwhile)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         client.transport.abort()  # with SO_LINGER 0 the close sends an RST
     elif rule.fault == "stall":
         await asyncio.sleep(rule.stall)
