@@ -497,6 +497,59 @@ def test_a_transport_call_that_fails_once_stops_every_rank(tmp_path: Path, calls
     assert_nothing_wrong(w, out)
 
 
+class LateToAgree(Recorded):
+    """A rank that joins each agreement ``late`` seconds after it is asked to (a streaming root
+    still downloading the bytes of the transfers before it); the times it was asked and joined."""
+
+    def __init__(self, hub: LoopbackHub, rank: int, late: float) -> None:
+        super().__init__(hub, rank)
+        self.late = late
+        self.asked: list[float] = []
+        self.joined: list[float] = []
+
+    def iagree(self, failed: bool) -> Request:  # the driver's agreements (alone or through a chain) start here
+        self.asked.append(time.monotonic())
+        time.sleep(self.late)
+        self.joined.append(time.monotonic())
+        return super().iagree(failed)
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["ibcast", "chain"])
+def test_a_rank_waiting_in_an_agreement_writes_what_it_received_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chain: bool
+) -> None:
+    """The transfers posted before an agreement complete while a rank waits there for a late one,
+    and go to its writers then (so its journal records them), not once the last rank has joined:
+    a stopped run's receivers kept nothing of a streamed copy's first seconds."""
+    w = world(tmp_path, 2, local=True)
+    ends: dict[int, LateToAgree] = {}
+
+    def transports(hub: LoopbackHub, rank: int) -> Transport:
+        end = ends[rank] = LateToAgree(hub, rank, late=0.5 if rank == 0 else 0.0)
+        return ChainTransport(end, 4096) if chain else end
+
+    handed: list[tuple[str, float]] = []  # (the driver's thread, when) of every write handed to a writer
+    real = NodeWriter.write_extents
+
+    def write_extents(self: NodeWriter, *args: Any, **kwargs: Any) -> None:
+        handed.append((threading.current_thread().name, time.monotonic()))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(NodeWriter, "write_extents", write_extents)
+    out = fan_out(w, "run", transports=transports)
+    assert all(isinstance(result, FanOutStats) for result in out.results), out.results
+    late, waiting = ends[0], ends[1]
+    assert len(late.joined) == len(waiting.asked) >= 2  # the checks, then the last after the last post
+    meanwhile = [
+        at for thread, at in handed if thread == "rank-1" and any(
+            asked < at < joined for asked, joined in zip(waiting.asked, late.joined, strict=True)
+        )
+    ]  # fmt: skip
+    assert meanwhile, "rank 1 handed nothing to its writers while it waited for rank 0"
+    expected = {f.path: d for f, d in zip(w.files, w.data, strict=True)}
+    assert all(tree_of(dest) == expected for dest in out.dests)
+
+
 def test_a_rank_failed_before_its_first_transfer_past_an_agreement_still_joins_it(tmp_path: Path) -> None:
     """Rank 2 failed before the fan-out began (its download could not be set up) and takes no
     part in the first 20 transfers: the agreement its failure asks for at once is carried out."""

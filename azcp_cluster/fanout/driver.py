@@ -93,6 +93,8 @@ class _Run:
     hashes: queue.SimpleQueue[Hash | None] = field(default_factory=queue.SimpleQueue)
     todo: deque[Instruction] = field(default_factory=deque)
     inflight: deque[_InFlight] = field(default_factory=deque)  # in posting order
+    # What went wrong while this rank waited in an agreement (_meanwhile): told the machine after it.
+    meanwhile_error: AzcpError | None = None
 
 
 class FanOutDriver:
@@ -337,10 +339,11 @@ class FanOutDriver:
         elif isinstance(step, Agree):
             # As the rank stands now: a failure since the machine asked (an instruction of
             # the same batch carried out before this one) is not hidden from the others.
-            # A signal meanwhile goes to the others at once (a streaming root then stops its
-            # download before it joins); the machine hears of it after the agreement.
+            # While the others join, the transfers already posted go on (_meanwhile).
             failed = step.failed or run.machine.failing
-            return [Agreed(self.transport.agree(failed, lambda: self._announce_stop(run)))]
+            agreed = self.transport.agree(failed, lambda: self._meanwhile(run))
+            error, run.meanwhile_error = run.meanwhile_error, None
+            return [Agreed(agreed)] if error is None else [Agreed(agreed), Failed(error)]
         elif isinstance(step, Drain):
             while run.inflight:
                 self.transport.wait(run.inflight.popleft().request)
@@ -421,6 +424,30 @@ class FanOutDriver:
             with contextlib.suppress(Exception):  # the agreement still tells the others
                 run.hooks.announce()
         return out
+
+    def _meanwhile(self, run: _Run) -> None:
+        """While this rank waits in an agreement (called between looks at it; never blocks, never
+        raises): the transfers it posted before complete and go to the writers and the hasher,
+        the threads' events are heard, a signal is told to the others at once (a streaming root
+        then stops its download before it joins). A receiver's slots would otherwise wait,
+        unwritten and unjournalled, until the slowest rank joined: a root still downloading the
+        bytes of the transfers before the agreement, seconds later. Nothing is posted: the
+        machine posts nothing while it agrees."""
+        self._announce_stop(run)
+        if run.meanwhile_error is not None:
+            return
+        try:
+            todo = deque(self._events_now(run))
+            while True:
+                while todo:
+                    for event in self._dispatch(run, todo.popleft()):
+                        todo.extend(self._handle(run.machine, event))
+                if not (run.inflight and self.transport.test(run.inflight[0].request)):
+                    return
+                for event in self._completed(run):
+                    todo.extend(self._handle(run.machine, event))
+        except Exception as exc:  # never out of the agreement: a second one would be a collective too many
+            run.meanwhile_error = as_error(exc, "the fan-out") or InternalError("the fan-out failed")
 
     def _announce_stop(self, run: _Run) -> None:
         """Tell the other ranks now (the failure signal) if this rank was asked to stop (a signal)."""
