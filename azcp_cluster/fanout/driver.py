@@ -26,7 +26,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TypeVar
 
 from azcp_cluster.core.digests import StreamDigests
@@ -53,6 +53,7 @@ from azcp_cluster.fanout.events import (
     as_error,
 )
 from azcp_cluster.fanout.readahead import ReadAhead
+from azcp_cluster.fanout.runstate import InFlight, Run
 from azcp_cluster.fanout.slot import Slot
 from azcp_cluster.fanout.transport import Request, Transport
 from azcp_cluster.run.cluster import PeerFailed
@@ -67,34 +68,6 @@ MAX_NAP = 0.002  # a small delay beside a slot's transfer time (milliseconds)
 # Seconds between looks at signals, landings and peers while nothing is in flight.
 IDLE_NAP = 0.005
 _Job = TypeVar("_Job", Read, Hash)  # what a thread of the driver serves (the read-ahead, the hasher)
-
-
-@dataclass
-class _InFlight:
-    """A transfer posted and not yet complete."""
-
-    transfer: Transfer
-    request: Request
-    slot: int
-
-
-@dataclass
-class _Run:
-    """One run's machine and what the driver keeps beside it."""
-
-    schedule: Sequence[Transfer]
-    machine: FanOut
-    hooks: StageHooks
-    feed: LandingFeed | None
-    reader: ReadAhead
-    digests: StreamDigests
-    threads: list[threading.Thread] = field(default_factory=list)
-    reads: queue.SimpleQueue[Read | None] = field(default_factory=queue.SimpleQueue)
-    hashes: queue.SimpleQueue[Hash | None] = field(default_factory=queue.SimpleQueue)
-    todo: deque[Instruction] = field(default_factory=deque)
-    inflight: deque[_InFlight] = field(default_factory=deque)  # in posting order
-    # What went wrong while this rank waited in an agreement (_meanwhile): told the machine after it.
-    meanwhile_error: AzcpError | None = None
 
 
 class FanOutDriver:
@@ -203,7 +176,7 @@ class FanOutDriver:
         feed: LandingFeed | None,
         failed: AzcpError | None,
         held: HeldBlocks | None,
-    ) -> _Run:
+    ) -> Run:
         """The machine for ``schedule``, the read-ahead, hasher and writer threads started, the first instructions."""
         self._schedule = schedule
         self._completes = completions(schedule)
@@ -237,7 +210,7 @@ class FanOutDriver:
             held=held,
             source_pieces=self.source_pieces,
         )
-        run = _Run(schedule, machine, hooks, feed, reader, StreamDigests(self.digests, self.stream_crcs))
+        run = Run(schedule, machine, hooks, feed, reader, StreamDigests(self.digests, self.stream_crcs))
         try:
             self._start_threads(run, hashed=bool(hashed))
         except Exception as exc:  # no thread (a process limit): fail here, but never leave the others
@@ -250,7 +223,7 @@ class FanOutDriver:
         run.todo.extend(machine.start())
         return run
 
-    def _start_threads(self, run: _Run, hashed: bool) -> None:
+    def _start_threads(self, run: Run, hashed: bool) -> None:
         """The read-ahead thread and the hasher (if any file is hashed)."""
         run.threads.append(threading.Thread(target=self._reader, args=(run,), name="azcp-readahead", daemon=True))
         if hashed:
@@ -258,7 +231,7 @@ class FanOutDriver:
         for thread in run.threads:
             thread.start()
 
-    def _end(self, run: _Run) -> None:
+    def _end(self, run: Run) -> None:
         """Complete what was posted (leaving early: an exception), stop the threads."""
         try:
             while run.inflight:
@@ -271,7 +244,7 @@ class FanOutDriver:
             self.stats.source_bytes += run.reader.source_bytes
             self.stats.memory_bytes += run.reader.memory_bytes
 
-    def _drive(self, run: _Run) -> Finish:
+    def _drive(self, run: Run) -> Finish:
         """Carry out the machine's instructions and feed it what happened, until it says Finish."""
         todo = run.todo
         naps = Naps(POLL_NAP, MAX_NAP)
@@ -282,6 +255,8 @@ class FanOutDriver:
                     return step
                 for event in self._dispatch(run, step):
                     todo.extend(self._handle(run.machine, event))
+                if run.meanwhile_error is not None:  # not before: out of the agreement, never in it
+                    raise run.meanwhile_error
             todo.extend(self._events_now(run))
             if todo:
                 naps.reset()
@@ -317,14 +292,14 @@ class FanOutDriver:
             return machine.landed(event.seq)
         return machine.failed(event.error)
 
-    def _dispatch(self, run: _Run, step: Instruction) -> list[Event]:
+    def _dispatch(self, run: Run, step: Instruction) -> list[Event]:
         """Carry out one instruction; should that fail, fail this rank without leaving the others."""
         try:
             return self._carry_out(run, step)
         except Exception as exc:
             return self._failed_at(run, step, as_error(exc, "the fan-out") or InternalError("the fan-out failed"))
 
-    def _carry_out(self, run: _Run, step: Instruction) -> list[Event]:
+    def _carry_out(self, run: Run, step: Instruction) -> list[Event]:
         """Do what ``step`` says; what came of it at once (an agreement's answer), as events."""
         if isinstance(step, Read):
             run.reads.put(step)
@@ -341,9 +316,7 @@ class FanOutDriver:
             # the same batch carried out before this one) is not hidden from the others.
             # While the others join, the transfers already posted go on (_meanwhile).
             failed = step.failed or run.machine.failing
-            agreed = self.transport.agree(failed, lambda: self._meanwhile(run))
-            error, run.meanwhile_error = run.meanwhile_error, None
-            return [Agreed(agreed)] if error is None else [Agreed(agreed), Failed(error)]
+            return [Agreed(self.transport.agree(failed, lambda: self._meanwhile(run)))]
         elif isinstance(step, Drain):
             while run.inflight:
                 self.transport.wait(run.inflight.popleft().request)
@@ -351,7 +324,7 @@ class FanOutDriver:
             raise InternalError(f"the fan-out cannot carry out {step!r}")
         return []
 
-    def _failed_at(self, run: _Run, step: Instruction, error: AzcpError) -> list[Event]:
+    def _failed_at(self, run: Run, step: Instruction, error: AzcpError) -> list[Event]:
         """Carrying out ``step`` failed (``error``): the events that fail this rank, the step's
         share of the calls still made, so that no other rank waits for it."""
         if isinstance(step, Read):
@@ -369,13 +342,13 @@ class FanOutDriver:
                 self.transport.wait(run.inflight.popleft().request)
         return [Failed(error)]
 
-    def _send(self, run: _Run, step: Post) -> None:
+    def _send(self, run: Run, step: Post) -> None:
         """Post transfer ``step.seq`` from its slot (the root says whether the slot holds its
         bytes; a receiver's byte is overwritten by the root's, 0 until then)."""
         transfer = run.schedule[step.seq]
         slot = self.slots[step.slot]
         slot.buffer[transfer.length] = 1 if step.intact and transfer.root == self.rank else 0
-        run.inflight.append(_InFlight(transfer, self._post(transfer, slot), step.slot))
+        run.inflight.append(InFlight(transfer, self._post(transfer, slot), step.slot))
 
     def _post(self, transfer: Transfer, slot: Slot) -> Request:
         """Start a transfer: its bytes and the root's ``intact`` byte after them, to every other
@@ -383,7 +356,7 @@ class FanOutDriver:
         receivers = None if transfer.everyone else transfer.receivers
         return self.transport.post(slot.buffer[: transfer.length + 1], transfer.root, receivers)
 
-    def _completed(self, run: _Run) -> list[Event]:
+    def _completed(self, run: Run) -> list[Event]:
         """The oldest transfer in flight completed: count it (if its root's bytes came), then tell the machine."""
         done = run.inflight.popleft()
         transfer = done.transfer
@@ -395,7 +368,7 @@ class FanOutDriver:
             return [Failed(as_error(exc, "the fan-out")), CallDone(intact)]
         return [CallDone(intact)]
 
-    def _events_now(self, run: _Run) -> list[Instruction]:
+    def _events_now(self, run: Run) -> list[Instruction]:
         """What happened since the last look: thread events, a signal, landings, a peer's failure."""
         machine, feed = run.machine, run.feed
         out: list[Instruction] = []
@@ -425,7 +398,7 @@ class FanOutDriver:
                 run.hooks.announce()
         return out
 
-    def _meanwhile(self, run: _Run) -> None:
+    def _meanwhile(self, run: Run) -> None:
         """While this rank waits in an agreement (called between looks at it; never blocks, never
         raises): the transfers it posted before complete and go to the writers and the hasher,
         the threads' events are heard, a signal is told to the others at once (a streaming root
@@ -447,16 +420,16 @@ class FanOutDriver:
                 for event in self._completed(run):
                     todo.extend(self._handle(run.machine, event))
         except Exception as exc:  # never out of the agreement: a second one would be a collective too many
-            run.meanwhile_error = as_error(exc, "the fan-out") or InternalError("the fan-out failed")
+            run.meanwhile_error = exc
 
-    def _announce_stop(self, run: _Run) -> None:
+    def _announce_stop(self, run: Run) -> None:
         """Tell the other ranks now (the failure signal) if this rank was asked to stop (a signal)."""
         with contextlib.suppress(Exception):  # never fail inside the agreement: it tells them anyway
             if not self._announced and self.stop_requested() is not None:
                 self._announced = True
                 run.hooks.announce()
 
-    def _retired(self, run: _Run, transfer: Transfer) -> None:
+    def _retired(self, run: Run, transfer: Transfer) -> None:
         """Count a completed transfer."""
         self.stats.chunks += 1
         run.hooks.on_bytes(sum(e.length for e in transfer.extents), self._completes[transfer.seq])
@@ -496,7 +469,7 @@ class FanOutDriver:
         """The disk writer's callback for a job of transfer ``seq``: an event for the driver."""
         return lambda error: self._events.put(WriteDone(seq, as_error(error, what)))
 
-    def _reader(self, run: _Run) -> None:
+    def _reader(self, run: Run) -> None:
         """The read-ahead thread: each Read's slot filled from where its root reads."""
 
         def read(job: Read) -> None:
@@ -507,7 +480,7 @@ class FanOutDriver:
         finally:
             run.reader.close()
 
-    def _hasher(self, run: _Run) -> None:
+    def _hasher(self, run: Run) -> None:
         """The hasher thread, fed in schedule order: each hashed file's extents arrive in offset order."""
 
         def update(job: Hash) -> None:
