@@ -567,6 +567,22 @@ def test_a_rank_failed_before_its_first_transfer_past_an_agreement_still_joins_i
     assert isinstance(errors[0], PeerFailed) and isinstance(errors[1], PeerFailed), errors
 
 
+def test_a_failed_root_counts_none_of_the_transfers_it_posts_empty(tmp_path: Path) -> None:
+    """A root that failed goes on posting its transfers, unread, until the agreement (so nobody
+    waits in a collective): their bytes are no one's, and neither its figures (the stopped run's
+    [bcast] line) nor its receivers' count them (a report said 96 MiB sent of 72 downloaded)."""
+    w = world(tmp_path, 2, local=True)
+    failed = {0: BroadcastError("the download could not be set up (simulated)", rank=0)}
+    out = fan_out(w, "run", failed=failed)
+    assert out.errors()[0] is failed[0] and isinstance(out.errors()[1], PeerFailed), out.errors()
+    posted = [step for step in out.drivers[0].carried if isinstance(step, Post)]
+    assert any(w.schedule[step.seq].root == 0 for step in posted), "rank 0 posted nothing of its own"
+    stats = out.drivers[0].stats  # what it counts is what rank 1 sent it, not one of its own
+    assert stats.sent_bytes == 0 and stats.chunks <= sum(1 for t in w.schedule if t.root == 1), stats
+    of_rank_0 = {(e.file, e.offset) for t in w.schedule if t.root == 0 for e in t.extents}
+    assert not [r for r in out.written[1] if r[:2] in of_rank_0], "rank 1 wrote bytes rank 0 never read"
+
+
 def test_a_rank_that_dies_ends_the_others_with_an_error_not_a_hang(tmp_path: Path) -> None:
     w = world(tmp_path, 3, local=True)
 

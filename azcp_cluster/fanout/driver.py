@@ -362,7 +362,7 @@ class FanOutDriver:
         transfer = done.transfer
         intact = bool(self.slots[done.slot].buffer[transfer.length] == 1)
         try:
-            if intact or transfer.root == self.rank:
+            if intact:  # (a root's own byte: whether it read the slot; a failed root posts unread ones)
                 self._retired(run, transfer)  # counters and the progress bar
         except Exception as exc:  # fail this rank; never leave the others in a collective
             return [Failed(as_error(exc, "the fan-out")), CallDone(intact)]
